@@ -1,0 +1,99 @@
+"""Run a function on N local processes joined in a gloo group, with a deadline.
+
+Used by the benchmark and the tests. Results come back through files (not a
+pipe), so a large result can never deadlock a join.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "spawn"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    timeout: float,
+    out_dir: str,
+    threads: int,
+    args: tuple,
+) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    threads: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
+
+    Each process joins a gloo group on a free port (the default group, which
+    ``fn`` may use freely). ``fn`` must be importable by module name.
+
+    Returns:
+        The value each rank returned, indexed by rank.
+
+    Raises:
+        TimeoutError: not every rank finished within ``timeout`` seconds (all
+            are killed first).
+        torch.multiprocessing.ProcessRaisedException: a rank raised; the
+            message carries its traceback.
+    """
+    with tempfile.TemporaryDirectory(prefix="rlwire-spawn-") as out_dir:
+        context = mp.start_processes(
+            _entry,
+            args=(fn, world_size, free_port(), timeout, out_dir, threads, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=0.2):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks did not "
+                        f"finish within {timeout:g} s"
+                    )
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size)]

@@ -1,0 +1,228 @@
+"""The policy on real wrappers: FSDP2, FSDP1 and DDP over gloo process groups.
+
+Every body runs on freshly spawned ranks (free port, deadline) and returns
+plain tensors and numbers; the assertions run in the pytest process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlwire.grad_sync import (
+    GradSyncConfig,
+    GradSyncPolicy,
+    decide_policy,
+    micro_batch_sync,
+    predict_retained_grad_bytes,
+    retained_grad_bytes,
+    run_micro_batches,
+)
+
+MICRO_BATCHES = 4
+DIM, HIDDEN = 32, 64
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, DIM))
+
+
+def _numel() -> int:
+    return sum(p.numel() for p in _model().parameters())
+
+
+def _micro_batches(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randn(8, DIM, generator=g) for _ in range(MICRO_BATCHES)]
+
+
+def _accumulate(model: nn.Module, rank: int, policy) -> dict:
+    """One optimizer step of M micro-batches; records retained bytes after each backward."""
+    predicted = predict_retained_grad_bytes(model, policy=policy)
+    retained: list[int] = []
+
+    def step(x: torch.Tensor) -> float:
+        loss = model(x).float().pow(2).mean() / MICRO_BATCHES
+        loss.backward()
+        retained.append(retained_grad_bytes(model))
+        return loss.item()
+
+    losses = run_micro_batches(model, _micro_batches(rank), step, policy=policy)
+    after = retained_grad_bytes(model)
+    return {"predicted": predicted, "retained": retained, "after": after, "losses": losses}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _fsdp2_body(rank: int, world_size: int, policy: str, reduce_fp32: bool) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _model()
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if reduce_fp32 else None
+    )
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=mp_policy)
+    fully_shard(model, mp_policy=mp_policy)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = _accumulate(model, rank, policy)
+    out["grads"] = [_full(p.grad) for p in model.parameters()]
+    optim.step()
+    out["params"] = [_full(p) for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_fsdp2_defer_matches_every_and_retains_4_bytes_per_param(spawn, world_size):
+    defer = spawn(_fsdp2_body, world_size, "defer", True)
+    every = spawn(_fsdp2_body, world_size, "every", True)
+    full_fp32_grad = 4 * _numel()
+    for rank in range(world_size):
+        d, e = defer[rank], every[rank]
+        # bf16 parameters, fp32 reduce: an fp32 copy of the whole model's gradient.
+        assert d["predicted"] == full_fp32_grad
+        assert d["retained"] == [full_fp32_grad] * (MICRO_BATCHES - 1) + [0]
+        assert d["after"] == 0
+        assert e["predicted"] == 0
+        assert e["retained"] == [0] * MICRO_BATCHES
+        assert d["losses"] == e["losses"]
+        for gd, ge in zip(d["grads"], e["grads"], strict=True):
+            torch.testing.assert_close(gd, ge, rtol=1e-5, atol=1e-7)
+        for pd, pe in zip(d["params"], e["params"], strict=True):
+            torch.testing.assert_close(pd, pe, rtol=1e-5, atol=1e-7)
+
+
+def test_fsdp2_without_reduce_dtype_prediction_equals_measurement(spawn):
+    (d, _) = spawn(_fsdp2_body, 2, "defer", False)
+    assert d["predicted"] > 0
+    assert d["retained"] == [d["predicted"]] * (MICRO_BATCHES - 1) + [0]
+
+
+def _fsdp2_flags_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model)
+    group = model._get_fsdp_state()._fsdp_param_groups[0]
+    seen: dict[str, object] = {}
+    with micro_batch_sync(model, is_last=False, policy="defer"):
+        seen["defer_not_last"] = group.reduce_grads
+    with micro_batch_sync(model, is_last=True, policy="defer"):
+        seen["defer_last"] = group.reduce_grads
+    with micro_batch_sync(model, is_last=False, policy="defer", forward_only=True):
+        seen["forward_only"] = group.reduce_grads
+    with micro_batch_sync(model, is_last=False, policy="every"):
+        seen["every"] = group.reduce_grads
+    try:
+        with micro_batch_sync(model, is_last=False, policy="defer"):
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    seen["after_raise"] = group.reduce_grads
+    # A caller that disabled sync itself keeps it disabled after our context.
+    model.set_requires_gradient_sync(False)
+    with micro_batch_sync(model, is_last=False, policy="defer"):
+        pass
+    seen["caller_disabled"] = group.reduce_grads
+    model.set_requires_gradient_sync(True)
+    seen["auto_small_budget"] = decide_policy(
+        model, GradSyncConfig(policy="auto", memory_budget_bytes=4 * _numel() - 1)
+    ).value
+    seen["auto_fitting_budget"] = decide_policy(
+        model, GradSyncConfig(policy="auto", memory_budget_bytes=4 * _numel())
+    ).value
+    seen["auto_cpu_no_budget"] = decide_policy(model, "auto").value
+    seen["predict_auto_small"] = predict_retained_grad_bytes(
+        model, policy={"policy": "auto", "memory_budget_bytes": 10}
+    )
+    return seen
+
+
+def test_fsdp2_flag_only_off_for_deferred_non_final_backward(spawn):
+    (seen,) = spawn(_fsdp2_flags_body, 1)
+    assert seen == {
+        "defer_not_last": False,
+        "defer_last": True,
+        "forward_only": True,
+        "every": True,
+        "after_raise": True,
+        "caller_disabled": False,
+        "auto_small_budget": "every",
+        "auto_fitting_budget": "defer",
+        "auto_cpu_no_budget": "defer",
+        "predict_auto_small": 0,
+    }
+
+
+def _fsdp1_body(rank: int, world_size: int, policy: str) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+
+    model = FSDP(
+        _model(),
+        device_id=torch.device("cpu"),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    )
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = _accumulate(model, rank, policy)
+    out["grads"] = [p.grad.detach().clone() for p in model.parameters()]
+    optim.step()
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_fsdp1_defer_matches_every_and_prediction_equals_measurement(spawn, world_size):
+    defer = spawn(_fsdp1_body, world_size, "defer")
+    every = spawn(_fsdp1_body, world_size, "every")
+    # FSDP1 keeps the unsharded gradient in the bf16 compute dtype under no_sync;
+    # at world size 1 it switches to NO_SHARD, where nothing extra is held.
+    expected = 2 * _numel() if world_size > 1 else 0
+    for rank in range(world_size):
+        d, e = defer[rank], every[rank]
+        assert d["predicted"] == expected
+        assert d["retained"][:-1] == [expected] * (MICRO_BATCHES - 1)
+        assert d["retained"][-1] == 0 and d["after"] == 0
+        assert e["predicted"] == 0 and e["retained"] == [0] * MICRO_BATCHES
+        for gd, ge in zip(d["grads"], e["grads"], strict=True):
+            torch.testing.assert_close(gd, ge, rtol=1e-2, atol=1e-4)
+        for pd, pe in zip(d["params"], e["params"], strict=True):
+            torch.testing.assert_close(pd, pe, rtol=1e-2, atol=1e-5)
+
+
+def _ddp_body(rank: int, world_size: int, policy: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_model())
+    reductions = []
+
+    def counting_allreduce(state, bucket):
+        reductions.append(bucket.buffer().numel())
+        tensor = bucket.buffer().div_(world_size)
+        return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    model.register_comm_hook(None, counting_allreduce)
+    out = _accumulate(model, rank, policy)
+    out["grads"] = [p.grad.detach().clone() for p in model.parameters()]
+    out["reduced_elements"] = sum(reductions)
+    return out
+
+
+def test_ddp_defer_reduces_once_with_equal_gradients(spawn):
+    defer = spawn(_ddp_body, 2, "defer")
+    every = spawn(_ddp_body, 2, "every")
+    numel = _numel()
+    for d, e in zip(defer, every, strict=True):
+        assert d["reduced_elements"] == numel
+        assert e["reduced_elements"] == MICRO_BATCHES * numel
+        assert d["predicted"] == e["predicted"] == 0
+        assert d["retained"] == e["retained"] == [0] * MICRO_BATCHES
+        for gd, ge in zip(d["grads"], e["grads"], strict=True):
+            torch.testing.assert_close(gd, ge, rtol=1e-5, atol=1e-7)
