@@ -15,7 +15,7 @@ _POLICY_KEYS = ("grad_sync_policy", "policy")
 _LEGACY_KEY = "use_no_sync_for_gradient_accumulation"
 
 
-class GradSyncPolicy(str, enum.Enum):
+class GradSyncPolicy(enum.StrEnum):
     """When data-parallel gradients are synchronised during micro-batch accumulation.
 
     With ``M`` micro-batches per optimizer step:
@@ -33,9 +33,6 @@ class GradSyncPolicy(str, enum.Enum):
     DEFER = "defer"
     EVERY = "every"
     AUTO = "auto"
-
-    def __str__(self) -> str:
-        return self.value
 
     @classmethod
     def parse(cls, value: Any, *, field: str = "policy") -> GradSyncPolicy:
@@ -91,11 +88,7 @@ def _fields(config: Any) -> dict[str, Any]:
     names = (*_POLICY_KEYS, _LEGACY_KEY, "memory_budget_bytes")
     if isinstance(config, Mapping):
         return {k: config[k] for k in names if k in config and config[k] is not None}
-    return {
-        k: getattr(config, k)
-        for k in names
-        if getattr(config, k, None) is not None
-    }
+    return {k: getattr(config, k) for k in names if getattr(config, k, None) is not None}
 
 
 def resolve_policy(config: Any) -> GradSyncPolicy:

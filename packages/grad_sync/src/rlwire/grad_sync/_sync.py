@@ -187,4 +187,3 @@ def predict_retained_grad_bytes(model: nn.Module, *, policy: Any = GradSyncPolic
     if decide_policy(model, policy) is GradSyncPolicy.EVERY:
         return 0
     return predict_deferred_bytes(model)
-
