@@ -1,0 +1,89 @@
+"""Run under torchrun: build Megatron-Core DDP on CPU/gloo and report its real buffers.
+
+Usage: torchrun --standalone --nproc-per-node N megatron_ddp_buffers_worker.py OUT.json
+
+CPU shim (test-only, scoped to this process's setup): megatron-core allocates its
+gradient and parameter buffers on ``torch.cuda.current_device()``; it is pointed
+at the CPU while the model-parallel state and the DDP wrappers are built.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from rlwire.megatron_ddp import build_ddp_config
+
+CASES = {
+    "conventional": {},
+    "conventional_bf16_main_grads": {"main_grads_dtype": "bf16"},
+    "precision_aware_fp32": {"use_precision_aware_optimizer": True},
+    "precision_aware_bf16": {"use_precision_aware_optimizer": True, "main_grads_dtype": "bf16"},
+}
+
+
+def _module() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(33, 70), torch.nn.Linear(70, 5)]
+    return torch.nn.Sequential(*layers).to(torch.bfloat16)
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer import TransformerConfig
+
+    results = []
+    with mock.patch("torch.cuda.current_device", lambda: torch.device("cpu")):
+        parallel_state.initialize_model_parallel()
+        tconfig = TransformerConfig(
+            num_layers=1,
+            hidden_size=8,
+            num_attention_heads=1,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+        )
+        for case, optimizer in CASES.items():
+            for distributed in (False, True):
+                for explicit in (None, True, False):
+                    overrides = {} if explicit is None else {"grad_reduce_in_fp32": explicit}
+                    ddp_config = build_ddp_config(
+                        optimizer, overrides, use_distributed_optimizer=distributed
+                    )
+                    module = _module()
+                    numels = [p.numel() for p in module.parameters()]
+                    ddp = DistributedDataParallel(tconfig, ddp_config, module)
+                    grad = ddp.buffers[0].grad_data
+                    results.append(
+                        {
+                            "case": case,
+                            "optimizer": optimizer,
+                            "overrides": overrides,
+                            "distributed": distributed,
+                            "config_grad_reduce_in_fp32": ddp_config.grad_reduce_in_fp32,
+                            "buffers": len(ddp.buffers),
+                            "grad_dtype": str(grad.dtype),
+                            "grad_numel": grad.numel(),
+                            "grad_bytes": grad.numel() * grad.element_size(),
+                            "param_numels": numels,
+                            "main_grad_is_view": all(
+                                p.main_grad.untyped_storage().data_ptr()
+                                == grad.untyped_storage().data_ptr()
+                                for p in ddp.module.parameters()
+                            ),
+                        }
+                    )
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump({"world_size": dist.get_world_size(), "results": results}, f)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

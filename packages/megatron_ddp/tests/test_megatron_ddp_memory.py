@@ -1,0 +1,197 @@
+"""The memory model: reference points, consistency warnings, and real Megatron buffers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlwire.megatron_ddp import (
+    MemoryBreakdown,
+    check_consistency,
+    grad_buffer_numel,
+    grad_memory_bytes_per_param,
+    resolve_ddp_overrides,
+)
+from rlwire.megatron_ddp._table import memory_table
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("d", [1, 2, 8, 64])
+def test_reference_point_conventional_fp32_buffer_distributed(d):
+    m = grad_memory_bytes_per_param(
+        param_dtype=torch.bfloat16,
+        ddp_config={"grad_reduce_in_fp32": True, "use_distributed_optimizer": True},
+        optimizer_config={},
+        dp_size=d,
+    )
+    assert m == MemoryBreakdown(
+        param=2,
+        grad_buffer=4,
+        main_grads=0,
+        master_params=4 / d,
+        optimizer_moments=8 / d,
+        transient_main_grads=0,
+    )
+    assert m.total == m.persistent == 6 + 12 / d
+
+
+@pytest.mark.parametrize("d", [1, 8])
+def test_bf16_buffer_with_conventional_optimizer_adds_a_transient_fp32_copy(d):
+    m = grad_memory_bytes_per_param(
+        param_dtype="bf16",
+        ddp_config={"grad_reduce_in_fp32": False, "use_distributed_optimizer": True},
+        optimizer_config={"optimizer": "adam"},
+        dp_size=d,
+    )
+    assert m.grad_buffer == 2
+    assert m.transient_main_grads == 4 / d
+    assert m.persistent == 4 + 12 / d
+    assert m.total == 4 + 16 / d
+
+
+def test_precision_aware_bf16_everything():
+    m = grad_memory_bytes_per_param(
+        param_dtype="bf16",
+        ddp_config={"grad_reduce_in_fp32": False, "use_distributed_optimizer": True},
+        optimizer_config={
+            "use_precision_aware_optimizer": True,
+            "main_grads_dtype": "bf16",
+            "main_params_dtype": "bf16",
+            "exp_avg_dtype": "bf16",
+            "exp_avg_sq_dtype": "bf16",
+        },
+        dp_size=4,
+    )
+    assert (m.grad_buffer, m.master_params, m.optimizer_moments, m.transient_main_grads) == (
+        2,
+        0.5,
+        1.0,
+        0,
+    )
+
+
+def test_fp32_params_without_distributed_optimizer_need_no_master_copy():
+    m = grad_memory_bytes_per_param(
+        param_dtype=torch.float32, ddp_config={}, optimizer_config={}, dp_size=8
+    )
+    assert m == MemoryBreakdown(
+        param=4,
+        grad_buffer=4,
+        main_grads=0,
+        master_params=0,
+        optimizer_moments=8,
+        transient_main_grads=0,
+    )
+
+
+def test_sgd_and_bad_inputs():
+    m = grad_memory_bytes_per_param(
+        param_dtype="bf16",
+        ddp_config={"grad_reduce_in_fp32": True},
+        optimizer_config={"optimizer": "sgd"},
+        dp_size=2,
+    )
+    assert m.optimizer_moments == 4
+    with pytest.raises(ValueError, match=r"^optimizer: 'lion' has no memory model; known: "):
+        grad_memory_bytes_per_param(
+            param_dtype="bf16", ddp_config={}, optimizer_config={"optimizer": "lion"}, dp_size=1
+        )
+    with pytest.raises(ValueError, match=r"^dp_size: 0 is not allowed"):
+        grad_memory_bytes_per_param(
+            param_dtype="bf16", ddp_config={}, optimizer_config={}, dp_size=0
+        )
+    with pytest.raises(ValueError, match=r"^param_dtype: 'int8' is not an accepted dtype"):
+        grad_memory_bytes_per_param(
+            param_dtype="int8", ddp_config={}, optimizer_config={}, dp_size=1
+        )
+
+
+def test_consistency_flags_the_bf16_buffer_double_allocation():
+    warnings = check_consistency({"grad_reduce_in_fp32": False}, {"bf16": True})
+    assert len(warnings) == 1
+    assert warnings[0].startswith(
+        "grad_reduce_in_fp32=False with the conventional optimizer: gradients are reduced in "
+        "the parameter dtype and the optimizer allocates an fp32 main-grad copy"
+    )
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        {},
+        {"main_grads_dtype": "bf16"},
+        {"use_precision_aware_optimizer": True},
+        {"use_precision_aware_optimizer": True, "main_grads_dtype": "bf16"},
+    ],
+)
+def test_resolved_configs_are_consistent(optimizer):
+    ddp = resolve_ddp_overrides(optimizer, {"use_distributed_optimizer": True})
+    assert check_consistency(ddp, optimizer) == []
+
+
+def test_consistency_flags_wasted_fp32_buffer_and_missing_distributed_optimizer():
+    warnings = check_consistency(
+        {"grad_reduce_in_fp32": True, "use_distributed_optimizer": False},
+        {"use_precision_aware_optimizer": True, "main_grads_dtype": "bf16"},
+    )
+    assert [w.split(":")[0] for w in warnings] == [
+        "grad_reduce_in_fp32=True with a precision-aware optimizer whose main_grads_dtype "
+        "is torch.bfloat16",
+        "use_precision_aware_optimizer requires the distributed optimizer; set "
+        "use_distributed_optimizer=True in the DDP config",
+    ]
+
+
+def test_readme_table_is_the_one_the_package_prints():
+    readme = (HERE.parent / "README.md").read_text()
+    assert memory_table() in readme
+
+
+@pytest.fixture(scope="module")
+def megatron_buffers(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("mcore") / "buffers.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(HERE / "megatron_ddp_buffers_worker.py"),
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def test_real_buffers_match_resolution_and_memory_model(megatron_buffers):
+    results = megatron_buffers["results"]
+    d = megatron_buffers["world_size"]
+    assert len(results) == 4 * 2 * 3
+    for r in results:
+        explicit = r["overrides"].get("grad_reduce_in_fp32")
+        expected_fp32 = explicit if explicit is not None else r["case"] != "precision_aware_bf16"
+        assert r["config_grad_reduce_in_fp32"] is expected_fp32, r
+        assert r["grad_dtype"] == ("torch.float32" if expected_fp32 else "torch.bfloat16"), r
+        assert r["buffers"] == 1
+        ddp = {"grad_reduce_in_fp32": expected_fp32, "use_distributed_optimizer": r["distributed"]}
+        model = grad_memory_bytes_per_param(
+            param_dtype="bf16", ddp_config=ddp, optimizer_config=r["optimizer"], dp_size=d
+        )
+        numel = grad_buffer_numel(
+            r["param_numels"], dp_size=d, use_distributed_optimizer=r["distributed"]
+        )
+        assert r["grad_numel"] == numel, r
+        assert r["grad_bytes"] == model.grad_buffer * numel, r
+        if not r["distributed"]:
+            assert numel == sum(r["param_numels"])  # no padding without the dist. optimizer
+        # Main grads are views of the buffer: with an fp32 buffer the conventional
+        # optimizer needs no copy (transient 0).
+        assert r["main_grad_is_view"]
