@@ -1,0 +1,260 @@
+"""Offload and load models and optimizer state through a pinned pool."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._pool import PinnedPool, default_pool
+from ._slots import Slot, drop_grads, module_slots, optimizer_slots
+from ._transfer import Transfer
+
+__all__ = ["load_model", "load_optimizer", "offload_model", "offload_optimizer"]
+
+_ALIGN = 64  # bytes; every tensor in a host slab starts on a 64-byte boundary
+_GRAD_MODES = ("drop", "keep")
+
+
+@dataclasses.dataclass(slots=True)
+class _Offloaded:
+    slab: torch.Tensor
+    pool: PinnedPool
+    device: torch.device
+
+
+# owner (model or optimizer) -> its host slab while offloaded
+_offloaded: weakref.WeakKeyDictionary[Any, _Offloaded] = weakref.WeakKeyDictionary()
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def _debug() -> bool:
+    return os.environ.get("RLWIRE_OFFLOAD_DEBUG", "") not in ("", "0")
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for all offload copies (so they overlap compute)."""
+    with _streams_lock:
+        if device not in _streams:
+            _streams[device] = torch.cuda.Stream(device=device)
+        return _streams[device]
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def _host_views(slab: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: list[int]):
+    return [
+        slab[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        for t, off in zip(tensors, offsets, strict=True)
+    ]
+
+
+def _in_slab(t: torch.Tensor, slab: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and (
+        t.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
+    )
+
+
+def _finish(transfer: Transfer) -> Transfer:
+    return transfer.wait() if _debug() else transfer
+
+
+def _offload(
+    owner: Any,
+    slots: list[Slot],
+    *,
+    pool: PinnedPool | None,
+    non_blocking: bool,
+    what: str,
+    include_host: bool,
+) -> Transfer:
+    if owner in _offloaded:
+        return Transfer.completed(f"{what} (already offloaded)")
+    moving = [s for s in slots if include_host or s.tensor.device.type != "cpu"]
+    if not moving:
+        return Transfer.completed(f"{what} (nothing on an accelerator)")
+    pool = pool or default_pool()
+    sources = [s.tensor for s in moving]
+    device = sources[0].device
+    offsets, total = _layout(sources)
+    slab = pool.reserve(total)
+    hosts = _host_views(slab, sources, offsets)
+    nbytes = sum(t.numel() * t.element_size() for t in sources)
+    _offloaded[owner] = _Offloaded(slab, pool, device)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for host, src in zip(hosts, sources, strict=True):
+            host.copy_(src)
+        for slot, host in zip(moving, hosts, strict=True):
+            slot.install(host)
+        return Transfer.completed(what, nbytes, time.perf_counter() - start)
+    stream = _copy_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        for host, src in zip(hosts, sources, strict=True):
+            host.copy_(src, non_blocking=non_blocking)
+            # The device memory must outlive the copy even though the model
+            # lets go of it right below.
+            src.record_stream(stream)
+        end.record(stream)
+    for slot, host in zip(moving, hosts, strict=True):
+        slot.install(host)
+    keep = [sources]  # dropped on completion
+    return _finish(Transfer(nbytes, what=what, start=start, end=end, on_complete=keep.clear))
+
+
+def _load(
+    owner: Any,
+    slots: list[Slot],
+    device: torch.device | str | None,
+    *,
+    non_blocking: bool,
+    what: str,
+) -> Transfer:
+    record = _offloaded.pop(owner, None)
+    if record is None:
+        return Transfer.completed(f"{what} (not offloaded)")
+    target = torch.device(device) if device is not None else record.device
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    moving = [s for s in slots if _in_slab(s.tensor, record.slab)]
+    sources = [s.tensor for s in moving]
+    nbytes = sum(t.numel() * t.element_size() for t in sources)
+    if target.type != "cuda":
+        start = time.perf_counter()
+        for slot, src in zip(moving, sources, strict=True):
+            slot.install(src.to(target, copy=True))
+        record.pool.free(record.slab)
+        return Transfer.completed(what, nbytes, time.perf_counter() - start)
+    current = torch.cuda.current_stream(target)
+    stream = _copy_stream(target)
+    dests = [torch.empty(t.shape, dtype=t.dtype, device=target) for t in sources]
+    stream.wait_stream(current)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        for dst, src in zip(dests, sources, strict=True):
+            dst.copy_(src, non_blocking=non_blocking)
+        end.record(stream)
+    # Work queued on the current stream from now on sees the loaded values.
+    current.wait_event(end)
+    for slot, dst in zip(moving, dests, strict=True):
+        slot.install(dst)
+
+    def release(pool=record.pool, slab=record.slab) -> None:
+        pool.free(slab)  # only now may the next offload overwrite it
+
+    return _finish(Transfer(nbytes, what=what, start=start, end=end, on_complete=release))
+
+
+def offload_model(
+    model: nn.Module,
+    *,
+    non_blocking: bool = True,
+    grads: str = "drop",
+    pool: PinnedPool | None = None,
+    _include_host: bool = False,
+) -> Transfer:
+    """Move every parameter and buffer of ``model`` from the accelerator to pinned host memory.
+
+    Handles plain modules, FSDP2 (the local shard of each ``DTensor``) and
+    FSDP1 (flat parameters). Parameter and buffer objects keep their identity,
+    so optimizers and hooks holding them keep working; only their storage
+    moves, into one slab of ``pool`` (default: the process's pool) that is
+    reused by the next cycle. Modules using FSDP2's or FSDP1's own CPU offload
+    are skipped with a log line.
+
+    Safety: with ``non_blocking=True`` the copy runs on a side stream and the
+    host tensors are NOT safe to read until the returned :class:`Transfer` is
+    waited on (``RLWIRE_OFFLOAD_DEBUG=1`` makes every call wait eagerly).
+
+    Args:
+        grads: ``"drop"`` frees gradients (also on a machine without an
+            accelerator); ``"keep"`` moves them with the parameters.
+        _include_host: also move tensors that are already in host memory
+            (host-to-host copy); used to exercise this path without an accelerator.
+
+    Returns:
+        A :class:`Transfer`; a completed one moving 0 bytes when nothing is on
+        an accelerator (models stay where they are) or the model is already offloaded.
+    """
+    if grads not in _GRAD_MODES:
+        raise ValueError(f"grads: {grads!r} is not allowed; use one of {_GRAD_MODES}")
+    params, grad_slots = module_slots(model, grads=grads == "keep")
+    if grads == "drop":
+        drop_grads(model)
+    return _offload(
+        model,
+        params + grad_slots,
+        pool=pool,
+        non_blocking=non_blocking,
+        what="offload_model",
+        include_host=_include_host,
+    )
+
+
+def load_model(
+    model: nn.Module, device: torch.device | str | None = None, *, non_blocking: bool = True
+) -> Transfer:
+    """Move what :func:`offload_model` put on the host back to ``device``.
+
+    ``device`` defaults to where the tensors came from. The current stream is
+    made to wait for the copy, so using the model on it right away is safe;
+    the host slab returns to its pool once the copy completes.
+    """
+    params, grad_slots = module_slots(model, grads=True)
+    return _load(model, params + grad_slots, device, non_blocking=non_blocking, what="load_model")
+
+
+def offload_optimizer(
+    optimizer: torch.optim.Optimizer,
+    *,
+    non_blocking: bool = True,
+    pool: PinnedPool | None = None,
+    _include_host: bool = False,
+) -> Transfer:
+    """Move every state tensor of ``optimizer`` (moments etc.) to pinned host memory.
+
+    Same contract as :func:`offload_model`. Tensors already on the host (Adam's
+    ``step`` counters by default) stay where they are.
+    """
+    return _offload(
+        optimizer,
+        optimizer_slots(optimizer),
+        pool=pool,
+        non_blocking=non_blocking,
+        what="offload_optimizer",
+        include_host=_include_host,
+    )
+
+
+def load_optimizer(
+    optimizer: torch.optim.Optimizer,
+    device: torch.device | str | None = None,
+    *,
+    non_blocking: bool = True,
+) -> Transfer:
+    """Move what :func:`offload_optimizer` put on the host back to ``device``."""
+    return _load(
+        optimizer,
+        optimizer_slots(optimizer),
+        device,
+        non_blocking=non_blocking,
+        what="load_optimizer",
+    )

@@ -1,0 +1,116 @@
+"""Reusable pinned host buffers."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+
+__all__ = ["PinnedPool", "PoolStats", "default_pool"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolStats:
+    """A snapshot of a :class:`PinnedPool`."""
+
+    bytes_pinned: int
+    """Host bytes the pool owns (page-locked when ``pinned``), free or in use."""
+    bytes_in_use: int
+    """Of those, bytes currently handed out (holding offloaded tensors)."""
+    allocations: int
+    """Host buffers allocated so far (each one a page-locking call)."""
+    reuses: int
+    """Reservations served from a buffer allocated earlier."""
+    pinned: bool
+    """Whether the buffers are page-locked (False without an accelerator)."""
+
+
+def _accelerator_available() -> bool:
+    return torch.cuda.is_available()
+
+
+class PinnedPool:
+    """Page-locked host buffers that persist across offload/load cycles.
+
+    Page-locking memory is slow (it maps and locks every page) and an offload
+    that pins fresh memory every time grows the host footprint. The pool keeps
+    every buffer it allocated: :meth:`reserve` hands out the smallest free one
+    that is large enough, and :meth:`free` takes it back for the next cycle.
+
+    Args:
+        pin: page-lock the buffers. ``None`` pins when an accelerator is
+            available (pinning needs one), else allocates pageable memory.
+    """
+
+    def __init__(self, *, pin: bool | None = None) -> None:
+        self.pin = _accelerator_available() if pin is None else pin
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._in_use: dict[int, torch.Tensor] = {}
+        self._bytes = 0
+        self._allocations = 0
+        self._reuses = 0
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least ``nbytes`` bytes (1-D ``torch.uint8``, maybe larger).
+
+        Raises:
+            ValueError: ``nbytes`` is negative or not an int.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes: {nbytes!r} is not allowed; use an int >= 0")
+        with self._lock:
+            fitting = [b for b in self._free if b.numel() >= nbytes]
+            if fitting:
+                block = min(fitting, key=lambda b: b.numel())
+                self._free.remove(block)
+                self._reuses += 1
+            else:
+                block = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin)
+                self._bytes += block.numel()
+                self._allocations += 1
+            self._in_use[id(block)] = block
+            return block
+
+    def free(self, block: torch.Tensor) -> None:
+        """Return a buffer from :meth:`reserve`; its contents may be overwritten from now on.
+
+        Raises:
+            ValueError: ``block`` is not a buffer this pool handed out.
+        """
+        with self._lock:
+            if self._in_use.pop(id(block), None) is None:
+                raise ValueError("free: this tensor is not a buffer reserved from this pool")
+            self._free.append(block)
+
+    def release(self) -> int:
+        """Drop the free buffers (unpinning them); buffers in use stay. Returns bytes released."""
+        with self._lock:
+            released = sum(b.numel() for b in self._free)
+            self._free.clear()
+            self._bytes -= released
+            return released
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(
+                bytes_pinned=self._bytes,
+                bytes_in_use=sum(b.numel() for b in self._in_use.values()),
+                allocations=self._allocations,
+                reuses=self._reuses,
+                pinned=self.pin,
+            )
+
+
+_default: PinnedPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> PinnedPool:
+    """The process's default pool, created on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = PinnedPool()
+        return _default

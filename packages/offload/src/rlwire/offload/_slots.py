@@ -1,0 +1,169 @@
+"""Where a model's and an optimizer's tensors live, as swappable slots.
+
+A slot is one tensor holding data plus the way to install a replacement of
+the same shape and dtype without changing any object a caller may hold:
+``Parameter.data`` for plain parameters and buffers, the local tensor of a
+``DTensor``, FSDP2's padded sharded storage (with the ``DTensor`` view into
+it), and FSDP1's flat parameter (with its ``_local_shard`` alias and, with
+``use_orig_params``, the original parameters' views).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["Slot", "drop_grads", "module_slots", "optimizer_slots"]
+
+logger = logging.getLogger("rlwire.offload")
+
+
+@dataclasses.dataclass(slots=True)
+class Slot:
+    tensor: torch.Tensor
+    install: Callable[[torch.Tensor], None]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "_local_tensor") and hasattr(t, "_spec")
+
+
+def tensor_slot(t: torch.Tensor) -> Slot:
+    """A slot for a plain tensor or a ``DTensor`` (its local tensor)."""
+    if _is_dtensor(t):
+
+        def install_local(new: torch.Tensor, owner: torch.Tensor = t) -> None:
+            owner._local_tensor = new
+
+        return Slot(t._local_tensor, install_local)
+
+    def install_data(new: torch.Tensor, owner: torch.Tensor = t) -> None:
+        owner.data = new
+
+    return Slot(t, install_data)
+
+
+def _reviewed(view: torch.Tensor, base: torch.Tensor, new_base: torch.Tensor) -> torch.Tensor:
+    """``view`` (a view into ``base``) re-created on ``new_base`` (a copy of ``base``)."""
+    offset = view.storage_offset() - base.storage_offset()
+    return new_base.as_strided(view.size(), view.stride(), new_base.storage_offset() + offset)
+
+
+def _fsdp2_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list, list]:
+    from torch.distributed.fsdp import FSDPModule
+
+    params, grad_slots = [], []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [g for g in [state._fsdp_param_group] if g is not None]
+        for group in groups:
+            for fp in group.fsdp_params:
+                managed.add(id(fp.sharded_param))
+                if getattr(fp, "offload_to_cpu", False):
+                    logger.info(
+                        "rlwire.offload: %s uses FSDP2's CPUOffloadPolicy; its parameters "
+                        "already live on the host, skipping",
+                        fp._param_fqn or "a parameter",
+                    )
+                    continue
+
+                def install(new: torch.Tensor, fp=fp) -> None:
+                    old_flat, old_local = fp._sharded_param_data, fp.sharded_param._local_tensor
+                    fp._sharded_param_data = new
+                    fp.sharded_param._local_tensor = _reviewed(old_local, old_flat, new)
+
+                params.append(Slot(fp._sharded_param_data, install))
+                grad = fp.sharded_param.grad
+                if grads and grad is not None:
+                    grad_slots.append(tensor_slot(grad))
+    return params, grad_slots
+
+
+def _fsdp1_handles(model: nn.Module) -> list:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [m._handle for m in model.modules() if isinstance(m, FSDP) and m._handle is not None]
+
+
+def _fsdp1_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list, list]:
+    params, grad_slots = [], []
+    for handle in _fsdp1_handles(model):
+        flat = handle.flat_param
+        managed.add(id(flat))
+        managed.update(id(p) for p in (getattr(flat, "_params", None) or []))
+        managed.update(id(p) for p in (getattr(flat, "_shared_params", None) or []))
+        if handle._offload_params:
+            logger.info(
+                "rlwire.offload: an FSDP1 unit uses CPUOffload(offload_params=True); its "
+                "parameters already live on the host, skipping"
+            )
+            continue
+
+        def install(new: torch.Tensor, handle=handle, flat=flat) -> None:
+            flat.data = new
+            if handle.uses_sharded_strategy and hasattr(flat, "_local_shard"):
+                flat._local_shard = new
+            if handle._use_orig_params:
+                if handle.uses_sharded_strategy:
+                    handle._use_sharded_views()
+                else:
+                    handle._use_unsharded_views(as_params=True)
+
+        params.append(Slot(flat.data, install))
+        if grads and flat.grad is not None:
+            grad = flat.grad
+
+            def install_grad(new: torch.Tensor, handle=handle, grad=grad) -> None:
+                grad.data = new
+                if handle._use_orig_params and handle.uses_sharded_strategy:
+                    handle._use_sharded_grad_views()  # original .grad views follow
+
+            grad_slots.append(Slot(grad, install_grad))
+    return params, grad_slots
+
+
+def module_slots(model: nn.Module, *, grads: bool) -> tuple[list[Slot], list[Slot]]:
+    """``(parameter and buffer slots, gradient slots)`` of ``model``.
+
+    Gradient slots are listed only when ``grads`` is True; they must be
+    installed after the parameter slots (a gradient follows its parameter's device).
+    """
+    managed: set[int] = set()
+    params, grad_slots = _fsdp2_slots(model, grads, managed)
+    p1, g1 = _fsdp1_slots(model, grads, managed)
+    params += p1
+    grad_slots += g1
+    for p in model.parameters():
+        if id(p) in managed:
+            continue
+        params.append(tensor_slot(p))
+        if grads and p.grad is not None:
+            grad_slots.append(tensor_slot(p.grad))
+    params += [tensor_slot(b) for b in model.buffers()]
+    return params, grad_slots
+
+
+def drop_grads(model: nn.Module) -> None:
+    """Free every gradient of ``model`` (FSDP1 flat parameters included)."""
+    for p in model.parameters():
+        p.grad = None
+    for handle in _fsdp1_handles(model):
+        handle.flat_param.grad = None
+
+
+def optimizer_slots(optimizer: torch.optim.Optimizer) -> list[Slot]:
+    """Slots of every tensor in ``optimizer.state`` (moments, steps, ...)."""
+    return [
+        tensor_slot(value)
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
