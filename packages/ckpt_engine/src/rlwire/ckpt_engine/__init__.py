@@ -1,0 +1,29 @@
+"""Checkpoint engines: move trainer weights to rollout workers.
+
+One API over several transports (``gloo``, ``shm``, ``filesystem``, ``naive``;
+``hccl`` by name), bucketed with 256-byte aligned tensors, versioned,
+optionally checksummed, and with every wait bounded by ``timeout``. Importing
+this package imports no optional dependency: backends load on first use.
+"""
+
+from __future__ import annotations
+
+from ._apply import apply_to_module
+from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
+from ._errors import CheckpointEngineError, CheckpointEngineTimeout
+from ._registry import CheckpointEngineRegistry, backend_for_device, registry
+from ._sizes import DEFAULT_BUCKET_SIZE, parse_bucket_size
+
+__all__ = [
+    "DEFAULT_BUCKET_SIZE",
+    "DEFAULT_TIMEOUT_S",
+    "CheckpointEngine",
+    "CheckpointEngineError",
+    "CheckpointEngineRegistry",
+    "CheckpointEngineTimeout",
+    "TransferStats",
+    "apply_to_module",
+    "backend_for_device",
+    "parse_bucket_size",
+    "registry",
+]

@@ -1,0 +1,72 @@
+"""Receiving one update straight into a ``torch.nn.Module``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._base import CheckpointEngine
+from ._errors import CheckpointEngineError
+
+__all__ = ["apply_to_module"]
+
+
+def _targets(module: nn.Module) -> dict[str, torch.Tensor]:
+    targets = dict(module.named_parameters())
+    targets.update(dict(module.named_buffers()))
+    return targets
+
+
+def _check(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
+    if target.shape != value.shape or target.dtype != value.dtype:
+        raise CheckpointEngineError(
+            f"apply_to_module: {name!r} is {tuple(value.shape)} {value.dtype} in the update "
+            f"but {tuple(target.shape)} {target.dtype} in the module"
+        )
+
+
+async def apply_to_module(
+    module: nn.Module, updates: CheckpointEngine, *, atomic: bool = True
+) -> int:
+    """Receive one update from ``updates`` into ``module``'s parameters and buffers by name.
+
+    With ``atomic=True`` every tensor is received into a staging copy first and
+    the module changes only after the whole update arrived, every name matched
+    and (with ``checksum``) every bucket verified: a failure anywhere leaves the
+    module untouched, at the cost of one model-sized host copy. With
+    ``atomic=False`` tensors are copied in as they arrive (zero-copy views, no
+    staging), so a failure can leave the module half-updated.
+
+    Returns:
+        The update's version.
+
+    Raises:
+        CheckpointEngineError: names in the update that the module lacks
+            (unknown) or module names the update lacks (missing), listed;
+            shape or dtype mismatches; and any transfer error.
+    """
+    targets = _targets(module)
+    received: dict[str, torch.Tensor] = {}
+    unknown: list[str] = []
+    with torch.no_grad():
+        async for name, tensor in updates.receive_weights(copy=atomic):
+            target = targets.get(name)
+            if target is None:
+                unknown.append(name)
+                continue
+            _check(name, target, tensor)
+            if atomic:
+                received[name] = tensor
+            else:
+                target.copy_(tensor)
+                received[name] = target
+        missing = sorted(set(targets) - set(received))
+        if unknown or missing:
+            raise CheckpointEngineError(
+                f"apply_to_module: update does not match the module; unknown names: "
+                f"{sorted(unknown)}; missing names: {missing}"
+            )
+        if atomic:
+            for name, tensor in received.items():
+                targets[name].copy_(tensor)
+    return updates.last_version

@@ -1,0 +1,144 @@
+"""Backend registry: in-tree backends by dotted path, third-party ones by entry point."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ._base import CheckpointEngine
+
+__all__ = ["ENTRY_POINT_GROUP", "CheckpointEngineRegistry", "backend_for_device", "registry"]
+
+ENTRY_POINT_GROUP = "rlwire.ckpt_engine.backends"
+
+# name -> (module:attribute, module its optional dependency lives in, how to install it)
+_IN_TREE: dict[str, tuple[str, str | None, str | None]] = {
+    "gloo": ("rlwire.ckpt_engine.backends._gloo:GlooEngine", None, None),
+    "shm": ("rlwire.ckpt_engine.backends._shm:ShmEngine", None, None),
+    "naive": ("rlwire.ckpt_engine.backends._naive:NaiveEngine", None, None),
+    "filesystem": (
+        "rlwire.ckpt_engine.backends._filesystem:FilesystemEngine",
+        "safetensors",
+        "pip install 'rlwire-ckpt-engine[filesystem]'",
+    ),
+    "hccl": (
+        "rlwire.ckpt_engine.backends._hccl:HcclEngine",
+        "torch_npu",
+        "install torch_npu (Ascend's PyTorch adapter) matching your torch",
+    ),
+}
+
+_DEVICE_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
+def backend_for_device(device_type: str) -> str:
+    """The default backend for a device type: ``cuda``→``nccl``, ``npu``→``hccl``, ``cpu``→``gloo``.
+
+    Raises:
+        ValueError: unknown device type; lists the known ones.
+    """
+    try:
+        return _DEVICE_BACKENDS[device_type]
+    except (KeyError, TypeError):
+        known = ", ".join(sorted(_DEVICE_BACKENDS))
+        raise ValueError(
+            f"device_type: {device_type!r} has no default backend; known: {known}"
+        ) from None
+
+
+class CheckpointEngineRegistry:
+    """Maps backend names to :class:`CheckpointEngine` classes.
+
+    In-tree backends are registered by dotted path and imported on first use;
+    third-party ones come from the entry-point group ``rlwire.ckpt_engine.backends``
+    (``name = "package.module:Class"``), discovered lazily.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._classes: dict[str, type[CheckpointEngine]] = {}
+        self._lazy: dict[str, tuple[str, str | None, str | None]] = dict(_IN_TREE)
+        self._entry_points_loaded = False
+
+    def register(self, name: str) -> Callable[[type[CheckpointEngine]], type[CheckpointEngine]]:
+        """Class decorator registering a backend under ``name``.
+
+        Raises:
+            ValueError: ``name`` is already registered (in-tree names included).
+        """
+
+        def decorate(cls: type[CheckpointEngine]) -> type[CheckpointEngine]:
+            with self._lock:
+                if name in self._classes or name in self._lazy:
+                    raise ValueError(f"checkpoint engine {name!r} is already registered")
+                if not (isinstance(cls, type) and issubclass(cls, CheckpointEngine)):
+                    raise TypeError(f"{cls!r} is not a CheckpointEngine subclass")
+                self._classes[name] = cls
+            return cls
+
+        return decorate
+
+    def _load_entry_points(self) -> None:
+        with self._lock:
+            if self._entry_points_loaded:
+                return
+            self._entry_points_loaded = True
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                if ep.name not in self._classes and ep.name not in self._lazy:
+                    self._lazy[ep.name] = (ep.value, None, None)
+
+    def _missing_dependency(self, name: str) -> str | None:
+        _, module, hint = self._lazy.get(name, (None, None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            return hint
+        return None
+
+    def available(self) -> list[str]:
+        """Backend names that can be constructed here (optional dependencies present)."""
+        self._load_entry_points()
+        names = set(self._classes) | {n for n in self._lazy if not self._missing_dependency(n)}
+        return sorted(names)
+
+    def get(self, name: str) -> type[CheckpointEngine]:
+        """The class registered as ``name`` (importing it on first use).
+
+        Raises:
+            ValueError: unknown name; lists what is available and what needs an extra.
+            ImportError: the backend's optional dependency is missing (says what to install).
+        """
+        self._load_entry_points()
+        if name in self._classes:
+            return self._classes[name]
+        if name not in self._lazy:
+            missing = {n: self._missing_dependency(n) for n in self._lazy}
+            hints = "; ".join(f"{n} ({h})" for n, h in sorted(missing.items()) if h)
+            message = (
+                f"unknown checkpoint engine {name!r}; available: {', '.join(self.available())}"
+            )
+            if hints:
+                message += f"; not installed: {hints}"
+            raise ValueError(message)
+        hint = self._missing_dependency(name)
+        if hint:
+            raise ImportError(f"checkpoint engine {name!r} needs an optional dependency: {hint}")
+        target, _, _ = self._lazy[name]
+        module_name, _, attr = target.partition(":")
+        cls = getattr(importlib.import_module(module_name), attr)
+        if not (isinstance(cls, type) and issubclass(cls, CheckpointEngine)):
+            raise TypeError(f"checkpoint engine {name!r} ({target}) is not a CheckpointEngine")
+        with self._lock:
+            self._classes[name] = cls
+            self._lazy.pop(name, None)
+        return cls
+
+    def new(self, name: str, **kwargs: Any) -> CheckpointEngine:
+        """Construct backend ``name`` with ``kwargs`` (common options plus backend ones)."""
+        return self.get(name)(**kwargs)
+
+
+registry = CheckpointEngineRegistry()
+"""The process-wide registry (``rlwire.ckpt_engine.registry``)."""

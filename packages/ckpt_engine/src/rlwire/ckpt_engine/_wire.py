@@ -1,0 +1,241 @@
+"""The bucket wire format: packing named tensors into byte buckets and back.
+
+A bucket is a byte buffer plus metadata listing, for every tensor chunk in it,
+``(name, dtype, shape, offset, chunk_offset, chunk_nbytes)``. Each chunk starts
+at a 256-byte aligned offset (so any dtype view of it is aligned). A tensor
+larger than the space left is split into chunks over several buckets and
+reassembled on the receiver. Only the used bytes of a bucket are sent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import zlib
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ._errors import CheckpointEngineError
+
+__all__ = [
+    "ALIGN",
+    "BucketMeta",
+    "Entry",
+    "Unpacker",
+    "aiter_weights",
+    "as_bytes",
+    "checksum",
+    "dtype_from_name",
+    "dtype_name",
+    "plan_chunks",
+    "to_bytes",
+]
+
+ALIGN = 256
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointEngineError(f"unknown dtype {name!r} in bucket metadata")
+    return dtype
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s data as a flat, contiguous ``uint8`` tensor (a view when possible)."""
+    t = tensor.detach()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def to_bytes(buf: torch.Tensor) -> bytes:
+    """The bytes of a contiguous CPU ``uint8`` tensor."""
+    return ctypes.string_at(buf.data_ptr(), buf.numel()) if buf.numel() else b""
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """CRC-32 of a contiguous CPU ``uint8`` tensor's bytes (no copy)."""
+    n = buf.numel()
+    if n == 0:
+        return 0
+    view = (ctypes.c_char * n).from_address(buf.data_ptr())
+    return zlib.crc32(memoryview(view))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    """One tensor chunk in a bucket."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    """Byte offset of the chunk in the bucket (256-aligned when non-empty)."""
+    chunk_offset: int
+    """Byte offset of the chunk within the tensor."""
+    chunk_nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor."""
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * dtype_from_name(self.dtype).itemsize
+
+
+@dataclasses.dataclass(slots=True)
+class BucketMeta:
+    """Metadata of one bucket, sent ahead of (or beside) its bytes."""
+
+    index: int
+    version: int
+    nbytes: int
+    last: bool
+    entries: list[Entry]
+    checksum: int | None = None
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            [
+                self.index,
+                self.version,
+                self.nbytes,
+                self.last,
+                self.checksum,
+                [
+                    [e.name, e.dtype, list(e.shape), e.offset, e.chunk_offset, e.chunk_nbytes]
+                    for e in self.entries
+                ],
+            ],
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> BucketMeta:
+        index, version, nbytes, last, crc, entries = json.loads(data)
+        return cls(
+            index,
+            version,
+            nbytes,
+            last,
+            [Entry(n, d, tuple(s), o, co, cn) for n, d, s, o, co, cn in entries],
+            crc,
+        )
+
+
+def plan_chunks(used: int, nbytes: int, bucket_size: int) -> Iterator[tuple[int, int, int]]:
+    """Where a tensor of ``nbytes`` goes, starting in a bucket that has ``used`` bytes.
+
+    Yields ``(flush_before, offset, length)``: whether to send the current
+    bucket first, the chunk's offset in the bucket and its length.
+    """
+    if nbytes == 0:
+        yield False, used, 0
+        return
+    pos = 0
+    while True:
+        offset = -(-used // ALIGN) * ALIGN
+        flush = offset >= bucket_size or (
+            offset > 0 and offset + (nbytes - pos) > bucket_size and nbytes - pos <= bucket_size
+        )
+        if flush:
+            offset, used = 0, 0
+        length = min(nbytes - pos, bucket_size - offset)
+        yield flush, offset, length
+        pos += length
+        used = offset + length
+        if pos >= nbytes:
+            return
+
+
+class Unpacker:
+    """Receiver side: turns buckets back into ``(name, tensor)`` in sending order."""
+
+    def __init__(self) -> None:
+        self._partial: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def unpack(
+        self, meta: BucketMeta, buf: torch.Tensor, *, copy: bool, verify: bool
+    ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        """Yield ``(name, tensor, is_view)`` for every tensor completed by this bucket.
+
+        ``is_view`` tensors alias ``buf``; the others are owned (reassembled
+        chunks, copies, empty tensors).
+
+        Raises:
+            CheckpointEngineError: the bucket's checksum does not match.
+        """
+        if verify and meta.checksum is not None:
+            actual = checksum(buf[: meta.nbytes])
+            if actual != meta.checksum:
+                names = sorted({e.name for e in meta.entries})
+                raise CheckpointEngineError(
+                    f"bucket {meta.index} of version {meta.version} is corrupted: checksum "
+                    f"{actual:#010x} != {meta.checksum:#010x}; tensors: {names}"
+                )
+        for e in meta.entries:
+            dtype = dtype_from_name(e.dtype)
+            total = e.nbytes
+            if total == 0:
+                yield e.name, torch.empty(e.shape, dtype=dtype), False
+                continue
+            chunk = buf[e.offset : e.offset + e.chunk_nbytes]
+            if e.chunk_offset == 0 and e.chunk_nbytes == total:
+                view = chunk.view(dtype).view(e.shape)
+                if copy:
+                    yield e.name, view.clone(), False
+                else:
+                    yield e.name, view, True
+                continue
+            target, have = self._partial.get(e.name, (None, 0))
+            if target is None:
+                target = torch.empty(total, dtype=torch.uint8, device=buf.device)
+            target[e.chunk_offset : e.chunk_offset + e.chunk_nbytes].copy_(chunk)
+            have += e.chunk_nbytes
+            if have < total:
+                self._partial[e.name] = (target, have)
+                continue
+            self._partial.pop(e.name, None)
+            yield e.name, target.view(dtype).view(e.shape), False
+
+    def check_complete(self) -> None:
+        if self._partial:
+            raise CheckpointEngineError(
+                f"update ended with incomplete tensors: {sorted(self._partial)}"
+            )
+
+
+async def aiter_weights(
+    weights: Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]],
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """Iterate a sync or async iterable of ``(name, tensor)`` asynchronously, checking items."""
+    if hasattr(weights, "__aiter__"):
+        async for item in weights:  # type: ignore[union-attr]
+            yield _checked(item)
+    else:
+        for item in weights:  # type: ignore[union-attr]
+            yield _checked(item)
+
+
+def _checked(item: Any) -> tuple[str, torch.Tensor]:
+    try:
+        name, tensor = item
+    except (TypeError, ValueError):
+        raise CheckpointEngineError(
+            f"weights must yield (name, tensor) pairs; got {type(item).__name__}"
+        ) from None
+    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+        raise CheckpointEngineError(
+            f"weights must yield (str, torch.Tensor) pairs; got ({type(name).__name__}, "
+            f"{type(tensor).__name__})"
+        )
+    return name, tensor

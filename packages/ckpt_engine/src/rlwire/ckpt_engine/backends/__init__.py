@@ -1,0 +1,1 @@
+"""In-tree backends. Each module registers its class when imported (on first use)."""

@@ -1,0 +1,206 @@
+"""``filesystem``: safetensors shards plus a manifest, published atomically per version."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import AsyncIterator
+
+import torch
+
+from .._base import CheckpointEngine, Weights
+from .._errors import CheckpointEngineError, CheckpointEngineTimeout
+from .._wire import aiter_weights, as_bytes, checksum, dtype_from_name, dtype_name
+
+__all__ = ["FilesystemEngine"]
+
+MANIFEST = "manifest.json"
+MARKER = "COMPLETE"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError as err:
+        raise ImportError(
+            "the filesystem checkpoint engine needs safetensors: "
+            "pip install 'rlwire-ckpt-engine[filesystem]'"
+        ) from err
+    return safetensors.torch
+
+
+class FilesystemEngine(CheckpointEngine):
+    """Weights as safetensors shards under ``<root>/v<version>/``; a durable snapshot too.
+
+    The master writes shards of at most ``bucket_size`` bytes (a larger tensor
+    is split into ``uint8`` chunks stored as ``<name>@chunk<k>``) and
+    ``manifest.json`` (names, dtypes, shapes, chunks, per-tensor CRC-32 when
+    ``checksum``, version) into a temporary directory, renames it to
+    ``v<version>`` and writes the ``COMPLETE`` marker last: a directory without
+    the marker is never read. Receivers wait for the newest complete version
+    above the last one they read, load the shards memory-mapped, and leave an
+    ``ack-rank<r>`` file that the master waits for. The master keeps the last
+    ``keep`` versions. Works over any shared filesystem.
+
+    Args:
+        root: the directory (shared by all members).
+        keep: complete versions to keep (>= 1).
+        poll_interval: seconds between directory scans while waiting.
+    """
+
+    name = "filesystem"
+
+    def __init__(
+        self, *, root: str | os.PathLike, keep: int = 2, poll_interval: float = 0.01, **kwargs
+    ) -> None:
+        _safetensors()
+        super().__init__(**kwargs)
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep: {keep!r} is not allowed; use an int >= 1")
+        self.root = os.fspath(root)
+        self.keep = keep
+        self.poll_interval = poll_interval
+
+    def prepare(self) -> dict:
+        os.makedirs(self.root, exist_ok=True)
+        return {"root": self.root} if self.is_master else {}
+
+    def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
+        if rank > 0 and "root" in master_metadata:
+            self.root = master_metadata["root"]
+
+    def _versions(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        found = [int(m[1]) for n in names if (m := _VERSION_DIR.match(n))]
+        return sorted(v for v in found if os.path.exists(os.path.join(self.root, f"v{v}", MARKER)))
+
+    async def _wait_for(self, predicate, what: str):
+        deadline = time.monotonic() + self.timeout
+        while (result := predicate()) is None:
+            if time.monotonic() > deadline:
+                raise CheckpointEngineTimeout(f"filesystem: {what} within {self.timeout:g} s")
+            await asyncio.sleep(self.poll_interval)
+        return result
+
+    async def _send(self, weights: Weights, version: int) -> tuple[int, int, int]:
+        st = _safetensors()
+        final = os.path.join(self.root, f"v{version}")
+        tmp = os.path.join(self.root, f".v{version}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        entries: list[dict] = []
+        shard: dict[str, torch.Tensor] = {}
+        shard_bytes, shards, nbytes, tensors = 0, 0, 0, 0
+
+        def write_shard() -> None:
+            nonlocal shard, shard_bytes, shards
+            if shard:
+                st.save_file(
+                    shard,
+                    os.path.join(tmp, f"shard-{shards:05d}.safetensors"),
+                    metadata={"version": str(version)},
+                )
+                shards += 1
+            shard, shard_bytes = {}, 0
+
+        async for name, tensor in aiter_weights(weights):
+            t = tensor.detach().to("cpu").contiguous()
+            raw = as_bytes(t)
+            entry = {
+                "name": name,
+                "dtype": dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "crc32": checksum(raw) if self.checksum else None,
+                "parts": [],
+            }
+            if raw.numel() <= self.bucket_size:
+                if shard_bytes + raw.numel() > self.bucket_size:
+                    write_shard()
+                shard[name] = t
+                shard_bytes += raw.numel()
+                entry["parts"].append([shards, name, 0, raw.numel()])
+            else:
+                for k, start in enumerate(range(0, raw.numel(), self.bucket_size)):
+                    write_shard()
+                    key = f"{name}@chunk{k}"
+                    part = raw[start : start + self.bucket_size]
+                    shard[key] = part.clone()
+                    entry["parts"].append([shards, key, start, part.numel()])
+                    write_shard()
+            entries.append(entry)
+            nbytes += raw.numel()
+            tensors += 1
+        write_shard()
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump({"version": version, "shards": shards, "tensors": entries}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        with open(os.path.join(final, f".{MARKER}.tmp"), "w") as f:
+            f.write(str(version))
+        os.replace(os.path.join(final, f".{MARKER}.tmp"), os.path.join(final, MARKER))
+        receivers = range(1, self.world_size)
+        await self._wait_for(
+            lambda: (
+                True
+                if all(os.path.exists(os.path.join(final, f"ack-rank{r}")) for r in receivers)
+                else None
+            ),
+            f"receivers {[r for r in receivers]} did not acknowledge version {version}",
+        )
+        for old in self._versions()[: -self.keep]:
+            shutil.rmtree(os.path.join(self.root, f"v{old}"), ignore_errors=True)
+        return nbytes, tensors, shards
+
+    async def _receive(self, copy: bool) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        st = _safetensors()
+        last = self.last_version if self.last_version is not None else -1
+
+        def newest() -> int | None:
+            newer = [v for v in self._versions() if v > last]
+            return newer[-1] if newer else None
+
+        version = await self._wait_for(newest, f"no version newer than {last} appeared")
+        folder = os.path.join(self.root, f"v{version}")
+        with open(os.path.join(folder, MANIFEST)) as f:
+            manifest = json.load(f)
+        opened: dict[int, dict] = {}
+
+        def shard(i: int) -> dict:
+            if i not in opened:
+                opened[i] = st.load_file(os.path.join(folder, f"shard-{i:05d}.safetensors"))
+            return opened[i]
+
+        for entry in manifest["tensors"]:
+            dtype = dtype_from_name(entry["dtype"])
+            parts = entry["parts"]
+            if (
+                len(parts) == 1
+                and parts[0][2] == 0
+                and shard(parts[0][0])[parts[0][1]].dtype == dtype
+            ):
+                tensor = shard(parts[0][0]).pop(parts[0][1]).reshape(entry["shape"])
+            else:
+                total = sum(p[3] for p in parts)
+                buf = torch.empty(total, dtype=torch.uint8)
+                for index, key, start, length in parts:
+                    buf[start : start + length].copy_(shard(index).pop(key).view(-1))
+                tensor = buf.view(dtype).view(entry["shape"])
+            if entry["crc32"] is not None:
+                actual = checksum(as_bytes(tensor))
+                if actual != entry["crc32"]:
+                    raise CheckpointEngineError(
+                        f"filesystem: version {version}, tensor {entry['name']!r} is corrupted: "
+                        f"checksum {actual:#010x} != {entry['crc32']:#010x}"
+                    )
+            yield entry["name"], tensor
+        with open(os.path.join(folder, f"ack-rank{self.rank}"), "w") as f:
+            f.write("1")
+        self.last_version = version

@@ -1,0 +1,121 @@
+"""``gloo``: torch.distributed gloo over TCP; CPU buckets; works across hosts."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from .._base import BucketedEngine
+from .._store import blocking, connect_store, master_store, peer_errors
+from .._wire import BucketMeta, to_bytes
+
+__all__ = ["GlooEngine"]
+
+
+class GlooEngine(BucketedEngine):
+    """Broadcast buckets in the engine's own gloo group (rank 0 to all).
+
+    Each bucket is three broadcasts: a header (metadata length, data length),
+    the metadata, and the used bytes of the bucket; the data broadcast of one
+    bucket overlaps the packing of the next (two slots). The update ends with
+    an all-reduce that every receiver joins after consuming the last tensor.
+
+    Args:
+        host: address receivers use to reach the master's store (set it to a
+            routable address for cross-host groups).
+    """
+
+    name = "gloo"
+
+    def __init__(self, *, host: str = "127.0.0.1", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.host = host
+        self.slots = []
+        self._store: dist.TCPStore | None = None
+        self._pg = None
+        self._inflight: list = [None, None]
+
+    def prepare(self) -> dict:
+        self.slots = [torch.empty(self.bucket_size, dtype=torch.uint8) for _ in range(2)]
+        if not self.is_master:
+            return {}
+        self._store = master_store(self.host, self.timeout)
+        return {"host": self.host, "port": self._store.port}
+
+    def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
+        if not self.slots:
+            self.prepare()
+        if self._store is None:
+            self._store = connect_store(master_metadata, self.timeout)
+        with peer_errors("forming the gloo group", self.timeout):
+            self._pg = dist.ProcessGroupGloo(
+                dist.PrefixStore("rlwire-ckpt/gloo", self._store),
+                rank,
+                world_size,
+                datetime.timedelta(seconds=self.timeout),
+            )
+
+    def _bcast(self, tensor: torch.Tensor):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return self._pg.broadcast([tensor], opts)
+
+    def _wait(self, work) -> None:
+        work.wait(datetime.timedelta(seconds=self.timeout))
+
+    async def _acquire(self, slot: int, seq: int) -> None:
+        work, self._inflight[slot] = self._inflight[slot], None
+        if work is not None:
+            await blocking(lambda: self._wait(work), "gloo: sending a bucket", self.timeout)
+
+    async def _emit(self, slot: int, meta: BucketMeta) -> None:
+        raw = meta.to_bytes()
+        header = torch.tensor([len(raw), meta.nbytes], dtype=torch.int64)
+        body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+        def send_meta() -> None:
+            self._wait(self._bcast(header))
+            self._wait(self._bcast(body))
+
+        await blocking(send_meta, f"gloo: sending bucket {meta.index} metadata", self.timeout)
+        self._inflight[slot] = self._bcast(self.slots[slot][: meta.nbytes])
+
+    async def _drain(self, last_seq: int) -> None:
+        for slot in range(2):
+            await self._acquire(slot, last_seq)
+        await self._ack()
+
+    async def _ack(self) -> None:
+        done = torch.ones(1)
+        await blocking(
+            lambda: self._wait(self._pg.allreduce([done])),
+            "gloo: waiting for every receiver to finish the update",
+            self.timeout,
+        )
+
+    async def _next(self, seq: int) -> tuple[BucketMeta, torch.Tensor]:
+        buf = self.slots[seq % 2]
+
+        def recv() -> BucketMeta:
+            header = torch.empty(2, dtype=torch.int64)
+            self._wait(self._bcast(header))
+            body = torch.empty(int(header[0]), dtype=torch.uint8)
+            self._wait(self._bcast(body))
+            meta = BucketMeta.from_bytes(to_bytes(body))
+            self._wait(self._bcast(buf[: meta.nbytes]))
+            return meta
+
+        meta = await blocking(recv, f"gloo: receiving bucket {seq}", self.timeout)
+        return meta, buf
+
+    async def _release(self, meta: BucketMeta) -> None:
+        if meta.last:
+            await self._ack()
+
+    def finalize(self) -> None:
+        super().finalize()
+        self._pg = None
+        self._store = None
+        self.slots = []

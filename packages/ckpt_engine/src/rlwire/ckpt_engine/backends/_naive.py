@@ -1,0 +1,144 @@
+"""``naive``: in-process hand-over, for trainer and rollout sharing one process."""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+from collections.abc import AsyncIterator
+
+import torch
+
+from .._base import CheckpointEngine, Weights
+from .._errors import CheckpointEngineError
+from .._store import blocking
+from .._wire import aiter_weights
+
+__all__ = ["NaiveEngine"]
+
+_END = object()
+
+
+class _Channel:
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self.lock = threading.Lock()
+        self.queues: dict[int, queue.Queue] = {}
+        self.done: dict[int, queue.Queue] = {}
+
+    def join(self, rank: int) -> None:
+        with self.lock:
+            self.queues[rank] = queue.Queue(self.maxsize)
+            self.done[rank] = queue.Queue()
+
+
+_channels: dict[str, _Channel] = {}
+_channels_lock = threading.Lock()
+
+
+class NaiveEngine(CheckpointEngine):
+    """Hands ``(name, tensor)`` pairs to receivers in the same process through bounded queues.
+
+    ``copy=False`` receivers get the sender's own tensors (zero copy: valid as
+    long as the trainer does not modify them); ``copy=True`` receivers get
+    clones. A receiver that stops consuming makes the sender time out once its
+    queue (``max_pending`` items) is full.
+    """
+
+    name = "naive"
+
+    def __init__(self, *, max_pending: int = 1024, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.max_pending = max_pending
+        self._channel: _Channel | None = None
+        self._id: str | None = None
+
+    def prepare(self) -> dict:
+        if not self.is_master:
+            return {}
+        self._id = secrets.token_hex(8)
+        with _channels_lock:
+            _channels[self._id] = _Channel(self.max_pending)
+        return {"channel": self._id}
+
+    def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
+        with _channels_lock:
+            channel = _channels.get(master_metadata.get("channel", ""))
+        if channel is None:
+            raise CheckpointEngineError(
+                "naive: no channel named in master_metadata in this process; the naive "
+                "backend only works when sender and receivers share a process"
+            )
+        self._channel = channel
+        if rank > 0:
+            channel.join(rank)
+
+    async def _wait_receivers(self) -> dict[int, queue.Queue]:
+        channel, expected = self._channel, set(range(1, self.world_size))
+
+        def joined() -> dict[int, queue.Queue]:
+            import time
+
+            deadline = time.monotonic() + self.timeout
+            while True:
+                with channel.lock:
+                    if expected <= channel.queues.keys():
+                        return {r: channel.queues[r] for r in sorted(expected)}
+                if time.monotonic() > deadline:
+                    raise TimeoutError("receivers did not join")
+                time.sleep(0.001)
+
+        return await blocking(joined, "naive: waiting for receivers to join", self.timeout)
+
+    async def _send(self, weights: Weights, version: int) -> tuple[int, int, int]:
+        queues = await self._wait_receivers()
+        nbytes = tensors = 0
+
+        async def put_all(item) -> None:
+            for rank, q in queues.items():
+                try:
+                    q.put_nowait(item)
+                except queue.Full:
+                    await blocking(
+                        lambda q=q: q.put(item, timeout=self.timeout),
+                        f"naive: receiver {rank} is not consuming",
+                        self.timeout,
+                    )
+
+        async for name, tensor in aiter_weights(weights):
+            await put_all((name, tensor))
+            nbytes += tensor.numel() * tensor.element_size()
+            tensors += 1
+        await put_all((_END, version))
+        for rank in queues:
+            done = self._channel.done[rank]
+            await blocking(
+                lambda done=done: done.get(timeout=self.timeout),
+                f"naive: waiting for receiver {rank} to finish",
+                self.timeout,
+            )
+        return nbytes, tensors, 1
+
+    async def _receive(self, copy: bool) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        q = self._channel.queues[self.rank]
+        while True:
+            try:
+                name, tensor = q.get_nowait()
+            except queue.Empty:
+                name, tensor = await blocking(
+                    lambda: q.get(timeout=self.timeout),
+                    "naive: waiting for the sender",
+                    self.timeout,
+                )
+            if name is _END:
+                self.last_version = tensor
+                self._channel.done[self.rank].put(True)
+                return
+            yield name, (tensor.detach().clone() if copy else tensor.detach())
+
+    def finalize(self) -> None:
+        super().finalize()
+        if self._id is not None:
+            with _channels_lock:
+                _channels.pop(self._id, None)
+        self._channel = None

@@ -1,0 +1,155 @@
+"""One member of a checkpoint-engine group, run as its own process by the tests and the bench.
+
+Usage: python ckpt_engine_worker.py BACKEND SCENARIO RANK WORLD_SIZE RENDEZVOUS_DIR OUT
+
+Rank 0 sends, writing its prepare() metadata to RENDEZVOUS_DIR/meta.json for
+the receivers. Scenarios:
+  roundtrip  three updates (versions 1, 2, 3); receivers take update 2 with copy=False
+  kill       the last receiver dies (os._exit) in the middle of update 1
+  corrupt    checksum=True; receiver 1 flips one byte of the first bucket it gets
+OUT receives a torch.save'd report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+import torch
+
+from rlwire.ckpt_engine import CheckpointEngineError, registry
+
+BUCKET = 64 << 10
+TIMEOUT = 15.0
+
+
+def make_state(version: int) -> list[tuple[str, torch.Tensor]]:
+    """Every awkward case at once; values depend on ``version``."""
+    g = torch.Generator().manual_seed(version)
+    state = [
+        ("fp32", torch.randn(1000, generator=g)),
+        ("bf16_odd", torch.randn(333, generator=g).to(torch.bfloat16)),  # 666 bytes, then...
+        ("fp32_after_odd", torch.randn(7, generator=g)),
+        ("fp16", torch.randn(17, 3, generator=g).to(torch.float16)),
+        ("int64", torch.randint(-(2**62), 2**62, (129,), generator=g)),
+        ("bool", torch.rand(77, generator=g) > 0.5),
+        ("empty", torch.empty(0, 5)),
+        ("scalar", torch.tensor(float(version) + 0.25)),
+        ("non_contiguous", torch.randn(40, 30, generator=g).t()),
+        ("bigger_than_bucket", torch.randn(3 * BUCKET // 4 + 11, generator=g)),  # 3 buckets
+    ]
+    small = torch.randint(0, 1000, (10_000,), generator=g, dtype=torch.int32)
+    state += [(f"small.{i}", small[i : i + 1].clone()) for i in range(10_000)]
+    return state
+
+
+def _wait_for(path: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {path}")
+        time.sleep(0.02)
+    with open(path) as f:
+        return json.load(f)
+
+
+def _engine(backend: str, scenario: str, rank: int, rendezvous: str):
+    options = {
+        "bucket_size": BUCKET,
+        "timeout": TIMEOUT,
+        "is_master": rank == 0,
+        "checksum": scenario == "corrupt",
+    }
+    if backend == "filesystem":
+        options["root"] = os.path.join(rendezvous, "weights")
+    return registry.new(backend, **options)
+
+
+def _corrupt_first_bucket(engine) -> None:
+    if hasattr(engine, "_next"):
+        original = engine._next
+
+        async def corrupted(seq):
+            meta, buf = await original(seq)
+            if seq == 0:
+                buf[meta.entries[0].offset] ^= 0xFF
+            return meta, buf
+
+        engine._next = corrupted
+    else:  # filesystem: corrupt the first tensor read from disk
+        import safetensors.torch as st
+
+        original_load = st.load_file
+
+        def load_file(path, *args, **kwargs):
+            tensors = original_load(path, *args, **kwargs)
+            first = next(iter(tensors.values()))
+            first.view(-1).view(torch.uint8)[0] ^= 0xFF
+            return tensors
+
+        st.load_file = load_file
+
+
+async def sender(engine, scenario: str, out: str) -> None:
+    report: dict = {"stats": [], "error": None}
+    start = time.monotonic()
+    try:
+        for version in (1, 2, 3) if scenario == "roundtrip" else (1,):
+            stats = await engine.send_weights(make_state(version), version=version)
+            report["stats"].append([stats.bytes, stats.tensors, stats.buckets])
+        # A lower version than the last one sent is refused.
+        try:
+            await engine.send_weights([], version=0)
+        except CheckpointEngineError as err:
+            report["lower_version_error"] = str(err)
+    except CheckpointEngineError as err:
+        report["error"] = [type(err).__name__, str(err)]
+    report["seconds"] = time.monotonic() - start
+    torch.save(report, out)
+
+
+async def receiver(engine, scenario: str, rank: int, world_size: int, out: str) -> None:
+    report: dict = {"updates": [], "error": None}
+    if scenario == "corrupt" and rank == 1:
+        _corrupt_first_bucket(engine)
+    try:
+        for update in range(3 if scenario == "roundtrip" else 1):
+            copy = update != 1
+            got = []
+            async for name, tensor in engine.receive_weights(copy=copy):
+                if scenario == "kill" and rank == world_size - 1 and len(got) == 5000:
+                    os._exit(3)
+                # A zero-copy view is only valid until the next item: copy it now.
+                got.append((name, tensor if copy else tensor.clone()))
+            report["updates"].append((engine.last_version, got))
+    except CheckpointEngineError as err:
+        report["error"] = [type(err).__name__, str(err)]
+    torch.save(report, out)
+
+
+def main(
+    backend: str, scenario: str, rank: int, world_size: int, rendezvous: str, out: str
+) -> None:
+    engine = _engine(backend, scenario, rank, rendezvous)
+    meta = engine.prepare()
+    meta_path = os.path.join(rendezvous, "meta.json")
+    if rank == 0:
+        with open(meta_path + ".tmp", "w") as f:
+            json.dump(meta, f)
+        os.replace(meta_path + ".tmp", meta_path)
+    else:
+        meta = _wait_for(meta_path, 60)
+    engine.init_process_group(rank=rank, world_size=world_size, master_metadata=meta)
+    if rank == 0:
+        asyncio.run(sender(engine, scenario, out))
+    else:
+        asyncio.run(receiver(engine, scenario, rank, world_size, out))
+    engine.finalize()
+
+
+if __name__ == "__main__":
+    b, s, r, w, d, o = sys.argv[1:7]
+    main(b, s, int(r), int(w), d, o)

@@ -1,0 +1,107 @@
+"""One sender and two receivers in separate processes, per backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlwire.ckpt_engine._wire import as_bytes
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from ckpt_engine_worker import TIMEOUT, make_state  # noqa: E402
+
+BACKENDS = ["gloo", "shm", "filesystem"]
+WORLD = 3  # one sender, two receivers
+
+
+def _run_group(backend: str, scenario: str, tmp_path: Path) -> list[dict]:
+    procs, outs = [], []
+    for rank in range(WORLD):
+        out = tmp_path / f"rank{rank}.pt"
+        outs.append(out)
+        cmd = [
+            sys.executable,
+            str(HERE / "ckpt_engine_worker.py"),
+            backend,
+            scenario,
+            str(rank),
+            str(WORLD),
+            str(tmp_path),
+            str(out),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=180)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    reports = []
+    for rank, out in enumerate(outs):
+        if out.exists():
+            reports.append(torch.load(out, weights_only=False))
+        else:
+            reports.append({"exit": procs[rank].returncode, "log": logs[rank][-4000:]})
+    return reports
+
+
+def _assert_bit_identical(got: list, expected: list) -> None:
+    assert [n for n, _ in got] == [n for n, _ in expected]
+    for (name, a), (_, b) in zip(got, expected, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(as_bytes(a), as_bytes(b)), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_three_updates_arrive_bit_identical(backend, tmp_path):
+    sender, *receivers = _run_group(backend, "roundtrip", tmp_path)
+    assert sender.get("error") is None, sender
+    expected = [make_state(v) for v in (1, 2, 3)]
+    nbytes = sum(t.numel() * t.element_size() for _, t in expected[0])
+    assert sender["stats"][0][:2] == [nbytes, len(expected[0])]
+    assert sender["lower_version_error"] == "version 0 is lower than the last one sent (3)"
+    for report in receivers:
+        assert report.get("error") is None, report
+        assert [v for v, _ in report["updates"]] == [1, 2, 3]
+        for (_, got), want in zip(report["updates"], expected, strict=True):
+            _assert_bit_identical(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_receiver_killed_mid_update_fails_the_sender_within_timeout(backend, tmp_path):
+    sender, first, killed = _run_group(backend, "kill", tmp_path)
+    assert killed["exit"] == 3
+    assert sender["error"] is not None, sender
+    assert sender["error"][0] == "CheckpointEngineTimeout", sender
+    assert sender["seconds"] < TIMEOUT + 10, sender
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_corrupted_bucket_is_detected_with_checksum(backend, tmp_path):
+    sender, corrupted, clean = _run_group(backend, "corrupt", tmp_path)
+    kind, message = corrupted["error"]
+    assert kind == "CheckpointEngineError", corrupted
+    if backend == "filesystem":
+        # Names the tensor whose bytes changed on disk.
+        assert message.startswith("filesystem: version 1, tensor '")
+        assert "' is corrupted: checksum 0x" in message
+        # The other receiver reads its own intact copy from disk.
+        assert clean["error"] is None
+        _assert_bit_identical(clean["updates"][0][1], make_state(1))
+    else:
+        # Names the bucket and the tensors in it.
+        assert message.startswith("bucket 0 of version 1 is corrupted: checksum 0x"), message
+        assert "'fp32'" in message and "'bf16_odd'" in message
+        # One failed receiver fails the group's update for everyone, in bounded time.
+        assert clean["error"][0] == "CheckpointEngineTimeout", clean
+    # The corrupted receiver never acknowledged: the sender times out rather than hangs.
+    assert sender["error"][0] == "CheckpointEngineTimeout"
+    assert sender["seconds"] < TIMEOUT + 10
