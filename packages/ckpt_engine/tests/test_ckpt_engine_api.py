@@ -1,0 +1,363 @@
+"""Registry, sizes, wire format, lifetimes, the naive backend and apply_to_module (one process)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from rlwire.ckpt_engine import (
+    DEFAULT_BUCKET_SIZE,
+    CheckpointEngine,
+    CheckpointEngineError,
+    CheckpointEngineRegistry,
+    CheckpointEngineTimeout,
+    apply_to_module,
+    backend_for_device,
+    parse_bucket_size,
+    registry,
+)
+from rlwire.ckpt_engine._base import BucketedEngine
+from rlwire.ckpt_engine._wire import ALIGN, BucketMeta, as_bytes
+
+# --- registry -----------------------------------------------------------------------
+
+
+def test_available_and_device_mapping():
+    assert {"gloo", "shm", "filesystem", "naive"} <= set(registry.available())
+    assert "hccl" not in registry.available()  # torch_npu is not installed here
+    assert [backend_for_device(d) for d in ("cuda", "npu", "cpu")] == ["nccl", "hccl", "gloo"]
+    with pytest.raises(
+        ValueError, match=r"^device_type: 'tpu' has no default backend; known: cpu, cuda, npu$"
+    ):
+        backend_for_device("tpu")
+
+
+def test_unknown_name_lists_available_and_missing_extras():
+    with pytest.raises(ValueError) as err:
+        registry.new("carrier-pigeon")
+    message = str(err.value)
+    assert message.startswith(
+        "unknown checkpoint engine 'carrier-pigeon'; available: filesystem, gloo, naive, shm"
+    )
+    assert "not installed: hccl (install torch_npu" in message
+
+
+def test_backend_with_missing_dependency_names_what_to_install():
+    with pytest.raises(ImportError, match="'hccl' needs an optional dependency: install torch_npu"):
+        registry.new("hccl")
+
+
+def test_duplicate_registration_raises():
+    reg = CheckpointEngineRegistry()
+
+    @reg.register("mine")
+    class Mine(Loopback):
+        pass
+
+    assert reg.get("mine") is Mine
+    with pytest.raises(ValueError, match="checkpoint engine 'mine' is already registered"):
+        reg.register("mine")(Mine)
+    with pytest.raises(ValueError, match="checkpoint engine 'gloo' is already registered"):
+        reg.register("gloo")(Mine)
+
+
+def test_importing_the_package_imports_no_optional_dependency():
+    code = (
+        "import sys, rlwire.ckpt_engine as c; c.registry.available(); "
+        "print(sorted(m for m in ('safetensors', 'torch_npu', 'ray', 'vllm') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_entry_point_backend_is_discovered(tmp_path, monkeypatch):
+    (tmp_path / "echo_backend.py").write_text(
+        textwrap.dedent("""
+        from rlwire.ckpt_engine.backends._naive import NaiveEngine
+
+        class EchoEngine(NaiveEngine):
+            name = "echo"
+    """)
+    )
+    info = tmp_path / "echo_backend-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: echo-backend\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[rlwire.ckpt_engine.backends]\necho = echo_backend:EchoEngine\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = CheckpointEngineRegistry()
+    assert "echo" in reg.available()
+    engine = reg.new("echo", is_master=True)
+    assert type(engine).__name__ == "EchoEngine" and isinstance(engine, CheckpointEngine)
+
+
+# --- sizes and options ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, DEFAULT_BUCKET_SIZE),
+        (4096, 4096),
+        ("512MiB", 512 << 20),
+        ("2GB", 2 * 10**9),
+        ("1.5 KiB", 1536),
+        ("64kb", 64_000),
+    ],
+)
+def test_bucket_sizes(value, expected):
+    assert parse_bucket_size(value) == expected
+
+
+def test_auto_bucket_size_is_bounded():
+    assert 16 << 20 <= parse_bucket_size("auto") <= 1 << 30
+
+
+@pytest.mark.parametrize("bad", ["12 parsecs", "-5MB", 0, 255, True, 3.5, "auto-ish"])
+def test_bad_bucket_size(bad):
+    with pytest.raises(ValueError, match=r"^bucket_size: .* is not allowed; use bytes as an int"):
+        parse_bucket_size(bad)
+
+
+def test_bad_options_and_lifecycle_errors():
+    with pytest.raises(ValueError, match=r"^timeout: 0 is not allowed"):
+        registry.new("naive", timeout=0)
+    engine = registry.new("naive", is_master=False)
+    with pytest.raises(CheckpointEngineError, match="receive_weights before init_process_group"):
+        engine.receive_weights()
+    with pytest.raises(ValueError, match="the master is rank 0 and only rank 0 is the master"):
+        engine.init_process_group(rank=0, world_size=2, master_metadata={})
+    with pytest.raises(ValueError, match=r"^rank: 5 is not allowed; use -1 or 0..1"):
+        engine.init_process_group(rank=5, world_size=2, master_metadata={})
+
+
+# --- the shared bucket pipeline, through an in-memory transport ------------------------
+
+
+class Loopback(BucketedEngine):
+    """A real BucketedEngine whose transport is a list (one sender, one receiver, one object)."""
+
+    name = "loopback"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.slots = [torch.zeros(self.bucket_size, dtype=torch.uint8) for _ in range(2)]
+        self.sent: list[tuple[BucketMeta, torch.Tensor]] = []
+
+    def prepare(self) -> dict:
+        return {}
+
+    def _join(self, rank, world_size, master_metadata) -> None:
+        pass
+
+    async def _acquire(self, slot, seq):
+        pass
+
+    async def _emit(self, slot, meta):
+        self.sent.append((meta, self.slots[slot][: meta.nbytes].clone()))
+
+    async def _drain(self, last_seq):
+        pass
+
+    async def _next(self, seq):
+        meta, data = self.sent[seq]
+        return meta, data
+
+    async def _release(self, meta):
+        pass
+
+
+def _loopback(bucket_size=1024, **kw) -> tuple[Loopback, Loopback]:
+    tx = Loopback(bucket_size=bucket_size, is_master=True, **kw)
+    rx = Loopback(bucket_size=bucket_size, **kw)
+    rx.sent = tx.sent  # the "wire"
+    tx.init_process_group(rank=0, world_size=2, master_metadata={})
+    rx.init_process_group(rank=1, world_size=2, master_metadata={})
+    return tx, rx
+
+
+async def _collect(rx, copy=True):
+    return [(n, t) async for n, t in rx.receive_weights(copy=copy)]
+
+
+def test_wire_format_alignment_chunking_and_used_bytes():
+    tx, rx = _loopback()
+    weights = [
+        ("odd_bf16", torch.arange(5, dtype=torch.bfloat16)),  # 10 bytes
+        ("fp32", torch.arange(3, dtype=torch.float32)),
+        ("big", torch.arange(700, dtype=torch.float32)),  # 2800 bytes > 1024
+        ("scalar", torch.tensor(7, dtype=torch.int64)),
+    ]
+    stats = asyncio.run(tx.send_weights(weights, version=4))
+    assert (stats.bytes, stats.tensors) == (10 + 12 + 2800 + 8, 4)
+    metas = [m for m, _ in tx.sent]
+    assert stats.buckets == len(metas) == 4
+    for meta in metas:
+        for e in meta.entries:
+            assert e.offset % ALIGN == 0
+        assert meta.nbytes <= 1024
+    # fp32 after the 10-byte bf16 starts on the next 256-byte boundary.
+    assert [(e.name, e.offset) for e in metas[0].entries][:2] == [("odd_bf16", 0), ("fp32", 256)]
+    big = [e for m in metas for e in m.entries if e.name == "big"]
+    assert [(e.chunk_offset, e.chunk_nbytes) for e in big] == [
+        (0, 512),
+        (512, 1024),
+        (1536, 1024),
+        (2560, 240),
+    ]
+    assert metas[-1].last and metas[-1].nbytes == 256 + 8  # only the used bytes
+    got = asyncio.run(_collect(rx))
+    assert rx.last_version == 4
+    for (n, a), (m, b) in zip(got, weights, strict=True):
+        assert n == m and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(as_bytes(a), as_bytes(b))
+
+
+def test_zero_copy_views_are_emptied_when_the_consumer_moves_on():
+    tx, rx = _loopback()
+    asyncio.run(tx.send_weights([("a", torch.ones(4)), ("b", torch.full((4,), 2.0))], version=1))
+
+    async def consume():
+        kept = []
+        async for _, t in rx.receive_weights(copy=False):
+            assert t.numel() == 4  # valid now
+            kept.append(t)
+        return kept
+
+    kept = asyncio.run(consume())
+    assert [t.numel() for t in kept] == [0, 0]  # never silently stale
+
+
+def test_owned_tensors_survive():
+    tx, rx = _loopback()
+    asyncio.run(tx.send_weights([("a", torch.ones(4))], version=1))
+    ((name, t),) = asyncio.run(_collect(rx, copy=True))
+    assert torch.equal(t, torch.ones(4))
+
+
+def test_bad_items_and_versions():
+    tx, _ = _loopback()
+    with pytest.raises(CheckpointEngineError, match=r"weights must yield \(str, torch.Tensor\)"):
+        asyncio.run(tx.send_weights([("a", [1, 2])], version=1))
+    asyncio.run(tx.send_weights([], version=5))
+    with pytest.raises(CheckpointEngineError, match="version 4 is lower than the last one sent"):
+        asyncio.run(tx.send_weights([], version=4))
+
+
+def test_inactive_trainer_rank_consumes_weights_and_sends_nothing():
+    engine = Loopback(bucket_size=1024)
+    engine.init_process_group(rank=-1, world_size=3, master_metadata={})
+    seen = []
+
+    def gen():
+        for i in range(3):
+            seen.append(i)
+            yield f"w{i}", torch.zeros(2)
+
+    stats = asyncio.run(engine.send_weights(gen(), version=1))
+    assert seen == [0, 1, 2] and stats.bytes == 0 and engine.sent == []
+    assert asyncio.run(_collect(engine)) == []
+
+
+# --- naive backend and apply_to_module -------------------------------------------------
+
+
+def _naive_group(receivers=2, **kw):
+    tx = registry.new("naive", is_master=True, **kw)
+    meta = tx.prepare()
+    rxs = [registry.new("naive", **kw) for _ in range(receivers)]
+    tx.init_process_group(rank=0, world_size=receivers + 1, master_metadata=meta)
+    for r, rx in enumerate(rxs, 1):
+        rx.prepare()
+        rx.init_process_group(rank=r, world_size=receivers + 1, master_metadata=meta)
+    return tx, rxs
+
+
+def test_naive_three_updates_to_two_receivers():
+    tx, rxs = _naive_group()
+
+    async def run():
+        results = []
+        for version in (1, 2, 3):
+            weights = [("w", torch.full((3,), float(version))), ("b", torch.tensor(version))]
+            stats, *got = await asyncio.gather(
+                tx.send_weights(weights, version=version), *[_collect(rx) for rx in rxs]
+            )
+            results.append((stats, got))
+        return results
+
+    for version, (stats, got) in zip((1, 2, 3), asyncio.run(run()), strict=True):
+        assert stats.tensors == 2
+        for per_receiver in got:
+            assert torch.equal(per_receiver[0][1], torch.full((3,), float(version)))
+    assert [rx.last_version for rx in rxs] == [3, 3]
+    tx.finalize()
+
+
+def test_naive_stalled_receiver_times_the_sender_out():
+    tx, _ = _naive_group(receivers=1, timeout=1.0, max_pending=2)
+    start = time.monotonic()
+    with pytest.raises(CheckpointEngineTimeout, match="naive: receiver 1 is not consuming"):
+        asyncio.run(tx.send_weights([(f"w{i}", torch.zeros(1)) for i in range(10)], version=1))
+    assert time.monotonic() - start < 1.0 + 2.0
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+
+def _apply(module, weights, atomic):
+    tx, (rx,) = _naive_group(receivers=1, timeout=5.0)
+
+    async def run():
+        return await asyncio.gather(
+            tx.send_weights(weights, version=7),
+            apply_to_module(module, rx, atomic=atomic),
+            return_exceptions=True,
+        )
+
+    return asyncio.run(run())
+
+
+def test_apply_to_module_updates_by_name_and_returns_version():
+    module = Tiny()
+    new = {"lin.weight": torch.randn(2, 3), "lin.bias": torch.randn(2), "steps": torch.tensor(9)}
+    for atomic in (True, False):
+        _, version = _apply(module, list(new.items()), atomic)
+        assert version == 7
+        for name, value in module.state_dict().items():
+            assert torch.equal(value, new[name])
+
+
+def test_apply_to_module_atomic_failure_changes_nothing():
+    module = Tiny()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    bad = [("lin.weight", torch.randn(2, 3)), ("lin.bias", torch.randn(5))]  # wrong shape
+    _, err = _apply(module, bad, atomic=True)
+    assert isinstance(err, CheckpointEngineError)
+    assert "'lin.bias' is (5,) torch.float32 in the update but (2,) torch.float32" in str(err)
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_apply_to_module_lists_unknown_and_missing_names():
+    module = Tiny()
+    _, err = _apply(
+        module, [("lin.weight", torch.randn(2, 3)), ("head.w", torch.ones(1))], atomic=True
+    )
+    assert str(err) == (
+        "apply_to_module: update does not match the module; unknown names: "
+        "['head.w']; missing names: ['lin.bias', 'steps']"
+    )
