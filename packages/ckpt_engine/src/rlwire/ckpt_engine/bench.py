@@ -42,7 +42,7 @@ def _options(args: argparse.Namespace, master: bool, root: str) -> dict:
 
 
 def _receiver(rank: int, args, root: str, meta_q, done_q) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     engine = registry.new(args.backend, **_options(args, False, root))
     engine.prepare()
     meta = meta_q.get(timeout=args.timeout)
@@ -79,11 +79,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-size", default="64MiB")
     parser.add_argument("--updates", type=int, default=3, help="timed updates after a warm-up")
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = parser.parse_args(argv)
 
     weights = _weights(args.gib, args.tensor_mib)
     nbytes = sum(t.numel() * 4 for _, t in weights)
-    plain = _plain_copy_seconds(weights)
+    plain = _plain_copy_seconds(weights)  # with torch's default threads: the machine's limit
+    # Sender and receivers share the cores: one thread each avoids OpenMP
+    # oversubscription (idle-spinning threads stalling every parallel copy).
+    torch.set_num_threads(args.threads)
     root = tempfile.mkdtemp(prefix="rlwire-ckpt-bench-")
     ctx = mp.get_context("spawn")
     meta_q, done_q = ctx.Queue(), ctx.Queue()
