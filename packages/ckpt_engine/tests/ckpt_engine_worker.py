@@ -5,6 +5,8 @@ Usage: python ckpt_engine_worker.py BACKEND SCENARIO RANK WORLD_SIZE RENDEZVOUS_
 Rank 0 sends, writing its prepare() metadata to RENDEZVOUS_DIR/meta.json for
 the receivers. Scenarios:
   roundtrip  three updates (versions 1, 2, 3); receivers take update 2 with copy=False
+  shared     roundtrip, with the sender's tensors moved into shared memory once
+             (shm only) and updated in place between versions
   kill       the last receiver dies (os._exit) in the middle of update 1
   corrupt    checksum=True; receiver 1 flips one byte of the first bucket it gets
 OUT receives a torch.save'd report.
@@ -75,6 +77,8 @@ def _corrupt_first_bucket(engine) -> None:
         async def corrupted(seq):
             meta, buf = await original(seq)
             if seq == 0:
+                # A private copy: with shm the slot is shared with the other receiver.
+                buf = buf.clone()
                 buf[meta.entries[0].offset] ^= 0xFF
             return meta, buf
 
@@ -96,9 +100,19 @@ def _corrupt_first_bucket(engine) -> None:
 async def sender(engine, scenario: str, out: str) -> None:
     report: dict = {"stats": [], "error": None}
     start = time.monotonic()
+    shared = None
+    if scenario == "shared":
+        shared = make_state(1)
+        report["shared_bytes"] = engine.share_weights(shared)
+        report["token"] = engine._token
     try:
-        for version in (1, 2, 3) if scenario == "roundtrip" else (1,):
-            stats = await engine.send_weights(make_state(version), version=version)
+        for version in (1, 2, 3) if scenario in ("roundtrip", "shared") else (1,):
+            state = make_state(version)
+            if shared is not None:  # the trainer updates its (shared) weights in place
+                for (_, mine), (_, new) in zip(shared, state, strict=True):
+                    mine.copy_(new)
+                state = shared
+            stats = await engine.send_weights(state, version=version)
             report["stats"].append([stats.bytes, stats.tensors, stats.buckets])
         # A lower version than the last one sent is refused.
         try:
@@ -116,7 +130,7 @@ async def receiver(engine, scenario: str, rank: int, world_size: int, out: str) 
     if scenario == "corrupt" and rank == 1:
         _corrupt_first_bucket(engine)
     try:
-        for update in range(3 if scenario == "roundtrip" else 1):
+        for update in range(3 if scenario in ("roundtrip", "shared") else 1):
             copy = update != 1
             got = []
             async for name, tensor in engine.receive_weights(copy=copy):

@@ -60,14 +60,21 @@ def _assert_bit_identical(got: list, expected: list) -> None:
         assert torch.equal(as_bytes(a), as_bytes(b)), name
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_three_updates_arrive_bit_identical(backend, tmp_path):
-    sender, *receivers = _run_group(backend, "roundtrip", tmp_path)
+@pytest.mark.parametrize(
+    ("backend", "scenario"), [(b, "roundtrip") for b in BACKENDS] + [("shm", "shared")]
+)
+def test_three_updates_arrive_bit_identical(backend, scenario, tmp_path):
+    sender, *receivers = _run_group(backend, scenario, tmp_path)
     assert sender.get("error") is None, sender
     expected = [make_state(v) for v in (1, 2, 3)]
     nbytes = sum(t.numel() * t.element_size() for _, t in expected[0])
     assert sender["stats"][0][:2] == [nbytes, len(expected[0])]
     assert sender["lower_version_error"] == "version 0 is lower than the last one sent (3)"
+    if scenario == "shared":
+        assert sender["shared_bytes"] >= nbytes
+        assert sender["stats"][0][2] == 1  # every tensor read in place: one (empty) bucket
+        # Slots and arena were unlinked once every receiver had mapped them.
+        assert not list(Path("/dev/shm").glob(sender["token"] + "*"))
     for report in receivers:
         assert report.get("error") is None, report
         assert [v for v, _ in report["updates"]] == [1, 2, 3]

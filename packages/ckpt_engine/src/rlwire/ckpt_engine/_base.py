@@ -226,6 +226,14 @@ class BucketedEngine(CheckpointEngine):
     async def _release(self, meta: BucketMeta) -> None:
         """Receiver: the consumer is done with this bucket's memory."""
 
+    def _in_arena(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """Sender: ``(arena, byte offset)`` if receivers can read ``tensor`` in place."""
+        return None
+
+    def _arena(self, arena: int) -> torch.Tensor:
+        """Receiver: the sender's shared arena number ``arena`` as ``uint8``."""
+        raise CheckpointEngineError(f"{self.name}: no shared arena {arena}")
+
     async def _send(self, weights: Weights, version: int) -> tuple[int, int, int]:
         entries: list[Entry] = []
         used = 0
@@ -247,6 +255,12 @@ class BucketedEngine(CheckpointEngine):
         async for name, tensor in aiter_weights(weights):
             src = as_bytes(tensor)
             dname, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
+            direct = self._in_arena(tensor)
+            if direct is not None:  # receivers read it in place: no copy into a slot
+                entries.append(Entry(name, dname, shape, direct[1], 0, src.numel(), direct[0]))
+                nbytes += src.numel()
+                tensors += 1
+                continue
             pos = 0
             for flush_first, offset, length in plan_chunks(used, src.numel(), self.bucket_size):
                 if flush_first:
@@ -268,7 +282,7 @@ class BucketedEngine(CheckpointEngine):
             meta, buf = await self._next(self._seq)
             self._seq += 1
             for name, tensor, is_view in unpacker.unpack(
-                meta, buf, copy=copy, verify=self.checksum
+                meta, buf, copy=copy, verify=self.checksum, arenas=self._arena
             ):
                 yield name, tensor
                 if is_view:

@@ -13,7 +13,7 @@ import ctypes
 import dataclasses
 import json
 import zlib
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -82,6 +82,10 @@ class Entry:
     chunk_offset: int
     """Byte offset of the chunk within the tensor."""
     chunk_nbytes: int
+    arena: int | None = None
+    """Set for a tensor read in place from the sender's shared arena number
+    ``arena`` (``offset`` is then the byte offset in that arena); such a
+    tensor occupies no bucket space."""
 
     @property
     def nbytes(self) -> int:
@@ -104,32 +108,20 @@ class BucketMeta:
     checksum: int | None = None
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
-            [
-                self.index,
-                self.version,
-                self.nbytes,
-                self.last,
-                self.checksum,
-                [
-                    [e.name, e.dtype, list(e.shape), e.offset, e.chunk_offset, e.chunk_nbytes]
-                    for e in self.entries
-                ],
-            ],
-            separators=(",", ":"),
-        ).encode()
+        entries = []
+        for e in self.entries:
+            row = [e.name, e.dtype, list(e.shape), e.offset, e.chunk_offset, e.chunk_nbytes]
+            if e.arena is not None:
+                row.append(e.arena)
+            entries.append(row)
+        head = [self.index, self.version, self.nbytes, self.last, self.checksum, entries]
+        return json.dumps(head, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> BucketMeta:
-        index, version, nbytes, last, crc, entries = json.loads(data)
-        return cls(
-            index,
-            version,
-            nbytes,
-            last,
-            [Entry(n, d, tuple(s), o, co, cn) for n, d, s, o, co, cn in entries],
-            crc,
-        )
+        index, version, nbytes, last, crc, rows = json.loads(data)
+        entries = [Entry(r[0], r[1], tuple(r[2]), r[3], r[4], r[5], *r[6:]) for r in rows]
+        return cls(index, version, nbytes, last, entries, crc)
 
 
 def plan_chunks(used: int, nbytes: int, bucket_size: int) -> Iterator[tuple[int, int, int]]:
@@ -164,12 +156,18 @@ class Unpacker:
         self._partial: dict[str, tuple[torch.Tensor, int]] = {}
 
     def unpack(
-        self, meta: BucketMeta, buf: torch.Tensor, *, copy: bool, verify: bool
+        self,
+        meta: BucketMeta,
+        buf: torch.Tensor,
+        *,
+        copy: bool,
+        verify: bool,
+        arenas: Callable[[int], torch.Tensor] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor, bool]]:
         """Yield ``(name, tensor, is_view)`` for every tensor completed by this bucket.
 
-        ``is_view`` tensors alias ``buf``; the others are owned (reassembled
-        chunks, copies, empty tensors).
+        ``is_view`` tensors alias ``buf`` (or a shared arena, via ``arenas``);
+        the others are owned (reassembled chunks, copies, empty tensors).
 
         Raises:
             CheckpointEngineError: the bucket's checksum does not match.
@@ -188,7 +186,14 @@ class Unpacker:
             if total == 0:
                 yield e.name, torch.empty(e.shape, dtype=dtype), False
                 continue
-            chunk = buf[e.offset : e.offset + e.chunk_nbytes]
+            source = buf
+            if e.arena is not None:
+                if arenas is None:
+                    raise CheckpointEngineError(
+                        f"{e.name!r} refers to a shared arena this backend does not have"
+                    )
+                source = arenas(e.arena)
+            chunk = source[e.offset : e.offset + e.chunk_nbytes]
             if e.chunk_offset == 0 and e.chunk_nbytes == total:
                 view = chunk.view(dtype).view(e.shape)
                 if copy:

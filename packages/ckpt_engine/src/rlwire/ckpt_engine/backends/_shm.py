@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import secrets
+from collections.abc import Iterable
 
 import torch
 
 from .._base import BucketedEngine
 from .._errors import CheckpointEngineError
 from .._store import blocking, connect_store, master_store, peer_errors
-from .._wire import BucketMeta
+from .._wire import ALIGN, BucketMeta
 
 __all__ = ["SHM_PREFIX", "ShmEngine"]
 
@@ -47,11 +49,16 @@ class ShmEngine(BucketedEngine):
         self._store = None
         self._receivers: list[int] = []
         self._pending: set[int] = set()
+        self._token = ""
+        # master: (arena tensor, file path or "" once unlinked); receivers: mapped arenas
+        self._arenas: list[list] = []
+        self._mapped: dict[int, torch.Tensor] = {}
 
     def prepare(self) -> dict:
         if not self.is_master:
             return {}
         token = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        self._token = token
         self._paths = [os.path.join(SHM_DIR, f"{token}-slot{i}") for i in range(2)]
         for path in self._paths:
             with open(path, "wb") as f:
@@ -65,8 +72,82 @@ class ShmEngine(BucketedEngine):
             "bucket_size": self.bucket_size,
         }
 
-    def _map(self, path: str) -> torch.Tensor:
-        return torch.from_file(path, shared=True, size=self.bucket_size, dtype=torch.uint8)
+    def _map(self, path: str, size: int | None = None) -> torch.Tensor:
+        size = self.bucket_size if size is None else size
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+    def share_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Move the master's CPU tensors into shared memory once, so updates copy them once.
+
+        Each tensor's data moves into a new shared arena (``tensor.data`` is
+        swapped: parameter objects keep their identity, optimizers and hooks
+        keep working). From then on ``send_weights`` sends these tensors
+        without packing them: receivers read them in place, one copy per
+        receiver instead of two. The trainer must not modify them while a
+        ``send_weights`` is in flight (it returns only after every receiver
+        consumed the update). Bucket checksums do not cover shared tensors.
+
+        Returns:
+            Bytes moved into the arena.
+
+        Raises:
+            CheckpointEngineError: not the master, not joined, or a non-CPU tensor.
+        """
+        if not self.is_master or self._store is None:
+            raise CheckpointEngineError("share_weights: only the master, after prepare()")
+        tensors: dict[int, torch.Tensor] = {}
+        for name, tensor in weights:
+            if tensor.device.type != "cpu" or hasattr(tensor, "_local_tensor"):
+                raise CheckpointEngineError(
+                    f"share_weights: {name!r} is not a plain CPU tensor ({tensor.device})"
+                )
+            tensors.setdefault(id(tensor), tensor)
+        offsets, total = [], 0
+        for t in tensors.values():
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        index = len(self._arenas)
+        path = os.path.join(SHM_DIR, f"{self._token}-arena{index}")
+        with open(path, "wb") as f:
+            f.truncate(max(total, 1))
+        arena = self._map(path, max(total, 1))
+        for t, off in zip(tensors.values(), offsets, strict=True):
+            n = t.numel() * t.element_size()
+            view = arena[off : off + n].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            t.data = view
+        self._arenas.append([arena, path])
+        self._store.set(f"arena/{index}", json.dumps([path, max(total, 1)]))
+        return total
+
+    def _in_arena(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        if not self._arenas or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        ptr = tensor.data_ptr()
+        for index, (arena, _) in enumerate(self._arenas):
+            base = arena.data_ptr()
+            if base <= ptr < base + arena.numel():
+                return index, ptr - base
+        return None
+
+    def _arena(self, arena: int) -> torch.Tensor:
+        if arena not in self._mapped:
+            path, size = json.loads(self._store.get(f"arena/{arena}"))
+            try:
+                self._mapped[arena] = self._map(path, size)
+            except RuntimeError as err:
+                raise CheckpointEngineError(f"shm: cannot map shared arena {path}: {err}") from err
+            self._store.set(f"arena/{arena}/mapped/{self.rank}", b"1")
+        return self._mapped[arena]
+
+    def _unlink_mapped_arenas(self) -> None:
+        """Unlink arena files every receiver has mapped (the mappings stay valid)."""
+        for index, entry in enumerate(self._arenas):
+            keys = [f"arena/{index}/mapped/{r}" for r in self._receivers]
+            if entry[1] and self._store.check(keys):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry[1])
+                entry[1] = ""
 
     def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
         self._receivers = list(range(1, world_size))
@@ -118,6 +199,7 @@ class ShmEngine(BucketedEngine):
     async def _drain(self, last_seq: int) -> None:
         for seq in sorted(self._pending):
             await self._wait_acks(seq)
+        self._unlink_mapped_arenas()
 
     async def _next(self, seq: int) -> tuple[BucketMeta, torch.Tensor]:
         key = f"meta/{seq}"
@@ -142,5 +224,10 @@ class ShmEngine(BucketedEngine):
     def finalize(self) -> None:
         super().finalize()
         self._unlink()
+        for entry in self._arenas:
+            if entry[1]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry[1])
+        self._arenas, self._mapped = [], {}
         self.slots = []
         self._store = None
