@@ -137,7 +137,7 @@ async def receiver(engine, scenario: str, rank: int, world_size: int, out: str) 
                 if scenario == "kill" and rank == world_size - 1 and len(got) == 5000:
                     os._exit(3)
                 # A zero-copy view is only valid until the next item: copy it now.
-                got.append((name, tensor if copy else tensor.clone()))
+                got.append((name, tensor.cpu() if copy else tensor.clone().cpu()))
             report["updates"].append((engine.last_version, got))
     except CheckpointEngineError as err:
         report["error"] = [type(err).__name__, str(err)]

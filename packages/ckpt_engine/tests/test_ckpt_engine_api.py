@@ -32,6 +32,9 @@ from rlwire.ckpt_engine._wire import ALIGN, BucketMeta, as_bytes
 def test_available_and_device_mapping():
     assert {"gloo", "shm", "filesystem", "naive"} <= set(registry.available())
     assert "hccl" not in registry.available()  # torch_npu is not installed here
+    cuda = torch.cuda.is_available()
+    assert ("nccl" in registry.available()) is cuda
+    assert ("cuda_ipc" in registry.available()) is cuda
     assert [backend_for_device(d) for d in ("cuda", "npu", "cpu")] == ["nccl", "hccl", "gloo"]
     with pytest.raises(
         ValueError, match=r"^device_type: 'tpu' has no default backend; known: cpu, cuda, npu$"
@@ -46,11 +49,14 @@ def test_unknown_name_lists_available_and_missing_extras():
     assert message.startswith(
         "unknown checkpoint engine 'carrier-pigeon'; available: filesystem, gloo, naive, shm"
     )
-    assert "not installed: hccl (install torch_npu" in message
+    assert "; unavailable here: " in message and "hccl (install torch_npu" in message
+    if not torch.cuda.is_available():
+        assert "cuda_ipc (needs a CUDA device)" in message
+        assert "nccl (needs a CUDA device)" in message
 
 
 def test_backend_with_missing_dependency_names_what_to_install():
-    with pytest.raises(ImportError, match="'hccl' needs an optional dependency: install torch_npu"):
+    with pytest.raises(ImportError, match="'hccl' is unavailable here: install torch_npu"):
         registry.new("hccl")
 
 

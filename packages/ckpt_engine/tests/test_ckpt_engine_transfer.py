@@ -19,9 +19,9 @@ BACKENDS = ["gloo", "shm", "filesystem"]
 WORLD = 3  # one sender, two receivers
 
 
-def _run_group(backend: str, scenario: str, tmp_path: Path) -> list[dict]:
+def _run_group(backend: str, scenario: str, tmp_path: Path, world: int = WORLD) -> list[dict]:
     procs, outs = [], []
-    for rank in range(WORLD):
+    for rank in range(world):
         out = tmp_path / f"rank{rank}.pt"
         outs.append(out)
         cmd = [
@@ -80,6 +80,21 @@ def test_three_updates_arrive_bit_identical(backend, scenario, tmp_path):
         assert [v for v, _ in report["updates"]] == [1, 2, 3]
         for (_, got), want in zip(report["updates"], expected, strict=True):
             _assert_bit_identical(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("backend", "gpus", "world"), [("cuda_ipc", 1, 3), ("nccl", 2, 2)])
+def test_gpu_backends_arrive_bit_identical(backend, gpus, world, tmp_path):
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"{backend} needs {gpus} GPUs")
+    sender, *receivers = _run_group(backend, "roundtrip", tmp_path, world=world)
+    assert sender.get("error") is None, sender
+    for report in receivers:
+        assert report.get("error") is None, report
+        assert [v for v, _ in report["updates"]] == [1, 2, 3]
+        for (_, got), version in zip(report["updates"], (1, 2, 3), strict=True):
+            _assert_bit_identical(got, make_state(version))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -15,15 +15,22 @@ __all__ = ["ENTRY_POINT_GROUP", "CheckpointEngineRegistry", "backend_for_device"
 
 ENTRY_POINT_GROUP = "rlwire.ckpt_engine.backends"
 
-# name -> (module:attribute, module its optional dependency lives in, how to install it)
+# name -> (module:attribute, module its optional dependency lives in ("cuda": a CUDA
+# device), how to get it)
 _IN_TREE: dict[str, tuple[str, str | None, str | None]] = {
     "gloo": ("rlwire.ckpt_engine.backends._gloo:GlooEngine", None, None),
     "shm": ("rlwire.ckpt_engine.backends._shm:ShmEngine", None, None),
     "naive": ("rlwire.ckpt_engine.backends._naive:NaiveEngine", None, None),
     "filesystem": (
         "rlwire.ckpt_engine.backends._filesystem:FilesystemEngine",
-        "safetensors",
+        "safetensors,numpy",
         "pip install 'rlwire-ckpt-engine[filesystem]'",
+    ),
+    "nccl": ("rlwire.ckpt_engine.backends._nccl:NcclEngine", "cuda", "needs a CUDA device"),
+    "cuda_ipc": (
+        "rlwire.ckpt_engine.backends._cuda_ipc:CudaIpcEngine",
+        "cuda",
+        "needs a CUDA device",
     ),
     "hccl": (
         "rlwire.ckpt_engine.backends._hccl:HcclEngine",
@@ -93,7 +100,13 @@ class CheckpointEngineRegistry:
 
     def _missing_dependency(self, name: str) -> str | None:
         _, module, hint = self._lazy.get(name, (None, None, None))
-        if module is not None and importlib.util.find_spec(module) is None:
+        if module == "cuda":
+            import torch
+
+            return None if torch.cuda.is_available() else hint
+        if module is not None and any(
+            importlib.util.find_spec(m) is None for m in module.split(",")
+        ):
             return hint
         return None
 
@@ -120,11 +133,11 @@ class CheckpointEngineRegistry:
                 f"unknown checkpoint engine {name!r}; available: {', '.join(self.available())}"
             )
             if hints:
-                message += f"; not installed: {hints}"
+                message += f"; unavailable here: {hints}"
             raise ValueError(message)
         hint = self._missing_dependency(name)
         if hint:
-            raise ImportError(f"checkpoint engine {name!r} needs an optional dependency: {hint}")
+            raise ImportError(f"checkpoint engine {name!r} is unavailable here: {hint}")
         target, _, _ = self._lazy[name]
         module_name, _, attr = target.partition(":")
         cls = getattr(importlib.import_module(module_name), attr)

@@ -25,6 +25,7 @@ _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 def _safetensors():
     try:
+        import numpy  # noqa: F401  (safetensors.torch needs it to write files)
         import safetensors.torch
     except ImportError as err:
         raise ImportError(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import secrets
@@ -11,10 +10,9 @@ from collections.abc import Iterable
 
 import torch
 
-from .._base import BucketedEngine
+from .._control import StoreControlledEngine
 from .._errors import CheckpointEngineError
-from .._store import blocking, connect_store, master_store, peer_errors
-from .._wire import ALIGN, BucketMeta
+from .._wire import ALIGN
 
 __all__ = ["SHM_PREFIX", "ShmEngine"]
 
@@ -24,16 +22,18 @@ SHM_PREFIX = "rlwire-ckpt-shm-"
 segments an engine killed mid-update left behind can be found and removed."""
 
 
-class ShmEngine(BucketedEngine):
+def _map(path: str, size: int) -> torch.Tensor:
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+
+class ShmEngine(StoreControlledEngine):
     """Double-buffered shared-memory buckets on one host.
 
     The master packs bucket ``i`` into slot ``i % 2`` while receivers copy out
-    of the other slot. Bucket metadata and per-receiver acknowledgements are
-    keys in the master's TCPStore; the master reuses a slot only after every
-    receiver acknowledged the bucket in it, and a receiver acknowledges only
-    after its consumer moved past that bucket's last tensor. The segment files
-    are unlinked as soon as every receiver has mapped them, so nothing is left
-    in ``/dev/shm`` even if a process is killed later.
+    of the other slot; metadata and acknowledgements go through the master's
+    TCPStore (see :class:`~rlwire.ckpt_engine._control.StoreControlledEngine`).
+    The segment files are unlinked as soon as every receiver has mapped them,
+    so nothing is left in ``/dev/shm`` even if a process is killed later.
 
     Args:
         host: address of the master's store (receivers are on the same host).
@@ -41,41 +41,48 @@ class ShmEngine(BucketedEngine):
 
     name = "shm"
 
-    def __init__(self, *, host: str = "127.0.0.1", **kwargs) -> None:
+    def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.host = host
-        self.slots = []
         self._paths: list[str] = []
-        self._store = None
-        self._receivers: list[int] = []
-        self._pending: set[int] = set()
         self._token = ""
-        # master: (arena tensor, file path or "" once unlinked); receivers: mapped arenas
+        # master: [arena tensor, file path or "" once unlinked]; receivers: mapped arenas
         self._arenas: list[list] = []
         self._mapped: dict[int, torch.Tensor] = {}
 
-    def prepare(self) -> dict:
-        if not self.is_master:
-            return {}
-        token = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        self._token = token
-        self._paths = [os.path.join(SHM_DIR, f"{token}-slot{i}") for i in range(2)]
+    def _create_slots(self) -> dict:
+        self._token = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        self._paths = [os.path.join(SHM_DIR, f"{self._token}-slot{i}") for i in range(2)]
         for path in self._paths:
             with open(path, "wb") as f:
                 f.truncate(self.bucket_size)
-        self.slots = [self._map(p) for p in self._paths]
-        self._store = master_store(self.host, self.timeout)
-        return {
-            "host": self.host,
-            "port": self._store.port,
-            "slots": self._paths,
-            "bucket_size": self.bucket_size,
-        }
+        self.slots = [_map(p, self.bucket_size) for p in self._paths]
+        return {"slots": list(self._paths)}
 
-    def _map(self, path: str, size: int | None = None) -> torch.Tensor:
-        size = self.bucket_size if size is None else size
-        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    def _attach_slots(self, master_metadata: dict) -> None:
+        try:
+            self.slots = [_map(p, self.bucket_size) for p in master_metadata["slots"]]
+        except (KeyError, RuntimeError) as err:
+            raise CheckpointEngineError(f"shm: cannot map the master's slots: {err}") from err
 
+    def _all_attached(self) -> None:
+        self._unlink_slots()
+
+    def _unlink_slots(self) -> None:
+        for path in self._paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._paths = []
+
+    def _release_slots(self) -> None:
+        self._unlink_slots()
+        for entry in self._arenas:
+            if entry[1]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry[1])
+        self._arenas, self._mapped = [], {}
+        super()._release_slots()
+
+    # --- zero-copy sender: tensors living in a shared arena ------------------------------
     def share_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Move the master's CPU tensors into shared memory once, so updates copy them once.
 
@@ -91,7 +98,7 @@ class ShmEngine(BucketedEngine):
             Bytes moved into the arena.
 
         Raises:
-            CheckpointEngineError: not the master, not joined, or a non-CPU tensor.
+            CheckpointEngineError: not the master, not prepared, or a non-CPU tensor.
         """
         if not self.is_master or self._store is None:
             raise CheckpointEngineError("share_weights: only the master, after prepare()")
@@ -106,18 +113,18 @@ class ShmEngine(BucketedEngine):
         for t in tensors.values():
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        size = max(total, 1)
         index = len(self._arenas)
         path = os.path.join(SHM_DIR, f"{self._token}-arena{index}")
         with open(path, "wb") as f:
-            f.truncate(max(total, 1))
-        arena = self._map(path, max(total, 1))
+            f.truncate(size)
+        arena = _map(path, size)
         for t, off in zip(tensors.values(), offsets, strict=True):
-            n = t.numel() * t.element_size()
-            view = arena[off : off + n].view(t.dtype).view(t.shape)
+            view = arena[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             view.copy_(t)
             t.data = view
         self._arenas.append([arena, path])
-        self._store.set(f"arena/{index}", json.dumps([path, max(total, 1)]))
+        self._store.set(f"arena/{index}", json.dumps([path, size]))
         return total
 
     def _in_arena(self, tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -134,100 +141,18 @@ class ShmEngine(BucketedEngine):
         if arena not in self._mapped:
             path, size = json.loads(self._store.get(f"arena/{arena}"))
             try:
-                self._mapped[arena] = self._map(path, size)
+                self._mapped[arena] = _map(path, size)
             except RuntimeError as err:
                 raise CheckpointEngineError(f"shm: cannot map shared arena {path}: {err}") from err
             self._store.set(f"arena/{arena}/mapped/{self.rank}", b"1")
         return self._mapped[arena]
 
-    def _unlink_mapped_arenas(self) -> None:
-        """Unlink arena files every receiver has mapped (the mappings stay valid)."""
+    async def _drain(self, last_seq: int) -> None:
+        await super()._drain(last_seq)
+        # Unlink arena files every receiver has mapped (their mappings stay valid).
         for index, entry in enumerate(self._arenas):
             keys = [f"arena/{index}/mapped/{r}" for r in self._receivers]
             if entry[1] and self._store.check(keys):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry[1])
                 entry[1] = ""
-
-    def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
-        self._receivers = list(range(1, world_size))
-        if rank == 0:
-            keys = [f"joined/{r}" for r in self._receivers]
-            with peer_errors("shm: waiting for every receiver to map the slots", self.timeout):
-                if keys:
-                    self._store.wait(keys, datetime.timedelta(seconds=self.timeout))
-            self._unlink()
-            return
-        if master_metadata.get("bucket_size") != self.bucket_size:
-            raise CheckpointEngineError(
-                f"shm: bucket_size {self.bucket_size} differs from the master's "
-                f"{master_metadata.get('bucket_size')}; use the same value on every member"
-            )
-        self._store = connect_store(master_metadata, self.timeout)
-        try:
-            self.slots = [self._map(p) for p in master_metadata["slots"]]
-        except (KeyError, RuntimeError) as err:
-            raise CheckpointEngineError(f"shm: cannot map the master's slots: {err}") from err
-        self._store.set(f"joined/{rank}", b"1")
-
-    def _unlink(self) -> None:
-        for path in self._paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._paths = []
-
-    async def _wait_acks(self, seq: int) -> None:
-        keys = [f"ack/{seq}/{r}" for r in self._receivers]
-        timeout = datetime.timedelta(seconds=self.timeout)
-        await blocking(
-            lambda: self._store.wait(keys, timeout),
-            f"shm: waiting for receivers to consume bucket {seq}",
-            self.timeout,
-        )
-        for key in [*keys, f"meta/{seq}"]:
-            self._store.delete_key(key)
-        self._pending.discard(seq)
-
-    async def _acquire(self, slot: int, seq: int) -> None:
-        if seq - 2 in self._pending:
-            await self._wait_acks(seq - 2)
-
-    async def _emit(self, slot: int, meta: BucketMeta) -> None:
-        self._store.set(f"meta/{meta.index}", meta.to_bytes())
-        self._pending.add(meta.index)
-
-    async def _drain(self, last_seq: int) -> None:
-        for seq in sorted(self._pending):
-            await self._wait_acks(seq)
-        self._unlink_mapped_arenas()
-
-    async def _next(self, seq: int) -> tuple[BucketMeta, torch.Tensor]:
-        key = f"meta/{seq}"
-        timeout = datetime.timedelta(seconds=self.timeout)
-
-        def fetch() -> bytes:
-            self._store.wait([key], timeout)
-            return self._store.get(key)
-
-        meta = BucketMeta.from_bytes(
-            await blocking(fetch, f"shm: waiting for bucket {seq}", self.timeout)
-        )
-        return meta, self.slots[seq % 2]
-
-    async def _release(self, meta: BucketMeta) -> None:
-        await blocking(
-            lambda: self._store.set(f"ack/{meta.index}/{self.rank}", b"1"),
-            f"shm: acknowledging bucket {meta.index}",
-            self.timeout,
-        )
-
-    def finalize(self) -> None:
-        super().finalize()
-        self._unlink()
-        for entry in self._arenas:
-            if entry[1]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry[1])
-        self._arenas, self._mapped = [], {}
-        self.slots = []
-        self._store = None

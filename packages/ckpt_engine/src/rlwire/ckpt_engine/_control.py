@@ -1,0 +1,155 @@
+"""Bucket metadata and acknowledgements over the master's TCPStore.
+
+Shared by the backends whose data path is not itself a message stream
+(shared memory, CUDA IPC, NCCL broadcasts): the master publishes each
+bucket's metadata under ``meta/<seq>``; a receiver acknowledges with
+``ack/<seq>/<rank>`` once its consumer is done with the bucket; the master
+reuses the slot of bucket ``seq`` only after every receiver acknowledged
+bucket ``seq - 2``, and an update ends when every receiver acknowledged its
+last bucket.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+from ._base import BucketedEngine
+from ._errors import CheckpointEngineError
+from ._store import blocking, connect_store, master_store, peer_errors
+from ._wire import BucketMeta
+
+__all__ = ["StoreControlledEngine"]
+
+
+class StoreControlledEngine(BucketedEngine):
+    """A bucketed engine whose control messages go through the master's store.
+
+    Subclasses provide the slots (``_create_slots`` on the master,
+    ``_attach_slots`` on receivers) and may hook the points where data must
+    be complete: before a bucket is published and before it is acknowledged.
+
+    Args:
+        host: address receivers use to reach the master's store.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.host = host
+        self.slots = []
+        self._store = None
+        self._receivers: list[int] = []
+        self._pending: set[int] = set()
+
+    # --- slots (subclass hooks) ---------------------------------------------------------
+    def _create_slots(self) -> dict:
+        """Master: allocate ``self.slots``; return what receivers need to attach."""
+        raise NotImplementedError
+
+    def _attach_slots(self, master_metadata: dict) -> None:
+        """Receiver: make ``self.slots`` usable from ``master_metadata``."""
+        raise NotImplementedError
+
+    def _all_attached(self) -> None:
+        """Master: every receiver has attached (e.g. unlink names nobody needs now)."""
+
+    def _release_slots(self) -> None:
+        """Free the slots (finalize)."""
+        self.slots = []
+
+    async def _before_publish(self, slot: int, meta: BucketMeta) -> None:
+        """Master: make the slot's bytes visible to receivers before announcing them."""
+
+    async def _after_publish(self, slot: int, meta: BucketMeta) -> None:
+        """Master: move the bytes if the transport needs a collective (NCCL)."""
+
+    async def _receive_into(self, meta: BucketMeta) -> torch.Tensor:
+        """Receiver: the buffer holding bucket ``meta`` (default: the shared slot)."""
+        return self.slots[meta.index % 2]
+
+    async def _before_ack(self, meta: BucketMeta) -> None:
+        """Receiver: the consumer's reads of the bucket must be complete before the ack."""
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def prepare(self) -> dict:
+        if not self.is_master:
+            return {}
+        metadata = self._create_slots()
+        self._store = master_store(self.host, self.timeout)
+        return {
+            "host": self.host,
+            "port": self._store.port,
+            "bucket_size": self.bucket_size,
+            **metadata,
+        }
+
+    def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
+        self._receivers = list(range(1, world_size))
+        if rank == 0:
+            keys = [f"joined/{r}" for r in self._receivers]
+            with peer_errors(f"{self.name}: waiting for every receiver to join", self.timeout):
+                if keys:
+                    self._store.wait(keys, datetime.timedelta(seconds=self.timeout))
+            self._all_attached()
+            return
+        if master_metadata.get("bucket_size") != self.bucket_size:
+            raise CheckpointEngineError(
+                f"{self.name}: bucket_size {self.bucket_size} differs from the master's "
+                f"{master_metadata.get('bucket_size')}; use the same value on every member"
+            )
+        self._store = connect_store(master_metadata, self.timeout)
+        self._attach_slots(master_metadata)
+        self._store.set(f"joined/{rank}", b"1")
+
+    def finalize(self) -> None:
+        super().finalize()
+        self._release_slots()
+        self._store = None
+
+    # --- the protocol -------------------------------------------------------------------
+    async def _wait_acks(self, seq: int) -> None:
+        keys = [f"ack/{seq}/{r}" for r in self._receivers]
+        timeout = datetime.timedelta(seconds=self.timeout)
+        await blocking(
+            lambda: self._store.wait(keys, timeout),
+            f"{self.name}: waiting for receivers to consume bucket {seq}",
+            self.timeout,
+        )
+        for key in [*keys, f"meta/{seq}"]:
+            self._store.delete_key(key)
+        self._pending.discard(seq)
+
+    async def _acquire(self, slot: int, seq: int) -> None:
+        if seq - 2 in self._pending:
+            await self._wait_acks(seq - 2)
+
+    async def _emit(self, slot: int, meta: BucketMeta) -> None:
+        await self._before_publish(slot, meta)
+        self._store.set(f"meta/{meta.index}", meta.to_bytes())
+        self._pending.add(meta.index)
+        await self._after_publish(slot, meta)
+
+    async def _drain(self, last_seq: int) -> None:
+        for seq in sorted(self._pending):
+            await self._wait_acks(seq)
+
+    async def _next(self, seq: int) -> tuple[BucketMeta, torch.Tensor]:
+        key = f"meta/{seq}"
+        timeout = datetime.timedelta(seconds=self.timeout)
+
+        def fetch() -> bytes:
+            self._store.wait([key], timeout)
+            return self._store.get(key)
+
+        raw = await blocking(fetch, f"{self.name}: waiting for bucket {seq}", self.timeout)
+        meta = BucketMeta.from_bytes(raw)
+        return meta, await self._receive_into(meta)
+
+    async def _release(self, meta: BucketMeta) -> None:
+        await self._before_ack(meta)
+        await blocking(
+            lambda: self._store.set(f"ack/{meta.index}/{self.rank}", b"1"),
+            f"{self.name}: acknowledging bucket {meta.index}",
+            self.timeout,
+        )
