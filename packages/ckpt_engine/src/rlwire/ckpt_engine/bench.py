@@ -26,12 +26,31 @@ import torch
 
 from ._registry import registry
 
+_CUDA_BACKENDS = ("cuda_ipc", "nccl")
 
-def _weights(gib: float, tensor_mib: int) -> list[tuple[str, torch.Tensor]]:
+
+def _device(backend: str, rank: int) -> torch.device:
+    if backend not in _CUDA_BACKENDS:
+        return torch.device("cpu")
+    # nccl: one GPU per member; cuda_ipc: everyone on the master's GPU
+    index = rank % torch.cuda.device_count() if backend == "nccl" else 0
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _weights(gib: float, tensor_mib: int, device: torch.device) -> list[tuple[str, torch.Tensor]]:
     total = int(gib * (1 << 30)) // 4
     per = tensor_mib * (1 << 20) // 4
     sizes = [per] * (total // per) + ([total % per] if total % per else [])
-    return [(f"layer.{i}.weight", torch.full((n,), float(i))) for i, n in enumerate(sizes)]
+    return [
+        (f"layer.{i}.weight", torch.full((n,), float(i), device=device))
+        for i, n in enumerate(sizes)
+    ]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _options(args: argparse.Namespace, master: bool, root: str) -> dict:
@@ -43,36 +62,42 @@ def _options(args: argparse.Namespace, master: bool, root: str) -> dict:
 
 def _receiver(rank: int, args, root: str, meta_q, done_q) -> None:
     torch.set_num_threads(args.threads)
+    device = _device(args.backend, rank)
     engine = registry.new(args.backend, **_options(args, False, root))
     engine.prepare()
     meta = meta_q.get(timeout=args.timeout)
     engine.init_process_group(rank=rank, world_size=args.receivers + 1, master_metadata=meta)
-    dest = {name: torch.empty_like(t) for name, t in _weights(args.gib, args.tensor_mib)}
+    dest = {name: torch.empty_like(t) for name, t in _weights(args.gib, args.tensor_mib, device)}
 
     async def run() -> None:
         for _ in range(args.updates + 1):
             async for name, tensor in engine.receive_weights(copy=False):
                 dest[name].copy_(tensor)
+            _sync(device)  # "written into its destination" means on the device
             done_q.put((rank, engine.last_version, time.monotonic()))
 
     asyncio.run(run())
     engine.finalize()
 
 
-def _plain_copy_seconds(weights: list[tuple[str, torch.Tensor]]) -> float:
+def _plain_copy_seconds(weights: list[tuple[str, torch.Tensor]], device: torch.device) -> float:
     dst = [torch.empty_like(t) for _, t in weights]
     times = []
     for _ in range(5):
+        _sync(device)
         start = time.perf_counter()
         for d, (_, s) in zip(dst, weights, strict=True):
             d.copy_(s)
+        _sync(device)
         times.append(time.perf_counter() - start)
     return min(times)  # the best of five: the machine's limit
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", default="shm", choices=["gloo", "shm", "filesystem"])
+    parser.add_argument(
+        "--backend", default="shm", choices=["gloo", "shm", "filesystem", *_CUDA_BACKENDS]
+    )
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--receivers", type=int, default=2)
     parser.add_argument("--tensor-mib", type=int, default=16)
@@ -87,9 +112,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
 
-    weights = _weights(args.gib, args.tensor_mib)
+    if args.backend in _CUDA_BACKENDS and not torch.cuda.is_available():
+        print(f"rlwire.ckpt_engine.bench: {args.backend} needs CUDA; none on this machine")
+        return
+    device = _device(args.backend, 0)
+    weights = _weights(args.gib, args.tensor_mib, device)
     nbytes = sum(t.numel() * 4 for _, t in weights)
-    plain = _plain_copy_seconds(weights)  # with torch's default threads: the machine's limit
+    # A plain copy of the same bytes: host memory bandwidth on the CPU, device-to-device on GPUs.
+    plain = _plain_copy_seconds(
+        weights, device
+    )  # with torch's default threads: the machine's limit
     # Sender and receivers share the cores: one thread each avoids OpenMP
     # oversubscription (idle-spinning threads stalling every parallel copy).
     torch.set_num_threads(args.threads)
