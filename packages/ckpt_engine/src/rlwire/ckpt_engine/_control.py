@@ -20,7 +20,16 @@ from ._errors import CheckpointEngineError
 from ._store import blocking, connect_store, master_store, peer_errors
 from ._wire import BucketMeta
 
-__all__ = ["StoreControlledEngine"]
+__all__ = ["StoreControlledEngine", "cuda_device"]
+
+
+def cuda_device(device: torch.device | str | None, backend: str) -> torch.device:
+    """``device`` (default: the current CUDA device), or an error if there is no CUDA."""
+    if not torch.cuda.is_available():
+        raise CheckpointEngineError(f"{backend} needs a CUDA device; none is available")
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
 
 
 class StoreControlledEngine(BucketedEngine):

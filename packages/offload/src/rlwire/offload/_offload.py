@@ -69,6 +69,29 @@ def _in_slab(t: torch.Tensor, slab: torch.Tensor) -> bool:
     )
 
 
+def _side_stream_copies(
+    device: torch.device,
+    dests: Sequence[torch.Tensor],
+    sources: Sequence[torch.Tensor],
+    non_blocking: bool,
+    *,
+    record_sources: bool,
+) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """Queue ``dest.copy_(src)`` pairs on the device's copy stream, after the current
+    stream's work; return the timing events recorded around them."""
+    stream = _copy_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        for dst, src in zip(dests, sources, strict=True):
+            dst.copy_(src, non_blocking=non_blocking)
+            if record_sources:
+                src.record_stream(stream)
+        end.record(stream)
+    return start, end
+
+
 def _finish(transfer: Transfer) -> Transfer:
     return transfer.wait() if _debug() else transfer
 
@@ -102,17 +125,9 @@ def _offload(
         for slot, host in zip(moving, hosts, strict=True):
             slot.install(host)
         return Transfer.completed(what, nbytes, time.perf_counter() - start)
-    stream = _copy_stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        start.record(stream)
-        for host, src in zip(hosts, sources, strict=True):
-            host.copy_(src, non_blocking=non_blocking)
-            # The device memory must outlive the copy even though the model
-            # lets go of it right below.
-            src.record_stream(stream)
-        end.record(stream)
+    # The device memory must outlive the copy even though the model lets go of
+    # it right below: record_sources keeps the allocator from reusing it early.
+    start, end = _side_stream_copies(device, hosts, sources, non_blocking, record_sources=True)
     for slot, host in zip(moving, hosts, strict=True):
         slot.install(host)
     keep = [sources]  # dropped on completion
@@ -142,18 +157,10 @@ def _load(
             slot.install(src.to(target, copy=True))
         record.pool.free(record.slab)
         return Transfer.completed(what, nbytes, time.perf_counter() - start)
-    current = torch.cuda.current_stream(target)
-    stream = _copy_stream(target)
     dests = [torch.empty(t.shape, dtype=t.dtype, device=target) for t in sources]
-    stream.wait_stream(current)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        start.record(stream)
-        for dst, src in zip(dests, sources, strict=True):
-            dst.copy_(src, non_blocking=non_blocking)
-        end.record(stream)
+    start, end = _side_stream_copies(target, dests, sources, non_blocking, record_sources=False)
     # Work queued on the current stream from now on sees the loaded values.
-    current.wait_event(end)
+    torch.cuda.current_stream(target).wait_event(end)
     for slot, dst in zip(moving, dests, strict=True):
         slot.install(dst)
 

@@ -7,7 +7,7 @@ import pickle
 
 import torch
 
-from .._control import StoreControlledEngine
+from .._control import StoreControlledEngine, cuda_device
 from .._errors import CheckpointEngineError
 from .._wire import BucketMeta
 
@@ -42,13 +42,7 @@ class CudaIpcEngine(StoreControlledEngine):
     name = "cuda_ipc"
 
     def __init__(self, *, device: torch.device | str | None = None, **kwargs) -> None:
-        if not torch.cuda.is_available():
-            raise CheckpointEngineError("cuda_ipc needs a CUDA device; none is available")
-        self.device = (
-            torch.device(device)
-            if device is not None
-            else torch.device("cuda", torch.cuda.current_device())
-        )
+        self.device = cuda_device(device, "cuda_ipc")
         super().__init__(**kwargs)
 
     def _buffer_device(self) -> torch.device:

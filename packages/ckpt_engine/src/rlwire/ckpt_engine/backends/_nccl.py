@@ -9,8 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .._control import StoreControlledEngine
-from .._errors import CheckpointEngineError, CheckpointEngineTimeout
+from .._control import StoreControlledEngine, cuda_device
+from .._errors import CheckpointEngineTimeout
 from .._store import peer_errors
 from .._wire import BucketMeta
 
@@ -35,13 +35,7 @@ class NcclEngine(StoreControlledEngine):
     name = "nccl"
 
     def __init__(self, *, device: torch.device | str | None = None, **kwargs) -> None:
-        if not torch.cuda.is_available():
-            raise CheckpointEngineError("nccl needs a CUDA device; none is available")
-        self.device = (
-            torch.device(device)
-            if device is not None
-            else torch.device("cuda", torch.cuda.current_device())
-        )
+        self.device = cuda_device(device, "nccl")
         super().__init__(**kwargs)
         self._pg = None
         self._inflight: list = [None, None]
