@@ -1,0 +1,467 @@
+"""The trainer's configuration: typed, documented dataclasses; YAML files and dotted overrides.
+
+Every default lives here once. ``load_config(path, overrides)`` starts from
+the defaults, merges a YAML file, then ``dotted.key=value`` overrides, and
+validates: an unknown key fails with the valid keys at that level and the
+closest match; a wrong type or out-of-range value fails naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "CheckpointEngineConfig",
+    "ConfigError",
+    "DataConfig",
+    "GradSyncSection",
+    "ModelConfig",
+    "OptimConfig",
+    "RayConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+    "TrainerSection",
+    "describe_config",
+    "load_config",
+    "to_dict",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is not allowed; the message names the key."""
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {value!r} is not allowed; {allowed}")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str = "tiny"
+    """A local Hugging Face model directory, or ``tiny``: a small Qwen2-architecture
+    model with random weights and a matching tokenizer, built locally (no
+    download) and cached under the output directory."""
+    dtype: str = "float32"
+    """Parameter dtype of the actor: ``float32`` or ``bfloat16``."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.dtype in ("float32", "bfloat16"),
+            "model.dtype",
+            self.dtype,
+            "use 'float32' or 'bfloat16'",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: str = "builtin:count"
+    """``builtin:count`` (the built-in verifiable task) or a JSONL/Parquet file."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt in a user file."""
+    answer_key: str = "answer"
+    """Column holding the ground truth in a user file."""
+    train_batch_size: int = 8
+    """Prompts per step (each sampled ``rollout.n`` times)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.train_batch_size >= 1,
+            "data.train_batch_size",
+            self.train_batch_size,
+            "use an int >= 1",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    function: str = "builtin"
+    """``builtin`` (the task's own partial-credit reward), ``module.path:function``
+    or ``file.py:function``; called as ``f(prompts, responses, answers) -> list[float]``."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "actor.optim.lr", self.lr, "use a float > 0")
+        _check(self.grad_clip >= 0, "actor.optim.grad_clip", self.grad_clip, "use a float >= 0")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GradSyncSection:
+    policy: str = "defer"
+    """``defer`` (one reduction per step, unsharded grads held between
+    micro-batches), ``every`` (reduce each micro-batch) or ``auto``; see
+    ``rlwire.grad_sync``. verl's ``actor.fsdp.use_no_sync_for_gradient_accumulation``
+    (True → defer, False → every) is accepted as an alias."""
+    memory_budget_bytes: int | None = None
+    """Budget for ``auto`` (None: half the free device memory; defer on CPU)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.policy in ("defer", "every", "auto"),
+            "actor.grad_sync.policy",
+            self.policy,
+            "use 'defer', 'every' or 'auto'",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ActorConfig:
+    strategy: str = "fsdp2"
+    """``fsdp2`` (``fully_shard``) or ``fsdp`` (FSDP1)."""
+    world_size: int = 1
+    """Actor ranks (Ray actors forming a gloo/NCCL group)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank."""
+    mixed_precision: bool = False
+    """bf16 compute with fp32 gradient reduction (FSDP MixedPrecisionPolicy)."""
+    offload: bool = False
+    """Move parameters and optimizer state to host between phases (``rlwire.offload``)."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    grad_sync: GradSyncSection = dataclasses.field(default_factory=GradSyncSection)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.strategy in ("fsdp2", "fsdp"),
+            "actor.strategy",
+            self.strategy,
+            "use 'fsdp2' or 'fsdp'",
+        )
+        _check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
+        _check(
+            self.micro_batch_size >= 1,
+            "actor.micro_batch_size",
+            self.micro_batch_size,
+            "use an int >= 1",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    backend: str = "hf"
+    """Generation engine: ``hf`` (Hugging Face ``generate``)."""
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    max_new_tokens: int = 8
+    """Tokens generated per sample."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+
+    def __post_init__(self) -> None:
+        _check(self.backend == "hf", "rollout.backend", self.backend, "use 'hf'")
+        _check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")
+        _check(
+            self.max_new_tokens >= 1,
+            "rollout.max_new_tokens",
+            self.max_new_tokens,
+            "use an int >= 1",
+        )
+        _check(self.temperature > 0, "rollout.temperature", self.temperature, "use a float > 0")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    clip_ratio: float = 0.2
+    """PPO clip range epsilon: ratios outside [1 - eps, 1 + eps] stop contributing."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the reference model (0: no reference model)."""
+    loss_agg: str = "token-mean"
+    """``token-mean`` (every token of the batch weighs the same) or
+    ``seq-mean-token-mean`` (mean over each sequence, then over sequences)."""
+    norm_adv_by_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO);
+    False keeps the plain centred reward (Dr. GRPO)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            0 < self.clip_ratio < 1,
+            "algorithm.clip_ratio",
+            self.clip_ratio,
+            "use a float in (0, 1)",
+        )
+        _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "use a float >= 0")
+        _check(
+            self.loss_agg in ("token-mean", "seq-mean-token-mean"),
+            "algorithm.loss_agg",
+            self.loss_agg,
+            "use 'token-mean' or 'seq-mean-token-mean'",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CheckpointEngineConfig:
+    backend: str = "auto"
+    """A ``rlwire.ckpt_engine`` backend name, or ``auto`` (by device)."""
+    bucket_size: str = "64MiB"
+    """Bytes per bucket (``rlwire.ckpt_engine.parse_bucket_size`` syntax)."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainerSection:
+    steps: int = 40
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    output_dir: str = "runs/default"
+    """Run directory: config, metrics.jsonl, plot, log, checkpoints."""
+    save_every: int = 10
+    """Checkpoint every this many steps (0: only at the end)."""
+    resume: str = "auto"
+    """``auto`` (latest checkpoint in output_dir, if any), ``never``, or a checkpoint path."""
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, "trainer.steps", self.steps, "use an int >= 1")
+        _check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RayConfig:
+    address: str | None = None
+    """An existing cluster (``ray://...`` or ``host:port``); None: ``RAY_ADDRESS`` or local."""
+    num_cpus: int | None = None
+    """CPUs of the embedded local cluster (None: all)."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    ckpt_engine: CheckpointEngineConfig = dataclasses.field(default_factory=CheckpointEngineConfig)
+    trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+    ray: RayConfig = dataclasses.field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        samples = self.data.train_batch_size * self.rollout.n
+        per_step = self.actor.world_size * self.actor.micro_batch_size
+        _check(
+            samples % per_step == 0,
+            "data.train_batch_size",
+            self.data.train_batch_size,
+            f"train_batch_size x rollout.n ({samples}) must be a multiple of "
+            f"actor.world_size x actor.micro_batch_size ({per_step})",
+        )
+
+
+# verl's spelling -> (our key, value mapping)
+ALIASES: dict[str, tuple[str, Mapping[Any, Any]]] = {
+    "actor.fsdp.use_no_sync_for_gradient_accumulation": (
+        "actor.grad_sync.policy",
+        {True: "defer", False: "every"},
+    ),
+}
+
+
+def to_dict(config: Any) -> dict:
+    """A nested plain dict of a config (for YAML, JSON and ``--print-config``)."""
+    return {
+        f.name: (to_dict(v) if dataclasses.is_dataclass(v := getattr(config, f.name)) else v)
+        for f in dataclasses.fields(config)
+    }
+
+
+def _parse_scalar(text: str) -> Any:
+    """YAML's reading of an override value; numbers YAML 1.1 leaves as strings (``3e-4``) too."""
+    import yaml
+
+    value = yaml.safe_load(text) if text.strip() else ""
+    if isinstance(value, str):
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    return value
+
+
+def _coerce(key: str, annotation: Any, value: Any) -> Any:
+    hint = annotation
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        hint = options[0]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" in a file as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        return value
+    raise ConfigError(f"{key}: {value!r} is not a {hint.__name__}")
+
+
+def _merge(cls: type, base: Any, updates: Mapping[str, Any], prefix: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {name: getattr(base, name) for name in fields}
+    for key, value in updates.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{full}: unknown key; valid keys under {prefix.rstrip('.') or 'the top level'}: "
+                f"{', '.join(sorted(fields))}{hint}"
+            )
+        hint_type = hints[key]
+        if dataclasses.is_dataclass(hint_type):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
+            values[key] = _merge(hint_type, values[key], value, f"{full}.")
+        else:
+            values[key] = _coerce(full, hint_type, value)
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {err}") from err
+
+
+def _nest(dotted: Mapping[str, Any]) -> dict:
+    tree: dict = {}
+    for key, value in dotted.items():
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: conflicts with a value set for {part}")
+        node[parts[-1]] = value
+    return tree
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _apply_aliases(flat: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in flat.items():
+        if key in ALIASES:
+            target, mapping = ALIASES[key]
+            if value not in mapping:
+                raise ConfigError(f"{key}: {value!r} is not allowed; use one of {list(mapping)}")
+            out[target] = mapping[value]
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainerConfig:
+    """Defaults, then the YAML file at ``path``, then ``key.sub=value`` overrides.
+
+    Raises:
+        ConfigError: unknown keys (with the valid ones and the closest match),
+            wrong types or values (naming the key), a malformed override, or a
+            missing/unreadable file.
+    """
+    import yaml
+
+    flat: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as err:
+            raise ConfigError(f"--config: cannot read {path}: {err.strerror}") from err
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--config: {path} is not valid YAML: {err}") from err
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"--config: {path} must hold a mapping of sections")
+        flat.update(_flatten(loaded))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        flat[key.strip()] = _parse_scalar(text)
+    return _merge(TrainerConfig, TrainerConfig(), _nest(_apply_aliases(flat)), "")
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under each field of ``cls`` (read from its source)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def describe_config() -> str:
+    """A Markdown reference of every section and key: type, default and documentation."""
+    lines: list[str] = []
+    root = TrainerConfig()
+
+    def section(obj: Any, prefix: str) -> None:
+        cls = type(obj)
+        hints = typing.get_type_hints(cls)
+        docs = _field_docs(cls)
+        rows, nested = [], []
+        for f in dataclasses.fields(cls):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                nested.append((value, f"{prefix}{f.name}."))
+                continue
+            kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
+            rows.append(f"| `{prefix}{f.name}` | {kind} | `{value!r}` | {docs.get(f.name, '')} |")
+        if rows:
+            lines.append(f"\n### `{prefix.rstrip('.')}`\n")
+            lines.append("| key | type | default | meaning |\n|---|---|---|---|")
+            lines.extend(rows)
+        for child, child_prefix in nested:
+            section(child, child_prefix)
+
+    section(root, "")
+    return "\n".join(lines).strip() + "\n"

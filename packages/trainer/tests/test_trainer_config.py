@@ -1,0 +1,100 @@
+"""Configuration: defaults, YAML + dotted overrides, aliases and every error."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlwire.trainer.config import ConfigError, TrainerConfig, load_config, to_dict
+
+
+def test_defaults_and_overrides_merge_in_order(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("actor:\n  world_size: 2\n  optim:\n    lr: 1e-2\nrollout:\n  n: 4\n")
+    config = load_config(path, ["actor.optim.lr=3e-4", "trainer.steps=5", "ray.address=null"])
+    assert isinstance(config, TrainerConfig)
+    assert config.actor.world_size == 2  # from the file
+    assert load_config(path).actor.optim.lr == 0.01  # "1e-2" in YAML 1.1 is a string: read as float
+    assert config.actor.optim.lr == 3e-4  # the override wins over the file
+    assert config.rollout.n == 4 and config.trainer.steps == 5 and config.ray.address is None
+    assert config.actor.micro_batch_size == 8  # default kept
+    assert to_dict(config)["actor"]["optim"] == {"lr": 3e-4, "weight_decay": 0.0, "grad_clip": 1.0}
+
+
+@pytest.mark.parametrize(("value", "policy"), [("true", "defer"), ("false", "every")])
+def test_verl_alias_sets_the_grad_sync_policy(value, policy):
+    config = load_config(overrides=[f"actor.fsdp.use_no_sync_for_gradient_accumulation={value}"])
+    assert config.actor.grad_sync.policy == policy
+
+
+def test_unknown_key_lists_valid_keys_and_closest_match():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["actor.micro_batchsize=4"])
+    assert str(err.value) == (
+        "actor.micro_batchsize: unknown key; valid keys under actor: grad_sync, "
+        "micro_batch_size, mixed_precision, offload, optim, strategy, world_size; "
+        "did you mean 'actor.micro_batch_size'?"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^rolout: unknown key; valid keys under the top "
+        r"level: .*; did you mean 'rollout'\?",
+    ):
+        load_config(overrides=["rolout.n=4"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("actor.world_size=two", "actor.world_size: 'two' is not a int"),
+        ("actor.world_size=0", "actor.world_size: 0 is not allowed; use an int >= 1"),
+        ("rollout.temperature=0", "rollout.temperature: 0.0 is not allowed; use a float > 0"),
+        ("actor.strategy=ddp", "actor.strategy: 'ddp' is not allowed; use 'fsdp2' or 'fsdp'"),
+        (
+            "actor.grad_sync.policy=sometimes",
+            "actor.grad_sync.policy: 'sometimes' is not allowed; use 'defer', 'every' or 'auto'",
+        ),
+        ("actor.offload=yes please", "actor.offload: 'yes please' is not a bool"),
+        ("actor=3", "actor: expected a section (mapping), got 3"),
+        (
+            "actor.fsdp.use_no_sync_for_gradient_accumulation=maybe",
+            "actor.fsdp.use_no_sync_for_gradient_accumulation: 'maybe' is not allowed; "
+            "use one of [True, False]",
+        ),
+        ("novalue", "override 'novalue': expected dotted.key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    assert str(err.value) == message
+
+
+def test_impossible_batch_split_is_refused():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["actor.world_size=3", "data.train_batch_size=2", "rollout.n=4"])
+    assert str(err.value) == (
+        "data.train_batch_size: 2 is not allowed; train_batch_size x rollout.n (8) must be a "
+        "multiple of actor.world_size x actor.micro_batch_size (24)"
+    )
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--config: cannot read .*missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"^--config: .*bad.yaml is not valid YAML"):
+        load_config(bad)
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of sections"):
+        load_config(flat)
+
+
+def test_readme_reference_is_generated_from_the_dataclasses():
+    from pathlib import Path
+
+    from rlwire.trainer.config import describe_config
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert describe_config() in readme
