@@ -1,0 +1,106 @@
+"""Rollout with Hugging Face ``generate`` and the log-probabilities the actor recomputes.
+
+Shapes: ``B = prompts x n`` sequences (the ``n`` samples of a prompt are
+consecutive), ``P`` prompt tokens (left-padded), ``T`` response tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["Rollout", "hf_generate", "sequence_logprobs"]
+
+
+@dataclasses.dataclass(slots=True)
+class Rollout:
+    prompt_ids: torch.Tensor
+    """``(B, P)`` int64, left-padded."""
+    prompt_mask: torch.Tensor
+    """``(B, P)`` int64, 1 for real prompt tokens."""
+    response_ids: torch.Tensor
+    """``(B, T)`` int64 sampled tokens (padding after an end-of-sequence token)."""
+    response_mask: torch.Tensor
+    """``(B, T)`` int64, 1 up to and including the first end-of-sequence token."""
+    logprobs: torch.Tensor
+    """``(B, T)`` float32 log-probability of each sampled token under the sampling
+    distribution (temperature applied), as the rollout engine saw it."""
+    texts: list[str]
+    """Decoded responses (special tokens skipped)."""
+
+
+def _response_mask(response_ids: torch.Tensor, eos_id: int | None) -> torch.Tensor:
+    if eos_id is None:
+        return torch.ones_like(response_ids)
+    is_eos = (response_ids == eos_id).long()
+    # tokens after the first eos: cumulative count of eos seen *before* this position > 0
+    before = torch.cumsum(is_eos, dim=1) - is_eos
+    return (before == 0).long()
+
+
+@torch.no_grad()
+def hf_generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+) -> Rollout:
+    """Sample ``n`` responses per prompt with ``model.generate``."""
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    prompt_ids = batch["input_ids"].repeat_interleave(n, dim=0)
+    prompt_mask = batch["attention_mask"].repeat_interleave(n, dim=0)
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    response_ids = out.sequences[:, prompt_ids.shape[1] :]
+    logits = torch.stack(out.logits, dim=1).float() / temperature  # (B, T, V)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.unsqueeze(-1))
+    mask = _response_mask(response_ids, tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(
+        response_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True
+    )
+    return Rollout(prompt_ids, prompt_mask, response_ids, mask, logprobs.squeeze(-1) * mask, texts)
+
+
+def sequence_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+):
+    """``(B, T)`` log-probabilities of ``response_ids`` under ``model`` (one forward pass).
+
+    Positions follow the attention mask, so left padding does not shift them.
+    With ``with_entropy`` also returns the ``(B, T)`` entropy of each token's distribution.
+    """
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention = torch.cat([prompt_mask, torch.ones_like(response_ids)], dim=1)
+    positions = (torch.cumsum(attention, dim=1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+    steps = response_ids.shape[1]
+    logits = logits[:, -steps - 1 : -1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    token_logp = logp.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return token_logp
+    entropy = -(logp.exp() * logp).sum(-1)
+    return token_logp, entropy

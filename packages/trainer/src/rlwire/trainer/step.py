@@ -1,0 +1,105 @@
+"""One GRPO policy update on one actor rank: old log-probs, then micro-batched gradient steps.
+
+This is the piece every actor engine runs (FSDP2, FSDP1 or a plain module);
+micro-batch accumulation goes through ``rlwire.grad_sync.run_micro_batches``,
+so the configured sync policy (defer / every / auto) applies for real.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlwire.grad_sync import decide_policy, retained_grad_bytes, run_micro_batches
+
+from .grpo import aggregate, policy_loss
+from .rollout import Rollout, sequence_logprobs
+
+__all__ = ["compute_old_logprobs", "grpo_update"]
+
+
+@torch.no_grad()
+def compute_old_logprobs(
+    model, rollout: Rollout, *, micro_batch_size: int, temperature: float
+) -> torch.Tensor:
+    """``(B, T)`` log-probs of the rollout under the current actor (forward only)."""
+    parts = []
+    for start in range(0, rollout.response_ids.shape[0], micro_batch_size):
+        s = slice(start, start + micro_batch_size)
+        parts.append(
+            sequence_logprobs(
+                model,
+                rollout.prompt_ids[s],
+                rollout.prompt_mask[s],
+                rollout.response_ids[s],
+                temperature=temperature,
+            )
+        )
+    return torch.cat(parts) * rollout.response_mask
+
+
+def grpo_update(
+    model,
+    optimizer: torch.optim.Optimizer,
+    rollout: Rollout,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    clip_ratio: float,
+    loss_agg: str = "token-mean",
+    grad_clip: float = 1.0,
+    grad_sync: object = "defer",
+) -> dict[str, float]:
+    """One optimizer step over this rank's share of the rollout.
+
+    Each micro-batch's loss is scaled by its share of the batch so that the
+    accumulated gradient equals the full-batch gradient. Returns metrics:
+    ``policy_loss``, ``clip_fraction``, ``entropy``, ``grad_norm``,
+    ``retained_grad_bytes`` (the most held between micro-batches) and
+    ``grad_sync_policy``.
+    """
+    total = rollout.response_ids.shape[0]
+    slices = [slice(s, min(s + micro_batch_size, total)) for s in range(0, total, micro_batch_size)]
+    held: list[int] = []
+
+    def step(s: slice) -> tuple[float, float, float]:
+        logp, entropy = sequence_logprobs(
+            model,
+            rollout.prompt_ids[s],
+            rollout.prompt_mask[s],
+            rollout.response_ids[s],
+            temperature=temperature,
+            with_entropy=True,
+        )
+        mask = rollout.response_mask[s]
+        loss, clip_frac = policy_loss(
+            logp, old_logprobs[s], advantages[s], mask, clip_ratio=clip_ratio, loss_agg=loss_agg
+        )
+        weight = (s.stop - s.start) / total
+        (loss * weight).backward()
+        held.append(retained_grad_bytes(model))
+        return (
+            loss.item() * weight,
+            clip_frac.item() * weight,
+            (aggregate(entropy.detach(), mask, "token-mean").item() * weight),
+        )
+
+    results = run_micro_batches(model, slices, step, policy=grad_sync)
+    clip_params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(clip_params, grad_clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad) for p in clip_params])
+        )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {
+        "policy_loss": sum(r[0] for r in results),
+        "clip_fraction": sum(r[1] for r in results),
+        "entropy": sum(r[2] for r in results),
+        "grad_norm": float(grad_norm),
+        "retained_grad_bytes": max(held),
+        "grad_sync_policy": str(decide_policy(model, grad_sync)),
+    }
