@@ -12,9 +12,9 @@ __all__ = ["apply_to_module"]
 
 
 def _targets(module: nn.Module) -> dict[str, torch.Tensor]:
-    targets = dict(module.named_parameters())
-    targets.update(dict(module.named_buffers()))
-    return targets
+    # The state dict's names: persistent buffers included, and tied parameters
+    # under each of their names (as a trainer's state_dict() sends them).
+    return module.state_dict(keep_vars=True)
 
 
 def _check(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
@@ -28,7 +28,10 @@ def _check(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
 async def apply_to_module(
     module: nn.Module, updates: CheckpointEngine, *, atomic: bool = True
 ) -> int:
-    """Receive one update from ``updates`` into ``module``'s parameters and buffers by name.
+    """Receive one update from ``updates`` into ``module``'s state-dict entries by name.
+
+    The names are those of ``module.state_dict()``: parameters (tied ones under
+    each name), and persistent buffers.
 
     With ``atomic=True`` every tensor is received into a staging copy first and
     the module changes only after the whole update arrived, every name matched

@@ -65,8 +65,9 @@ class ModelConfig:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class DataConfig:
-    source: str = "builtin:count"
-    """``builtin:count`` (the built-in verifiable task) or a JSONL/Parquet file."""
+    source: str = "builtin:repeat"
+    """``builtin:repeat`` (the built-in verifiable task: answer a letter with that
+    letter, partial credit per character) or a JSONL/Parquet file."""
     prompt_key: str = "prompt"
     """Column holding the prompt in a user file."""
     answer_key: str = "answer"
@@ -92,8 +93,8 @@ class RewardConfig:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    lr: float = 1e-3
-    """AdamW learning rate."""
+    lr: float = 3e-3
+    """AdamW learning rate (suits the built-in tiny model; real models want ~1e-6)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -212,17 +213,19 @@ class CheckpointEngineConfig:
     """A ``rlwire.ckpt_engine`` backend name, or ``auto`` (by device)."""
     bucket_size: str = "64MiB"
     """Bytes per bucket (``rlwire.ckpt_engine.parse_bucket_size`` syntax)."""
+    timeout: float = 60.0
+    """Seconds any weight-sync wait may block before the run stops with an error."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TrainerSection:
-    steps: int = 40
-    """Optimizer steps to run."""
+    steps: int = 100
+    """Optimizer steps to run (the embedded job: about a minute on 2 CPU cores)."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     output_dir: str = "runs/default"
     """Run directory: config, metrics.jsonl, plot, log, checkpoints."""
-    save_every: int = 10
+    save_every: int = 25
     """Checkpoint every this many steps (0: only at the end)."""
     resume: str = "auto"
     """``auto`` (latest checkpoint in output_dir, if any), ``never``, or a checkpoint path."""
@@ -237,7 +240,9 @@ class RayConfig:
     address: str | None = None
     """An existing cluster (``ray://...`` or ``host:port``); None: ``RAY_ADDRESS`` or local."""
     num_cpus: int | None = None
-    """CPUs of the embedded local cluster (None: all)."""
+    """CPUs of the embedded local cluster (None: all, and at least one per worker)."""
+    startup_timeout: float = 120.0
+    """Seconds for the workers to be scheduled and start before the run stops."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -1,0 +1,72 @@
+"""``rlwire-train``: the command line.
+
+rlwire-train [--config FILE.yaml] [--print-config] [dotted.key=value ...]
+rlwire-train plot RUN_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _fail(message: str) -> int:
+    print(f"rlwire-train: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plot"]:
+        if len(argv) != 2:
+            return _fail("usage: rlwire-train plot RUN_DIR")
+        from .plot import plot_run
+
+        try:
+            print(plot_run(argv[1]))
+        except FileNotFoundError as err:
+            return _fail(str(err))
+        return 0
+    parser = argparse.ArgumentParser(
+        prog="rlwire-train",
+        description="GRPO training with the rlwire packages (Ray orchestrated). With no "
+        "arguments: the embedded job (tiny local model, built-in task) on this machine.",
+    )
+    parser.add_argument("--config", help="a YAML file merged over the defaults")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved configuration and exit"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, e.g. actor.world_size=2",
+    )
+    args = parser.parse_args(argv)
+
+    from .config import ConfigError, load_config, to_dict
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        return _fail(str(err))
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    from .driver import RunError, run
+
+    try:
+        run_dir = run(config, progress=not args.no_progress)
+    except RunError as err:
+        return _fail(str(err))
+    print(f"run directory: {run_dir}  (metrics.jsonl, plot.png, train.log, checkpoints/)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,283 @@
+"""The Ray actors: actor (training) ranks and the rollout worker.
+
+These are plain classes; the driver wraps them with ``ray.remote`` and
+declared resources. Actor ranks form their own ``torch.distributed`` group
+(gloo on CPU, NCCL on CUDA) of ``actor.world_size``; rank 0 also joins the
+checkpoint engine as its sender and the rollout worker as its receiver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import TrainerConfig
+
+__all__ = ["ActorWorker", "RolloutWorker"]
+
+_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _load_model(path: str, dtype: str, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.to(device)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class ActorWorker:
+    """One training rank: the policy under FSDP2 or FSDP1, its optimizer, GRPO updates."""
+
+    def __init__(self, config: TrainerConfig, model_path: str, rank: int) -> None:
+        torch.set_num_threads(1)
+        self.config = config
+        self.model_path = model_path
+        self.rank = rank
+        self.device = _device()
+        self.model = None
+        self.optimizer = None
+        self.engine = None
+
+    # --- setup ---------------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        """rank 0: where the group's store listens."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return "127.0.0.1", s.getsockname()[1]
+
+    def setup(self, master: tuple[str, int]) -> None:
+        import torch.distributed as dist
+
+        cfg = self.config
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, rank=self.rank, world_size=cfg.actor.world_size, timeout=_TIMEOUT
+        )
+        _seed_everything(cfg.trainer.seed)
+        model = _load_model(self.model_path, cfg.model.dtype, self.device)
+        model.gradient_checkpointing_disable()
+        self.model = self._wrap(model)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.actor.optim.lr,
+            weight_decay=cfg.actor.optim.weight_decay,
+        )
+
+    def _wrap(self, model):
+        cfg = self.config.actor
+        layers = list(model.model.layers)
+        if cfg.strategy == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = (
+                MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                if cfg.mixed_precision
+                else MixedPrecisionPolicy()
+            )
+            for layer in layers:
+                fully_shard(layer, mp_policy=mp)
+            return fully_shard(model, mp_policy=mp)
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision
+
+        mp = (
+            MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if cfg.mixed_precision
+            else None
+        )
+        return FSDP(model, device_id=self.device, mixed_precision=mp, use_orig_params=True)
+
+    # --- a training step -----------------------------------------------------------------
+    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Old log-probs (forward only), then one GRPO update over micro-batches."""
+        from rlwire.offload import load_model, load_optimizer, offload_model, offload_optimizer
+
+        from .rollout import Rollout
+        from .step import compute_old_logprobs, grpo_update
+
+        cfg = self.config
+        if cfg.actor.offload:
+            load_model(self.model)
+            load_optimizer(self.optimizer)
+        rollout = Rollout(
+            *(
+                batch[k].to(self.device)
+                for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs")
+            ),
+            [],
+        )
+        advantages = batch["advantages"].to(self.device)
+        temperature = cfg.rollout.temperature
+        self.model.train()
+        old = compute_old_logprobs(
+            self.model,
+            rollout,
+            micro_batch_size=cfg.actor.micro_batch_size,
+            temperature=temperature,
+        )
+        metrics = grpo_update(
+            self.model,
+            self.optimizer,
+            rollout,
+            old,
+            advantages,
+            micro_batch_size=cfg.actor.micro_batch_size,
+            temperature=temperature,
+            clip_ratio=cfg.algorithm.clip_ratio,
+            loss_agg=cfg.algorithm.loss_agg,
+            grad_clip=cfg.actor.optim.grad_clip,
+            grad_sync={
+                "policy": cfg.actor.grad_sync.policy,
+                "memory_budget_bytes": cfg.actor.grad_sync.memory_budget_bytes,
+            },
+        )
+        mask = rollout.response_mask.float()
+        metrics["kl_rollout"] = float(((rollout.logprobs - old) * mask).sum() / mask.sum())
+        if cfg.actor.offload:
+            offload_model(self.model).wait()
+            offload_optimizer(self.optimizer).wait()
+        return metrics
+
+    # --- weights to the rollout worker -----------------------------------------------------
+    def engine_prepare(self) -> dict:
+        from rlwire.ckpt_engine import registry
+
+        if self.rank != 0:
+            return {}
+        self.engine = registry.new(
+            self._engine_backend(),
+            is_master=True,
+            bucket_size=self.config.ckpt_engine.bucket_size,
+            timeout=self.config.ckpt_engine.timeout,
+        )
+        return self.engine.prepare()
+
+    def _engine_backend(self) -> str:
+        from rlwire.ckpt_engine import backend_for_device
+
+        name = self.config.ckpt_engine.backend
+        return backend_for_device(self.device.type) if name == "auto" else name
+
+    def engine_init(self, world_size: int, metadata: dict) -> None:
+        from rlwire.ckpt_engine import registry
+
+        if self.rank != 0:  # trainer ranks other than 0 take part in gathers only
+            self.engine = registry.new(
+                self._engine_backend(),
+                is_master=False,
+                bucket_size=self.config.ckpt_engine.bucket_size,
+                timeout=self.config.ckpt_engine.timeout,
+            )
+            self.engine.init_process_group(rank=-1, world_size=world_size, master_metadata=metadata)
+            return
+        self.engine.init_process_group(rank=0, world_size=world_size, master_metadata=metadata)
+
+    def _full_weights(self):
+        """(name, full tensor) for every parameter and buffer; a collective on every rank."""
+        state = self.model.state_dict()
+        for name, value in state.items():
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            yield name.removeprefix("_fsdp_wrapped_module."), value.detach().to("cpu")
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        stats = asyncio.run(self.engine.send_weights(self._full_weights(), version=version))
+        return {"weight_sync_s": stats.seconds, "weight_sync_gbps": stats.gbps}
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def save(self, directory: str, step: int) -> None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "step": step,
+                "rng": torch.get_rng_state(),
+                "py_rng": random.getstate(),
+            },
+            path / f"actor_rank{self.rank}.pt",
+        )
+
+    def load(self, directory: str) -> int:
+        state = torch.load(Path(directory) / f"actor_rank{self.rank}.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        random.setstate(state["py_rng"])
+        return int(state["step"])
+
+
+class RolloutWorker:
+    """Generation with a plain Hugging Face copy of the policy, updated through the engine."""
+
+    def __init__(self, config: TrainerConfig, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        torch.set_num_threads(1)
+        self.config = config
+        self.device = _device()
+        self.model = _load_model(model_path, "float32", self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.engine = None
+
+    def ready(self) -> bool:
+        return True
+
+    def engine_init(self, backend: str, world_size: int, metadata: dict) -> None:
+        from rlwire.ckpt_engine import registry
+
+        self.engine = registry.new(
+            backend,
+            bucket_size=self.config.ckpt_engine.bucket_size,
+            timeout=self.config.ckpt_engine.timeout,
+        )
+        self.engine.prepare()
+        self.engine.init_process_group(rank=1, world_size=world_size, master_metadata=metadata)
+
+    def pull_weights(self) -> int:
+        from rlwire.ckpt_engine import apply_to_module
+
+        return asyncio.run(apply_to_module(self.model, self.engine))
+
+    def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
+        from .rollout import hf_generate
+
+        cfg = self.config.rollout
+        r = hf_generate(
+            self.model,
+            self.tokenizer,
+            prompts,
+            n=cfg.n,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=seed,
+        )
+        return {
+            "prompt_ids": r.prompt_ids.cpu(),
+            "prompt_mask": r.prompt_mask.cpu(),
+            "response_ids": r.response_ids.cpu(),
+            "response_mask": r.response_mask.cpu(),
+            "logprobs": r.logprobs.cpu(),
+            "texts": r.texts,
+        }

@@ -1,0 +1,98 @@
+"""End to end, as a user runs it: `rlwire-train` with Ray local, 2 FSDP2 actor ranks (gloo)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+METRIC_KEYS = {
+    "step",
+    "reward_mean",
+    "reward_std",
+    "response_length",
+    "policy_loss",
+    "clip_fraction",
+    "entropy",
+    "grad_norm",
+    "kl_rollout",
+    "retained_grad_bytes",
+    "grad_sync_policy",
+    "time_rollout_s",
+    "time_update_s",
+    "time_weight_sync_s",
+    "weight_sync_gbps",
+    "tokens_per_s",
+}
+
+
+def _train(*overrides: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rlwire.trainer.cli", "--no-progress", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
+    run = tmp_path / "run"
+    common = [f"trainer.output_dir={run}", "actor.world_size=2", "trainer.save_every=1"]
+    first = _train(*common, "trainer.steps=2")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
+    records = _metrics(run)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert set(r) == METRIC_KEYS
+        assert r["grad_sync_policy"] == "defer" and r["retained_grad_bytes"] > 0
+        assert 0.0 <= r["reward_mean"] <= 1.0
+    assert (run / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run / "config.yaml").exists() and (run / "train.log").exists()
+    assert (run / "checkpoints" / "step_2" / "COMPLETE").exists()
+
+    second = _train(*common, "trainer.steps=3")
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3]  # continued, not restarted
+    for rank in range(2):
+        state = torch.load(
+            run / "checkpoints" / "step_3" / f"actor_rank{rank}.pt", weights_only=False
+        )
+        assert state["step"] == 3
+        steps = {float(s["step"]) for s in state["optimizer"]["state"].values()}
+        assert steps == {3.0}  # AdamW's own step count continued through the resume
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.path=/nonexistent/model", "model.path: /nonexistent/model is not a Hugging Face"),
+        ("reward.function=no_such_module:f", "reward.function: cannot import"),
+        ("actor.micro_batchsize=2", "did you mean 'actor.micro_batch_size'?"),
+        ("ray.address=127.0.0.1:1", "ray.address: cannot reach a Ray cluster at 127.0.0.1:1"),
+    ],
+)
+def test_bad_input_stops_before_training_with_one_message(override, message, tmp_path):
+    result = _train(override, f"trainer.output_dir={tmp_path / 'run'}", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("rlwire-train: error: ")
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_print_config_and_plot_command(tmp_path):
+    result = _train("--print-config", "actor.world_size=2")
+    assert result.returncode == 0 and "world_size: 2" in result.stdout
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "reward_mean": 0.1, "policy_loss": 0.0}) + "\n"
+    )
+    plot = subprocess.run(
+        [sys.executable, "-m", "rlwire.trainer.cli", "plot", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plot.returncode == 0 and (tmp_path / "plot.png").exists()
