@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -65,3 +67,42 @@ def test_grpo_raises_the_reward_of_the_builtin_task(tiny):
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     # A random policy scores about 1/26 per token; learning must be unmistakable.
     assert first < 0.1 and last > first + 0.15, (first, last)
+
+
+def test_kl_to_the_reference_is_zero_at_the_start_and_enters_the_loss(tiny):
+    import copy
+
+    model, tokenizer = tiny
+    policy = copy.deepcopy(model)
+    rollout = hf_generate(
+        policy, tokenizer, ["a:"] * 2, n=2, max_new_tokens=4, temperature=1.0, seed=1
+    )
+    old = compute_old_logprobs(policy, rollout, micro_batch_size=4, temperature=1.0)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    m = grpo_update(
+        policy,
+        opt,
+        rollout,
+        old,
+        adv,
+        micro_batch_size=4,
+        temperature=1.0,
+        clip_ratio=0.2,
+        ref_logprobs=old,
+        kl_coef=0.1,
+    )
+    assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # same weights as the reference
+    shifted = grpo_update(
+        policy,
+        opt,
+        rollout,
+        old,
+        adv,
+        micro_batch_size=4,
+        temperature=1.0,
+        clip_ratio=0.2,
+        ref_logprobs=old - 0.5,
+        kl_coef=0.1,
+    )
+    assert shifted["kl_ref"] == pytest.approx(math.exp(-0.5) + 0.5 - 1, rel=1e-5)  # r = -0.5

@@ -183,7 +183,8 @@ class AlgorithmConfig:
     clip_ratio: float = 0.2
     """PPO clip range epsilon: ratios outside [1 - eps, 1 + eps] stop contributing."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to the reference model (0: no reference model)."""
+    """Weight of the k3 KL penalty to a frozen reference policy (the initial weights);
+    0 turns the reference model off (not loaded, no extra forward pass)."""
     loss_agg: str = "token-mean"
     """``token-mean`` (every token of the batch weighs the same) or
     ``seq-mean-token-mean`` (mean over each sequence, then over sequences)."""

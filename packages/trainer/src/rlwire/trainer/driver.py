@@ -320,7 +320,14 @@ def _train(config, run_dir, model_path, batches, reward_fn, resume_from, progres
             "response_length": tokens / total,
             **{
                 k: sum(r[k] for r in results) / world
-                for k in ("policy_loss", "clip_fraction", "entropy", "grad_norm", "kl_rollout")
+                for k in (
+                    "policy_loss",
+                    "clip_fraction",
+                    "entropy",
+                    "kl_ref",
+                    "grad_norm",
+                    "kl_rollout",
+                )
             },
             "retained_grad_bytes": max(r["retained_grad_bytes"] for r in results),
             "grad_sync_policy": results[0]["grad_sync_policy"],

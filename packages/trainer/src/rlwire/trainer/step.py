@@ -11,7 +11,7 @@ import torch
 
 from rlwire.grad_sync import decide_policy, retained_grad_bytes, run_micro_batches
 
-from .grpo import aggregate, policy_loss
+from .grpo import aggregate, k3_kl, policy_loss
 from .rollout import Rollout, sequence_logprobs
 
 __all__ = ["compute_old_logprobs", "grpo_update"]
@@ -50,20 +50,23 @@ def grpo_update(
     loss_agg: str = "token-mean",
     grad_clip: float = 1.0,
     grad_sync: object = "defer",
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
 ) -> dict[str, float]:
     """One optimizer step over this rank's share of the rollout.
 
     Each micro-batch's loss is scaled by its share of the batch so that the
-    accumulated gradient equals the full-batch gradient. Returns metrics:
-    ``policy_loss``, ``clip_fraction``, ``entropy``, ``grad_norm``,
-    ``retained_grad_bytes`` (the most held between micro-batches) and
-    ``grad_sync_policy``.
+    accumulated gradient equals the full-batch gradient. With ``ref_logprobs``
+    and ``kl_coef > 0`` the k3 KL to the reference policy is added to the loss.
+    Returns metrics: ``policy_loss``, ``clip_fraction``, ``entropy``, ``kl_ref``
+    (0 without a reference), ``grad_norm``, ``retained_grad_bytes`` (the most
+    held between micro-batches) and ``grad_sync_policy``.
     """
     total = rollout.response_ids.shape[0]
     slices = [slice(s, min(s + micro_batch_size, total)) for s in range(0, total, micro_batch_size)]
     held: list[int] = []
 
-    def step(s: slice) -> tuple[float, float, float]:
+    def step(s: slice) -> tuple[float, float, float, float]:
         logp, entropy = sequence_logprobs(
             model,
             rollout.prompt_ids[s],
@@ -76,13 +79,18 @@ def grpo_update(
         loss, clip_frac = policy_loss(
             logp, old_logprobs[s], advantages[s], mask, clip_ratio=clip_ratio, loss_agg=loss_agg
         )
+        kl = torch.zeros(())
+        if ref_logprobs is not None and kl_coef > 0:
+            kl = aggregate(k3_kl(logp, ref_logprobs[s]), mask, loss_agg)
+            loss = loss + kl_coef * kl
         weight = (s.stop - s.start) / total
         (loss * weight).backward()
         held.append(retained_grad_bytes(model))
         return (
             loss.item() * weight,
             clip_frac.item() * weight,
-            (aggregate(entropy.detach(), mask, "token-mean").item() * weight),
+            aggregate(entropy.detach(), mask, "token-mean").item() * weight,
+            kl.item() * weight,
         )
 
     results = run_micro_batches(model, slices, step, policy=grad_sync)
@@ -99,6 +107,7 @@ def grpo_update(
         "policy_loss": sum(r[0] for r in results),
         "clip_fraction": sum(r[1] for r in results),
         "entropy": sum(r[2] for r in results),
+        "kl_ref": sum(r[3] for r in results),
         "grad_norm": float(grad_norm),
         "retained_grad_bytes": max(held),
         "grad_sync_policy": str(decide_policy(model, grad_sync)),
