@@ -1,8 +1,9 @@
-"""The rlwire GRPO trainer (in progress): configuration and the GRPO objective so far.
+"""The rlwire GRPO trainer: a Ray-orchestrated job composing the rlwire packages.
 
-The Ray-orchestrated job that composes ``rlwire.grad_sync``, ``rlwire.offload``
-and ``rlwire.ckpt_engine`` (and the ``rlwire-train`` command) arrives with the
-rest of its issue; see this package's README for what exists today.
+``rlwire-train`` (:mod:`rlwire.trainer.cli`) runs it; :func:`load_config` builds
+its configuration; :mod:`rlwire.trainer.grpo` holds the objective,
+:mod:`rlwire.trainer.step` one actor update, :mod:`rlwire.trainer.workers` the
+Ray actors and :mod:`rlwire.trainer.driver` the loop.
 """
 
 from __future__ import annotations
