@@ -11,6 +11,7 @@ last bucket.
 
 from __future__ import annotations
 
+import abc
 import datetime
 
 import torch
@@ -52,13 +53,13 @@ class StoreControlledEngine(BucketedEngine):
         self._pending: set[int] = set()
 
     # --- slots (subclass hooks) ---------------------------------------------------------
+    @abc.abstractmethod
     def _create_slots(self) -> dict:
         """Master: allocate ``self.slots``; return what receivers need to attach."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _attach_slots(self, master_metadata: dict) -> None:
         """Receiver: make ``self.slots`` usable from ``master_metadata``."""
-        raise NotImplementedError
 
     def _all_attached(self) -> None:
         """Master: every receiver has attached (e.g. unlink names nobody needs now)."""
