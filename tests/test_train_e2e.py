@@ -18,6 +18,7 @@ METRIC_KEYS = {
     "policy_loss",
     "clip_fraction",
     "entropy",
+    "kl_ref",
     "grad_norm",
     "kl_rollout",
     "retained_grad_bytes",
