@@ -58,3 +58,26 @@ def test_reward_from_file_and_import_errors(tmp_path):
     with pytest.raises(RunError, match=r"returned \(1,\) values for 3 responses"):
         _rewards(broken, ["p"] * 3, ["x"] * 3, ["a"] * 3)
     assert torch.equal(_rewards(fn, ["p"], ["abc"], ["a"]), torch.tensor([3.0]))
+
+
+def test_parquet_data_and_a_row_missing_a_column_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"question": ["a:", "b:"], "answer": ["a", "b"]}), good)
+    batches = load_data(
+        load_config(
+            overrides=[
+                f"data.source={good}",
+                "data.prompt_key=question",
+                "data.train_batch_size=2",
+                "rollout.n=4",
+            ]
+        )
+    )
+    assert batches(1) == [("a:", "a"), ("b:", "b")]
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"question": ["a:"], "solution": ["a"]}), bad)
+    with pytest.raises(RunError, match=r"bad.parquet row 1 lacks 'question' or 'answer'"):
+        load_data(load_config(overrides=[f"data.source={bad}", "data.prompt_key=question"]))

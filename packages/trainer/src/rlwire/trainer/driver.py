@@ -73,7 +73,7 @@ def load_data(config: TrainerConfig) -> Callable[[int], list[tuple[str, str]]]:
             import pyarrow.parquet as pq
         except ImportError:
             raise RunError(
-                "data.source: reading Parquet needs pyarrow (pip install pyarrow)"
+                "data.source: reading Parquet needs pyarrow: pip install 'rlwire-trainer[parquet]'"
             ) from None
         table = pq.read_table(path).to_pylist()
         for number, record in enumerate(table, 1):
