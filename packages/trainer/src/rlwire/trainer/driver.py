@@ -236,7 +236,10 @@ def _train(config, run_dir, model_path, batches, reward_fn, resume_from, progres
     from .workers import ActorWorker, RolloutWorker
 
     world = config.actor.world_size
-    gpus = 1 if torch.cuda.is_available() else 0
+    # Colocated: actor ranks and the rollout worker share the GPUs (fractions of one when
+    # there are fewer GPUs than workers; NCCL still needs one GPU per actor rank).
+    cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+    gpus = min(1.0, cluster_gpus / (world + 1)) if cluster_gpus else 0
     Actor = ray.remote(num_cpus=1, num_gpus=gpus)(ActorWorker)
     Rollout = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker)
     actors = [Actor.remote(config, model_path, r) for r in range(world)]
@@ -250,7 +253,7 @@ def _train(config, run_dir, model_path, batches, reward_fn, resume_from, progres
     except ray.exceptions.GetTimeoutError:
         raise RunError(
             f"ray: the {world} actor ranks and the rollout worker (1 CPU"
-            f"{' and 1 GPU' if gpus else ''} each) did not start within "
+            f"{f' and {gpus:g} GPU' if gpus else ''} each) did not start within "
             f"{config.ray.startup_timeout:g} s; the cluster has {ray.cluster_resources()}"
         ) from None
     start_step = 0
