@@ -6,6 +6,8 @@ plain tensors and numbers; the assertions run in the pytest process.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -142,16 +144,14 @@ def _fsdp2_flags_body(rank: int, world_size: int) -> dict:
         seen["forward_only"] = group.reduce_grads
     with micro_batch_sync(model, is_last=False, policy="every"):
         seen["every"] = group.reduce_grads
-    try:
-        with micro_batch_sync(model, is_last=False, policy="defer"):
-            raise RuntimeError("boom")
-    except RuntimeError:
-        pass
+    with contextlib.suppress(RuntimeError), micro_batch_sync(model, is_last=False, policy="defer"):
+        seen["inside_before_raise"] = group.reduce_grads
+        raise RuntimeError("boom")
     seen["after_raise"] = group.reduce_grads
     # A caller that disabled sync itself keeps it disabled after our context.
     model.set_requires_gradient_sync(False)
     with micro_batch_sync(model, is_last=False, policy="defer"):
-        pass
+        seen["caller_disabled_inside"] = group.reduce_grads
     seen["caller_disabled"] = group.reduce_grads
     model.set_requires_gradient_sync(True)
     seen["auto_small_budget"] = decide_policy(
@@ -174,7 +174,9 @@ def test_fsdp2_flag_only_off_for_deferred_non_final_backward():
         "defer_last": True,
         "forward_only": True,
         "every": True,
+        "inside_before_raise": False,
         "after_raise": True,
+        "caller_disabled_inside": False,
         "caller_disabled": False,
         "auto_small_budget": "every",
         "auto_fitting_budget": "defer",

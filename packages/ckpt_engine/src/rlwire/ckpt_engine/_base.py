@@ -144,8 +144,10 @@ class CheckpointEngine(abc.ABC):
         """
         self._check_joined("send_weights")
         if not self.active:
-            async for _ in aiter_weights(weights):
-                pass
+            # Nothing to send, but iterate: a generator that gathers shards
+            # collectively needs every trainer rank to take part.
+            drained = [None async for _ in aiter_weights(weights)]
+            del drained
             return TransferStats(0, 0, 0, 0.0)
         if self.rank != 0:
             raise CheckpointEngineError(f"send_weights on receiver rank {self.rank}")

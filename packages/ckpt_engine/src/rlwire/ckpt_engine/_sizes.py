@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -32,14 +33,11 @@ _AUTO_MIN, _AUTO_MAX = 16 << 20, 1 << 30
 def _free_bytes(device: torch.device | None) -> int:
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 * _AUTO_MAX
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:  # absent off Linux
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 * _AUTO_MAX  # unknown: "auto" then resolves to its upper bound
 
 
 def parse_bucket_size(value: int | str | None, *, device: torch.device | None = None) -> int:

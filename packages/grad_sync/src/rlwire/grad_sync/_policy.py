@@ -44,11 +44,8 @@ class GradSyncPolicy(enum.StrEnum):
         """
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                return cls(value.strip().lower())
-            except ValueError:
-                pass
+        if isinstance(value, str) and value.strip().lower() in cls._value2member_map_:
+            return cls(value.strip().lower())
         allowed = ", ".join(repr(p.value) for p in cls)
         raise ValueError(f"{field}: {value!r} is not a gradient-sync policy; allowed: {allowed}")
 

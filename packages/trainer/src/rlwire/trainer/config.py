@@ -8,6 +8,7 @@ closest match; a wrong type or out-of-range value fails naming the key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -293,12 +294,17 @@ def _parse_scalar(text: str) -> Any:
 
     value = yaml.safe_load(text) if text.strip() else ""
     if isinstance(value, str):
-        for kind in (int, float):
-            try:
-                return kind(value)
-            except ValueError:
-                pass
+        number = _number(value)
+        return value if number is None else number
     return value
+
+
+def _number(text: str) -> int | float | None:
+    """``text`` as an int or a float, or None when it is neither."""
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return kind(text)
+    return None
 
 
 def _coerce(key: str, annotation: Any, value: Any) -> Any:
@@ -318,11 +324,8 @@ def _coerce(key: str, annotation: Any, value: Any) -> Any:
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "3e-4" in a file as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        if isinstance(value, str) and _number(value) is not None:
+            return float(value)  # YAML 1.1 reads "3e-4" in a file as a string
     elif hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
