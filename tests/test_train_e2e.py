@@ -28,6 +28,10 @@ METRIC_KEYS = {
     "time_weight_sync_s",
     "weight_sync_gbps",
     "tokens_per_s",
+    "samples_per_s",
+    "weight_version",
+    "version_lag_mean",
+    "version_lag_max",
 }
 
 

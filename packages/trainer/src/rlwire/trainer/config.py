@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from typing import Any
 __all__ = [
     "ActorConfig",
     "AlgorithmConfig",
+    "AsyncConfig",
     "CheckpointEngineConfig",
     "ConfigError",
     "DataConfig",
@@ -159,7 +161,11 @@ class ActorConfig:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     backend: str = "hf"
-    """Generation engine: ``hf`` (Hugging Face ``generate``)."""
+    """Generation engine: ``hf`` (Hugging Face ``generate`` on a plain copy of the
+    policy) or ``vllm`` (a live ``vllm.LLM`` engine; extra ``rlwire-trainer[vllm]``)."""
+    num_workers: int = 1
+    """Rollout workers (Ray actors), each with its own engine; all receive every weight
+    update through the checkpoint engine."""
     n: int = 8
     """Samples per prompt (the GRPO group size)."""
     max_new_tokens: int = 8
@@ -168,7 +174,10 @@ class RolloutConfig:
     """Sampling temperature (> 0)."""
 
     def __post_init__(self) -> None:
-        _check(self.backend == "hf", "rollout.backend", self.backend, "use 'hf'")
+        _check(
+            self.backend in ("hf", "vllm"), "rollout.backend", self.backend, "use 'hf' or 'vllm'"
+        )
+        _check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
         _check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")
         _check(
             self.max_new_tokens >= 1,
@@ -217,10 +226,64 @@ class CheckpointEngineConfig:
     """Bytes per bucket (``rlwire.ckpt_engine.parse_bucket_size`` syntax)."""
     timeout: float = 60.0
     """Seconds any weight-sync wait may block before the run stops with an error."""
+    digest: bool = False
+    """After every sync, hash the weights on the sending and on each receiving side
+    (SHA-256 of the fp32 bytes; ``hf`` backend) and record both in the metrics. Costs
+    one pass over the weights per side; for checking that updates really arrive."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class AsyncConfig:
+    staleness_threshold: float = 0.5
+    """verl's bound on stale samples (``trainer.mode=fully_async``): rollout workers pause
+    once ``R x T x (1 + staleness_threshold)`` prompt groups were started since the last
+    weight sync (counting those still queued at it), where ``R`` is
+    ``data.train_batch_size`` and ``T`` is ``trigger_parameter_sync_step``. 0 makes every
+    update wait for fresh samples."""
+    trigger_parameter_sync_step: int = 1
+    """Push weights to the rollout workers after every this many updates."""
+    max_version_lag: int | None = None
+    """Groups generated more than this many versions before the weights being updated
+    are dropped (counted as ``dropped_samples``). None: ``T x (1 + ceil(S)) - 1``, the
+    most the bound above allows, so nothing is dropped in a steady run."""
+    sample_timeout: float = 600.0
+    """Seconds the trainer may wait for one step's samples before the run stops."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.staleness_threshold >= 0,
+            "async.staleness_threshold",
+            self.staleness_threshold,
+            "use a float >= 0",
+        )
+        _check(
+            self.trigger_parameter_sync_step >= 1,
+            "async.trigger_parameter_sync_step",
+            self.trigger_parameter_sync_step,
+            "use an int >= 1",
+        )
+        _check(
+            self.max_version_lag is None or self.max_version_lag >= 0,
+            "async.max_version_lag",
+            self.max_version_lag,
+            "use an int >= 0 or null",
+        )
+        _check(self.sample_timeout > 0, "async.sample_timeout", self.sample_timeout, "use > 0")
+
+    def version_lag_bound(self) -> int:
+        """The largest version lag a consumed group may have."""
+        if self.max_version_lag is not None:
+            return self.max_version_lag
+        t = self.trigger_parameter_sync_step
+        return t * (1 + math.ceil(self.staleness_threshold)) - 1
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TrainerSection:
+    mode: str = "colocated"
+    """``colocated`` (generate, then update, then sync: every sample is on-policy) or
+    ``fully_async`` (rollout workers generate continuously into a bounded queue while
+    the actor trains; see the ``async`` section)."""
     steps: int = 100
     """Optimizer steps to run (the embedded job: about a minute on 2 CPU cores)."""
     seed: int = 0
@@ -233,6 +296,12 @@ class TrainerSection:
     """``auto`` (latest checkpoint in output_dir, if any), ``never``, or a checkpoint path."""
 
     def __post_init__(self) -> None:
+        _check(
+            self.mode in ("colocated", "fully_async"),
+            "trainer.mode",
+            self.mode,
+            "use 'colocated' or 'fully_async'",
+        )
         _check(self.steps >= 1, "trainer.steps", self.steps, "use an int >= 1")
         _check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
 
@@ -257,6 +326,8 @@ class TrainerConfig:
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     ckpt_engine: CheckpointEngineConfig = dataclasses.field(default_factory=CheckpointEngineConfig)
     trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+    async_: AsyncConfig = dataclasses.field(default_factory=AsyncConfig)
+    """Fully-async mode (the key is ``async``; verl's ``async_training`` is accepted)."""
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
@@ -280,10 +351,19 @@ ALIASES: dict[str, tuple[str, Mapping[Any, Any]]] = {
 }
 
 
+def _key(field_name: str) -> str:
+    """A field's key in files and overrides: ``async_`` (a Python keyword) is ``async``."""
+    return field_name.rstrip("_")
+
+
+# verl's section name -> ours
+PREFIX_ALIAS = ("async_training.", "async.")
+
+
 def to_dict(config: Any) -> dict:
     """A nested plain dict of a config (for YAML, JSON and ``--print-config``)."""
     return {
-        f.name: (to_dict(v) if dataclasses.is_dataclass(v := getattr(config, f.name)) else v)
+        _key(f.name): (to_dict(v) if dataclasses.is_dataclass(v := getattr(config, f.name)) else v)
         for f in dataclasses.fields(config)
     }
 
@@ -335,9 +415,9 @@ def _coerce(key: str, annotation: Any, value: Any) -> Any:
 
 
 def _merge(cls: type, base: Any, updates: Mapping[str, Any], prefix: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {_key(f.name): f.name for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    values = {name: getattr(base, name) for name in fields}
+    values = {name: getattr(base, name) for name in fields.values()}
     for key, value in updates.items():
         full = f"{prefix}{key}"
         if key not in fields:
@@ -347,13 +427,14 @@ def _merge(cls: type, base: Any, updates: Mapping[str, Any], prefix: str) -> Any
                 f"{full}: unknown key; valid keys under {prefix.rstrip('.') or 'the top level'}: "
                 f"{', '.join(sorted(fields))}{hint}"
             )
-        hint_type = hints[key]
+        name = fields[key]
+        hint_type = hints[name]
         if dataclasses.is_dataclass(hint_type):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
-            values[key] = _merge(hint_type, values[key], value, f"{full}.")
+            values[name] = _merge(hint_type, values[name], value, f"{full}.")
         else:
-            values[key] = _coerce(full, hint_type, value)
+            values[name] = _coerce(full, hint_type, value)
     try:
         return cls(**values)
     except ConfigError:
@@ -388,6 +469,8 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def _apply_aliases(flat: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in flat.items():
+        if key.startswith(PREFIX_ALIAS[0]):
+            key = PREFIX_ALIAS[1] + key.removeprefix(PREFIX_ALIAS[0])
         if key in ALIASES:
             target, mapping = ALIASES[key]
             if value not in mapping:
@@ -461,10 +544,11 @@ def describe_config() -> str:
         for f in dataclasses.fields(cls):
             value = getattr(obj, f.name)
             if dataclasses.is_dataclass(value):
-                nested.append((value, f"{prefix}{f.name}."))
+                nested.append((value, f"{prefix}{_key(f.name)}."))
                 continue
             kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
-            rows.append(f"| `{prefix}{f.name}` | {kind} | `{value!r}` | {docs.get(f.name, '')} |")
+            key, doc = f"{prefix}{_key(f.name)}", docs.get(f.name, "")
+            rows.append(f"| `{key}` | {kind} | `{value!r}` | {doc} |")
         if rows:
             lines.append(f"\n### `{prefix.rstrip('.')}`\n")
             lines.append("| key | type | default | meaning |\n|---|---|---|---|")

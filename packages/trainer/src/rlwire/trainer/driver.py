@@ -165,14 +165,25 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
         raise RunError(f"ray.address: cannot reach a Ray cluster at {address}: {err}") from None
 
 
+def _ray_environment() -> None:
+    """Ray settings for the job; call before ``import ray`` (Ray reads them at import)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Workers run this same environment. Without this, a driver started by `uv run`
+    # makes Ray package the working directory and re-run `uv run` in every worker, which
+    # is slow, uploads run directories, and fails outright from a workspace member's folder.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    import ray._private.ray_constants as constants
+
+    # Ray may have been imported before us (by the caller): its constant is already read.
+    constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = constants.env_bool(
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV", True
+    )
+
+
 def _init_ray(config: TrainerConfig) -> None:
     import ray
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # Workers run this same environment; without this, Ray's `uv run` hook would
-    # package and upload the working directory (run directories included).
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     address = config.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         _check_reachable(address)
@@ -181,8 +192,8 @@ def _init_ray(config: TrainerConfig) -> None:
             ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
         else:
             # Every worker declares one CPU; the embedded cluster offers at least one per
-            # worker (actor ranks + the rollout worker) even on a smaller machine.
-            need = config.actor.world_size + 1
+            # worker (actor ranks + rollout workers) even on a smaller machine.
+            need = config.actor.world_size + config.rollout.num_workers
             cpus = config.ray.num_cpus or max(os.cpu_count() or 1, need)
             ray.init(
                 num_cpus=cpus,
@@ -198,6 +209,7 @@ def _init_ray(config: TrainerConfig) -> None:
 
 def run(config: TrainerConfig, *, progress: bool = True) -> Path:
     """Run the job; return the run directory. Raises :class:`RunError` for bad input."""
+    _ray_environment()
     import ray
 
     run_dir = Path(config.trainer.output_dir).resolve()  # workers may run elsewhere
@@ -228,101 +240,91 @@ def run(config: TrainerConfig, *, progress: bool = True) -> Path:
         ray.shutdown()
 
 
-def _train(config, run_dir, model_path, batches, reward_fn, resume_from, progress) -> Path:
-    import ray
-    from tqdm import tqdm
+class _Job:
+    """What both modes share: the Ray workers, the metrics file, scoring, updates, saves."""
 
-    from .plot import plot_run
-    from .workers import ActorWorker, RolloutWorker
+    def __init__(self, config, run_dir, model_path, batches, reward_fn, resume_from) -> None:
+        import ray
 
-    world = config.actor.world_size
-    # Colocated: actor ranks and the rollout worker share the GPUs (fractions of one when
-    # there are fewer GPUs than workers; NCCL still needs one GPU per actor rank).
-    cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
-    gpus = min(1.0, cluster_gpus / (world + 1)) if cluster_gpus else 0
-    Actor = ray.remote(num_cpus=1, num_gpus=gpus)(ActorWorker)
-    Rollout = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker)
-    actors = [Actor.remote(config, model_path, r) for r in range(world)]
-    rollout = Rollout.remote(config, model_path)
-    try:
-        master = ray.get(actors[0].address.remote(), timeout=config.ray.startup_timeout)
+        from .workers import ActorWorker, RolloutWorker
+
+        self.config, self.run_dir = config, run_dir
+        self.batches, self.reward_fn = batches, reward_fn
+        world, workers = config.actor.world_size, config.rollout.num_workers
+        self.world = world
+        # Colocated: actor ranks and rollout workers share the GPUs (fractions of one when
+        # there are fewer GPUs than workers; NCCL still needs one GPU per actor rank).
+        cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+        gpus = min(1.0, cluster_gpus / (world + workers)) if cluster_gpus else 0
+        self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
+        Actor = ray.remote(num_cpus=1, num_gpus=gpus)(ActorWorker)
+        Rollout = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker)
+        self.actors = [Actor.remote(config, model_path, r) for r in range(world)]
+        self.rollouts = [
+            Rollout.options(name=f"rollout-{i}", namespace=self.namespace).remote(
+                config, model_path, i
+            )
+            for i in range(workers)
+        ]
+        try:
+            master = ray.get(self.actors[0].address.remote(), timeout=config.ray.startup_timeout)
+            ray.get(
+                [
+                    *[a.setup.remote(master) for a in self.actors],
+                    *[r.ready.remote() for r in self.rollouts],
+                ],
+                timeout=config.ray.startup_timeout,
+            )
+        except ray.exceptions.GetTimeoutError:
+            raise RunError(
+                f"ray: the {world} actor ranks and {workers} rollout worker(s) (1 CPU"
+                f"{f' and {gpus:g} GPU' if gpus else ''} each) did not start within "
+                f"{config.ray.startup_timeout:g} s; the cluster has {ray.cluster_resources()}"
+            ) from None
+        except ray.exceptions.RayActorError as err:
+            raise RunError(f"ray: a worker failed to start: {_first_line(err)}") from None
+        self.start_step = 0
+        if resume_from is not None:
+            self.start_step = ray.get([a.load.remote(str(resume_from)) for a in self.actors])[0]
+            log.info("resumed from %s at step %d", resume_from, self.start_step)
+        # The checkpoint engine: actor rank 0 sends, rollout worker i receives as rank 1 + i.
+        metadata = ray.get(self.actors[0].engine_prepare.remote())
+        backend = ray.get(self.actors[0]._engine_backend.remote())
+        size = 1 + workers
         ray.get(
-            [*[a.setup.remote(master) for a in actors], rollout.ready.remote()],
-            timeout=config.ray.startup_timeout,
+            [
+                *[r.engine_init.remote(backend, size, metadata) for r in self.rollouts],
+                *[a.engine_init.remote(size, metadata) for a in self.actors],
+            ]
         )
-    except ray.exceptions.GetTimeoutError:
-        raise RunError(
-            f"ray: the {world} actor ranks and the rollout worker (1 CPU"
-            f"{f' and {gpus:g} GPU' if gpus else ''} each) did not start within "
-            f"{config.ray.startup_timeout:g} s; the cluster has {ray.cluster_resources()}"
-        ) from None
-    start_step = 0
-    if resume_from is not None:
-        start_step = ray.get([a.load.remote(str(resume_from)) for a in actors])[0]
-        log.info("resumed from %s at step %d", resume_from, start_step)
-    # The checkpoint engine: actor rank 0 sends, the rollout worker receives.
-    metadata = ray.get(actors[0].engine_prepare.remote())
-    backend = ray.get(actors[0]._engine_backend.remote())
-    ray.get(
-        [
-            rollout.engine_init.remote(backend, 2, metadata),
-            *[a.engine_init.remote(2, metadata) for a in actors],
-        ]
-    )
+        self.metrics_path = run_dir / "metrics.jsonl"
+        if self.start_step == 0 and self.metrics_path.exists():
+            self.metrics_path.unlink()
 
-    def sync(version: int) -> dict:
-        pushed = [a.push_weights.remote(version) for a in actors]
-        pulled = rollout.pull_weights.remote()
-        stats = ray.get(pushed)[0]
-        ray.get(pulled)
-        return stats
+    def update(self, generated: dict, prompts: list[str], answers: list[str]) -> dict[str, Any]:
+        """Score, compute advantages and run one update on every actor rank (one step)."""
+        import ray
 
-    sync(start_step)  # the rollout worker starts from the actor's (maybe resumed) weights
-    metrics_path = run_dir / "metrics.jsonl"
-    if start_step == 0 and metrics_path.exists():
-        metrics_path.unlink()
-    n = config.rollout.n
-    steps = range(start_step, config.trainer.steps)
-    bar = tqdm(
-        steps,
-        initial=start_step,
-        total=config.trainer.steps,
-        disable=not progress,
-        desc="rlwire-train",
-        unit="step",
-    )
-    for step in bar:
-        t0 = time.perf_counter()
-        data = batches(step)
-        prompts = [p for p, _ in data]
-        answers = [a for _, a in data for _ in range(n)]
-        generated = ray.get(rollout.generate.remote(prompts, config.trainer.seed * 7919 + step))
-        t_rollout = time.perf_counter()
-        rewards = _rewards(
-            reward_fn, [p for p in prompts for _ in range(n)], generated.pop("texts"), answers
-        )
-        advantages = group_advantages(rewards, n, norm_by_std=config.algorithm.norm_adv_by_std)
+        n = self.config.rollout.n
+        texts = generated.pop("texts")
+        rewards = _rewards(self.reward_fn, prompts, texts, answers)
+        advantages = group_advantages(rewards, n, norm_by_std=self.config.algorithm.norm_adv_by_std)
         total = rewards.numel()
-        share = total // world
+        share = total // self.world
+        tensors = {k: v for k, v in generated.items() if isinstance(v, torch.Tensor)}
+        tensors["advantages"] = advantages
         shards = [
-            {
-                k: v[r * share : (r + 1) * share]
-                for k, v in {**generated, "advantages": advantages}.items()
-            }
-            for r in range(world)
+            {k: v[r * share : (r + 1) * share] for k, v in tensors.items()}
+            for r in range(self.world)
         ]
-        results = ray.get([a.train.remote(s) for a, s in zip(actors, shards, strict=True)])
-        t_update = time.perf_counter()
-        sync_stats = sync(step + 1)
-        t_sync = time.perf_counter()
+        results = ray.get([a.train.remote(s) for a, s in zip(self.actors, shards, strict=True)])
         tokens = int(generated["response_mask"].sum())
-        record: dict[str, Any] = {
-            "step": step + 1,
+        return {
             "reward_mean": rewards.mean().item(),
             "reward_std": rewards.std().item(),
             "response_length": tokens / total,
             **{
-                k: sum(r[k] for r in results) / world
+                k: sum(r[k] for r in results) / self.world
                 for k in (
                     "policy_loss",
                     "clip_fraction",
@@ -334,23 +336,117 @@ def _train(config, run_dir, model_path, batches, reward_fn, resume_from, progres
             },
             "retained_grad_bytes": max(r["retained_grad_bytes"] for r in results),
             "grad_sync_policy": results[0]["grad_sync_policy"],
-            "time_rollout_s": t_rollout - t0,
-            "time_update_s": t_update - t_rollout,
-            "time_weight_sync_s": t_sync - t_update,
-            "weight_sync_gbps": sync_stats["weight_sync_gbps"],
-            "tokens_per_s": tokens / (t_sync - t0),
+            "_tokens": tokens,
         }
-        with metrics_path.open("a") as f:
+
+    def record(self, record: dict[str, Any], bar) -> None:
+        with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        log.info("step %d %s", step + 1, json.dumps(record))
+        log.info("step %d %s", record["step"], json.dumps(record))
         bar.set_postfix(reward=f"{record['reward_mean']:.3f}")
-        done = step + 1
-        if (
-            config.trainer.save_every and done % config.trainer.save_every == 0
-        ) or done == config.trainer.steps:
-            target = run_dir / "checkpoints" / f"step_{done}"
-            ray.get([a.save.remote(str(target), done) for a in actors])
+
+    def save_if_due(self, done: int) -> None:
+        import ray
+
+        every, last = self.config.trainer.save_every, self.config.trainer.steps
+        if (every and done % every == 0) or done == last:
+            target = self.run_dir / "checkpoints" / f"step_{done}"
+            ray.get([a.save.remote(str(target), done) for a in self.actors])
             (target / "COMPLETE").write_text(str(done))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _digests(push: dict, pulls: list[dict]) -> dict[str, Any]:
+    if push.get("digest") is None:
+        return {}
+    return {
+        "weight_digest_actor": push["digest"],
+        "weight_digest_rollout": [p["digest"] for p in pulls],
+    }
+
+
+def _train(config, run_dir, model_path, batches, reward_fn, resume_from, progress) -> Path:
+    from tqdm import tqdm
+
+    from .plot import plot_run
+
+    job = _Job(config, run_dir, model_path, batches, reward_fn, resume_from)
+    bar = tqdm(
+        total=config.trainer.steps,
+        initial=job.start_step,
+        disable=not progress,
+        desc="rlwire-train",
+        unit="step",
+    )
+    if config.trainer.mode == "fully_async":
+        from .fully_async import run_fully_async
+
+        run_fully_async(job, bar)
+    else:
+        _run_colocated(job, bar)
     bar.close()
     plot_run(run_dir)
     return run_dir
+
+
+def _run_colocated(job: _Job, bar) -> None:
+    """Generate, update, sync: every sample comes from the weights being updated."""
+    import ray
+
+    from .rollout import collate
+
+    config = job.config
+    n, workers = config.rollout.n, len(job.rollouts)
+
+    def sync(version: int) -> dict:
+        pushed = [a.push_weights.remote(version) for a in job.actors]
+        pulled = [r.pull_weights.remote() for r in job.rollouts]
+        stats = ray.get(pushed)[0]
+        return {**stats, "pulls": ray.get(pulled)}
+
+    sync(job.start_step)  # the rollout workers start from the actor's (maybe resumed) weights
+    for step in range(job.start_step, config.trainer.steps):
+        t0 = time.perf_counter()
+        data = job.batches(step)
+        prompts = [p for p, _ in data]
+        share = -(-len(prompts) // workers)
+        parts = ray.get(
+            [
+                r.generate.remote(prompts[i * share : (i + 1) * share], _seed(config, step, i))
+                for i, r in enumerate(job.rollouts)
+                if prompts[i * share : (i + 1) * share]
+            ]
+        )
+        generated = collate(parts)
+        t_rollout = time.perf_counter()
+        expanded = [p for p in prompts for _ in range(n)]
+        result = job.update(generated, expanded, [a for _, a in data for _ in range(n)])
+        t_update = time.perf_counter()
+        synced = sync(step + 1)
+        t_sync = time.perf_counter()
+        tokens = result.pop("_tokens")
+        record: dict[str, Any] = {
+            "step": step + 1,
+            **result,
+            "time_rollout_s": t_rollout - t0,
+            "time_update_s": t_update - t_rollout,
+            "time_weight_sync_s": t_sync - t_update,
+            "weight_sync_gbps": synced["weight_sync_gbps"],
+            "tokens_per_s": tokens / (t_sync - t0),
+            "samples_per_s": len(prompts) * n / (t_sync - t0),
+            "weight_version": step + 1,
+            "version_lag_mean": 0.0,
+            "version_lag_max": 0,
+            **_digests(synced, synced["pulls"]),
+        }
+        job.record(record, bar)
+        bar.update(1)
+        job.save_if_due(step + 1)
+
+
+def _seed(config: TrainerConfig, step: int, worker: int) -> int:
+    return config.trainer.seed * 7919 + step + worker * 1_000_003

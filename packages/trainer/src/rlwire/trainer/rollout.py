@@ -10,7 +10,14 @@ import dataclasses
 
 import torch
 
-__all__ = ["Rollout", "hf_generate", "sequence_logprobs"]
+__all__ = [
+    "Rollout",
+    "collate",
+    "hf_generate",
+    "sequence_logprobs",
+    "split_groups",
+    "weights_digest",
+]
 
 
 @dataclasses.dataclass(slots=True)
@@ -104,3 +111,57 @@ def sequence_logprobs(
         return token_logp
     entropy = -(logp.exp() * logp).sum(-1)
     return token_logp, entropy
+
+
+_SEQUENCE_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs")
+
+
+def split_groups(batch: dict, n: int) -> list[dict]:
+    """A generated batch (``prompts x n`` rows, see :func:`collate`) as one dict per prompt."""
+    rows = batch["response_ids"].shape[0]
+    groups = []
+    for start in range(0, rows, n):
+        group = {k: batch[k][start : start + n] for k in _SEQUENCE_KEYS}
+        group["texts"] = batch["texts"][start : start + n]
+        group["pad_id"] = batch["pad_id"]
+        groups.append(group)
+    return groups
+
+
+def collate(parts: list[dict]) -> dict:
+    """Concatenate generated batches: prompts left-padded and responses right-padded to
+    the widest part (padding masked out, log-probs 0), texts joined."""
+    pad = parts[0]["pad_id"]
+    width_p = max(p["prompt_ids"].shape[1] for p in parts)
+    width_r = max(p["response_ids"].shape[1] for p in parts)
+
+    def padded(t: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+        missing = width - t.shape[1]
+        if missing == 0:
+            return t
+        return torch.nn.functional.pad(t, (missing, 0) if left else (0, missing), value=value)
+
+    out = {
+        "prompt_ids": torch.cat([padded(p["prompt_ids"], width_p, pad, True) for p in parts]),
+        "prompt_mask": torch.cat([padded(p["prompt_mask"], width_p, 0, True) for p in parts]),
+        "response_ids": torch.cat([padded(p["response_ids"], width_r, pad, False) for p in parts]),
+        "response_mask": torch.cat([padded(p["response_mask"], width_r, 0, False) for p in parts]),
+        "logprobs": torch.cat([padded(p["logprobs"], width_r, 0.0, False) for p in parts]),
+        "texts": [t for p in parts for t in p["texts"]],
+        "pad_id": pad,
+    }
+    return out
+
+
+def weights_digest(items) -> str:
+    """SHA-256 over ``(name, tensor)`` pairs as fp32 bytes, independent of their order."""
+    import hashlib
+
+    per_tensor = []
+    for name, tensor in items:
+        data = tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+        per_tensor.append((name, hashlib.sha256(data).hexdigest()))
+    whole = hashlib.sha256()
+    for name, digest in sorted(per_tensor):
+        whole.update(f"{name}:{digest};".encode())
+    return whole.hexdigest()

@@ -200,9 +200,25 @@ class ActorWorker:
                 value = value.full_tensor()
             yield name.removeprefix("_fsdp_wrapped_module."), value.detach().to("cpu")
 
-    def push_weights(self, version: int) -> dict[str, float]:
-        stats = asyncio.run(self.engine.send_weights(self._full_weights(), version=version))
-        return {"weight_sync_s": stats.seconds, "weight_sync_gbps": stats.gbps}
+    def push_weights(self, version: int) -> dict[str, Any]:
+        """Send the full weights as ``version`` (rank 0; the others join the gathers)."""
+        from .rollout import weights_digest
+
+        sent: list[tuple[str, torch.Tensor]] = []
+        digest = self.config.ckpt_engine.digest
+
+        def weights():
+            for name, value in self._full_weights():
+                if digest:
+                    sent.append((name, value))
+                yield name, value
+
+        stats = asyncio.run(self.engine.send_weights(weights(), version=version))
+        return {
+            "weight_sync_s": stats.seconds,
+            "weight_sync_gbps": stats.gbps,
+            "digest": weights_digest(sent) if digest else None,
+        }
 
     # --- checkpoints -----------------------------------------------------------------------
     def save(self, directory: str, step: int) -> None:
@@ -228,37 +244,25 @@ class ActorWorker:
         return int(state["step"])
 
 
-class RolloutWorker:
-    """Generation with a plain Hugging Face copy of the policy, updated through the engine."""
+class HFEngine:
+    """The ``hf`` rollout backend: a plain Hugging Face copy of the policy."""
 
-    def __init__(self, config: TrainerConfig, model_path: str) -> None:
+    def __init__(self, config: TrainerConfig, model_path: str, device: torch.device) -> None:
         from transformers import AutoTokenizer
 
-        torch.set_num_threads(1)
         self.config = config
-        self.device = _device()
-        self.model = _load_model(model_path, "float32", self.device).eval()
+        self.model = _load_model(model_path, "float32", device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.engine = None
 
-    def ready(self) -> bool:
-        return True
-
-    def engine_init(self, backend: str, world_size: int, metadata: dict) -> None:
-        from rlwire.ckpt_engine import registry
-
-        self.engine = registry.new(
-            backend,
-            bucket_size=self.config.ckpt_engine.bucket_size,
-            timeout=self.config.ckpt_engine.timeout,
-        )
-        self.engine.prepare()
-        self.engine.init_process_group(rank=1, world_size=world_size, master_metadata=metadata)
-
-    def pull_weights(self) -> int:
+    async def apply(self, engine) -> int:
         from rlwire.ckpt_engine import apply_to_module
 
-        return asyncio.run(apply_to_module(self.model, self.engine))
+        return await apply_to_module(self.model, engine)
+
+    def digest(self) -> str | None:
+        from .rollout import weights_digest
+
+        return weights_digest(self.model.state_dict().items())
 
     def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
         from .rollout import hf_generate
@@ -280,4 +284,79 @@ class RolloutWorker:
             "response_mask": r.response_mask.cpu(),
             "logprobs": r.logprobs.cpu(),
             "texts": r.texts,
+            "pad_id": self.tokenizer.pad_token_id,
         }
+
+
+class RolloutWorker:
+    """One rollout worker: a generation backend, updated through the checkpoint engine.
+
+    Colocated mode calls :meth:`generate` and :meth:`pull_weights` from the driver;
+    fully-async mode calls :meth:`run`, which loops on the sample queue until told to
+    stop (see :mod:`rlwire.trainer.fully_async`).
+    """
+
+    def __init__(self, config: TrainerConfig, model_path: str, index: int = 0) -> None:
+        torch.set_num_threads(1)
+        self.config = config
+        self.index = index
+        self.device = _device()
+        if config.rollout.backend == "vllm":
+            from .vllm_rollout import VLLMEngine
+
+            self.backend = VLLMEngine(config, model_path)
+        else:
+            self.backend = HFEngine(config, model_path, self.device)
+        self.engine = None
+        self.version = -1
+
+    def ready(self) -> bool:
+        return True
+
+    def engine_init(self, backend: str, world_size: int, metadata: dict) -> None:
+        from rlwire.ckpt_engine import registry
+
+        self.engine = registry.new(
+            backend,
+            bucket_size=self.config.ckpt_engine.bucket_size,
+            timeout=self.config.ckpt_engine.timeout,
+        )
+        self.engine.prepare()
+        self.engine.init_process_group(
+            rank=1 + self.index, world_size=world_size, master_metadata=metadata
+        )
+
+    def pull_weights(self) -> dict[str, Any]:
+        """Receive one update and apply it; its version and (if configured) the digest."""
+        self.version = asyncio.run(self.backend.apply(self.engine))
+        digest = self.backend.digest() if self.config.ckpt_engine.digest else None
+        return {"version": self.version, "digest": digest}
+
+    def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
+        out = self.backend.generate(prompts, seed)
+        out["version"] = self.version
+        return out
+
+    def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
+        """The fully-async loop: generate, sync or wait as the queue says, until ``stop``."""
+        import ray
+
+        from .rollout import split_groups
+
+        chunks = 0
+        while True:
+            task = ray.get(queue.next_task.remote(self.index), timeout=poll_timeout)
+            if task["kind"] == "stop":
+                return {"worker": self.index, "chunks": chunks, "version": self.version}
+            if task["kind"] == "wait":
+                continue
+            if task["kind"] == "sync":
+                info = self.pull_weights()
+                ray.get(queue.worker_synced.remote(self.index, info), timeout=poll_timeout)
+                continue
+            out = self.generate(task["prompts"], task["seed"])
+            groups = split_groups(out, self.config.rollout.n)
+            for group, prompt, answer in zip(groups, task["prompts"], task["answers"], strict=True):
+                group["prompt"], group["answer"] = prompt, answer
+            ray.get(queue.put.remote(self.index, self.version, groups), timeout=poll_timeout)
+            chunks += 1

@@ -1,0 +1,250 @@
+"""Fully-async mode: the sample queue's staleness control (simulated workers), then real runs
+with Ray: 2 rollout workers, weights verified by digest after every sync, and a killed worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlwire.trainer.config import AsyncConfig, load_config
+from rlwire.trainer.fully_async import SampleQueue, max_stale_groups
+
+
+def _batches(step: int) -> list[tuple[str, str]]:
+    return [(f"p{step}-{i}", f"a{step}-{i}") for i in range(4)]
+
+
+async def _simulate(
+    *, staleness: float, trigger: int, workers: int, steps: int, max_lag: int, seed: int
+) -> dict:
+    """Workers of random speed against a trainer; returns what the trainer consumed."""
+    rng = random.Random(seed)
+    required = 4
+    queue = SampleQueue(
+        batches=_batches,
+        groups_per_step=required,
+        trigger_sync=trigger,
+        staleness_threshold=staleness,
+        max_version_lag=max_lag,
+        num_workers=workers,
+        start_version=0,
+        seed=0,
+        poll=0.05,
+    )
+    seen_stale: list[int] = []
+    pushed: dict[int, asyncio.Event] = {}
+
+    async def worker(w: int) -> None:
+        version = -1
+        while True:
+            task = await queue.next_task(w)
+            seen_stale.append(queue.stale)
+            if task["kind"] == "stop":
+                return
+            if task["kind"] == "wait":
+                continue
+            if task["kind"] == "sync":  # blocks until the trainer sends, like the engine
+                version = task["version"]
+                await asyncio.wait_for(pushed.setdefault(version, asyncio.Event()).wait(), 5)
+                await queue.worker_synced(w, {"version": version, "digest": None})
+                continue
+            await asyncio.sleep(rng.uniform(0.0005, 0.006))
+            groups = [{"prompt": p} for p in task["prompts"]]
+            await queue.put(w, version, groups)
+
+    tasks = [asyncio.create_task(worker(w)) for w in range(workers)]
+    assert await queue.wait_receiving(5)
+    pushed.setdefault(0, asyncio.Event()).set()
+    assert await queue.wait_synced(0, 5) is not None
+    consumed: list[tuple[int, int, str]] = []  # (trainer version, group version, prompt)
+    for step in range(steps):
+        got = await queue.get(required, step, timeout=5)
+        assert "groups" in got, got
+        consumed += [(step, g["version"], g["prompt"]) for g in got["groups"]]
+        await asyncio.sleep(rng.uniform(0.001, 0.01))  # the update
+        if (step + 1) % trigger == 0:
+            await queue.request_sync(step + 1)
+            assert await queue.wait_receiving(5)
+            pushed.setdefault(step + 1, asyncio.Event()).set()
+            assert await queue.wait_synced(step + 1, 5) is not None
+    await queue.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    return {"consumed": consumed, "stale": seen_stale, "queue": queue}
+
+
+@pytest.mark.parametrize(
+    ("staleness", "trigger", "workers"),
+    [(0.0, 1, 2), (0.5, 1, 2), (1.0, 1, 3), (0.0, 2, 2), (1.5, 2, 1), (1.0, 3, 2)],
+)
+def test_queue_respects_the_staleness_bound_and_loses_nothing(staleness, trigger, workers):
+    bound_lag = AsyncConfig(
+        staleness_threshold=staleness, trigger_parameter_sync_step=trigger
+    ).version_lag_bound()
+    assert bound_lag == trigger * (1 + math.ceil(staleness)) - 1
+    out = asyncio.run(
+        _simulate(
+            staleness=staleness,
+            trigger=trigger,
+            workers=workers,
+            steps=4 * trigger,
+            max_lag=bound_lag,
+            seed=int(staleness * 10) + trigger,
+        )
+    )
+    queue = out["queue"]
+    assert (
+        queue.bound == max_stale_groups(4, trigger, staleness) == int(4 * trigger * (1 + staleness))
+    )
+    assert max(out["stale"]) <= queue.bound  # workers never started more than the bound
+    lags = [t - v for t, v, _ in out["consumed"]]
+    assert min(lags) >= 0 and max(lags) <= bound_lag
+    assert queue.dropped == 0  # the derived lag bound drops nothing
+    if staleness == 0 and trigger == 1:
+        assert max(lags) == 0  # on-policy
+    # every group is consumed once, in data order (the data position follows the step)
+    prompts = [p for _, _, p in out["consumed"]]
+    expected = [p for s in range(len(prompts) // 4) for p, _ in _batches(s)]
+    assert sorted(prompts) == sorted(expected) and len(set(prompts)) == len(prompts)
+
+
+def test_queue_drops_groups_older_than_max_version_lag():
+    out = asyncio.run(_simulate(staleness=1.0, trigger=1, workers=2, steps=6, max_lag=0, seed=3))
+    lags = [t - v for t, v, _ in out["consumed"]]
+    assert lags and max(lags) == 0  # nothing stale reached the trainer
+    assert out["queue"].dropped > 0  # with S=1 the workers ran ahead; those groups were dropped
+
+
+def test_queue_get_times_out_instead_of_hanging():
+    queue = SampleQueue(
+        batches=_batches,
+        groups_per_step=4,
+        trigger_sync=1,
+        staleness_threshold=0.0,
+        max_version_lag=0,
+        num_workers=1,
+        start_version=0,
+        seed=0,
+        poll=0.05,
+    )
+    start = time.perf_counter()
+    got = asyncio.run(queue.get(4, 0, timeout=0.3))
+    assert got == {"timeout": True, "queued": 0, "dropped": 0}
+    assert time.perf_counter() - start < 2
+
+
+def test_async_section_keys_and_verl_alias():
+    config = load_config(
+        overrides=[
+            "trainer.mode=fully_async",
+            "async.staleness_threshold=1",
+            "async_training.trigger_parameter_sync_step=2",
+        ]
+    )
+    assert config.async_.staleness_threshold == 1.0
+    assert config.async_.trigger_parameter_sync_step == 2
+    assert config.async_.version_lag_bound() == 3
+
+
+# --- real runs --------------------------------------------------------------------------------
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fully_async_two_workers_weights_reach_every_worker(tmp_path):
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlwire.trainer.cli",
+        "--no-progress",
+        f"trainer.output_dir={run}",
+        "trainer.mode=fully_async",
+        "rollout.num_workers=2",
+        "trainer.steps=5",
+        "async.staleness_threshold=0.5",
+        "async.trigger_parameter_sync_step=2",
+        "ckpt_engine.digest=true",
+        "ray.startup_timeout=300",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    records = _metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    bound = 2 * (1 + 1) - 1  # T x (1 + ceil(S)) - 1
+    versions = [r["weight_version"] for r in records]
+    assert versions == [0, 2, 2, 4, 4]  # synced after every 2nd update (not after the last)
+    digests = []
+    for r in records:
+        assert 0 <= r["version_lag_max"] <= bound and r["version_lag_mean"] <= r["version_lag_max"]
+        assert r["dropped_samples"] == 0 and r["wait_for_samples_s"] >= 0
+        assert r["rollout_paused_s"] >= 0 and 0.0 <= r["reward_mean"] <= 1.0
+        if r["step"] in (2, 4):  # a sync step: both workers hold exactly what the actor sent
+            assert r["weight_sync_gbps"] > 0
+            assert r["weight_digest_rollout"] == [r["weight_digest_actor"]] * 2
+            digests.append(r["weight_digest_actor"])
+        else:
+            assert "weight_digest_actor" not in r
+    assert len(set(digests)) == 2  # the weights changed between syncs
+    assert (run / "checkpoints" / "step_5" / "COMPLETE").exists()
+
+
+def test_killed_rollout_worker_stops_the_run_with_its_error(tmp_path):
+    import ray
+
+    from rlwire.trainer.driver import RunError, run
+
+    out = tmp_path / "run"
+    config = load_config(
+        overrides=[
+            f"trainer.output_dir={out}",
+            "trainer.mode=fully_async",
+            "rollout.num_workers=2",
+            "trainer.steps=200",
+            "trainer.save_every=2",
+            "async.staleness_threshold=0.5",
+            "ray.startup_timeout=300",
+        ]
+    )
+    killed: dict[str, float] = {}
+
+    def killer() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            done = (out / "checkpoints" / "step_2" / "COMPLETE").exists()
+            if done and ray.is_initialized():
+                named = [
+                    a
+                    for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"] == "rollout-1"
+                ]
+                if named:
+                    actor = ray.get_actor("rollout-1", namespace=named[0]["namespace"])
+                    killed["at"] = time.monotonic()
+                    ray.kill(actor)
+                    return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with pytest.raises(RunError, match=r"rollout worker 1 stopped: \w+") as err:
+        run(config, progress=False)
+    stopped = time.monotonic()
+    thread.join(timeout=10)
+    assert "at" in killed, "the worker was never killed"
+    assert stopped - killed["at"] < 60  # reported promptly, not after a hang
+    assert "last checkpoint in the run directory is intact" in str(err.value)
+    steps = [r["step"] for r in _metrics(out)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200
+    # the checkpoint written before the failure is complete and loadable
+    state = torch.load(out / "checkpoints" / "step_2" / "actor_rank0.pt", weights_only=False)
+    assert state["step"] == 2 and state["model"]
