@@ -111,6 +111,8 @@ def test_queue_respects_the_staleness_bound_and_loses_nothing(staleness, trigger
     assert queue.dropped == 0  # the derived lag bound drops nothing
     if staleness == 0 and trigger == 1:
         assert max(lags) == 0  # on-policy
+    if staleness == 0:  # workers outpace the trainer: held back by the bound, and it shows
+        assert sum(queue.paused_s) > 0
     # every group is consumed once, in data order (the data position follows the step)
     prompts = [p for _, _, p in out["consumed"]]
     expected = [p for s in range(len(prompts) // 4) for p, _ in _batches(s)]
@@ -153,6 +155,16 @@ def test_async_section_keys_and_verl_alias():
     assert config.async_.staleness_threshold == 1.0
     assert config.async_.trigger_parameter_sync_step == 2
     assert config.async_.version_lag_bound() == 3
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "expected"),
+    [("auto", 0, "gloo"), ("auto", 1, "cuda_ipc"), ("auto", 4, "nccl"), ("shm", 0, "shm")],
+)
+def test_auto_checkpoint_engine_follows_the_devices(name, gpus, expected):
+    from rlwire.trainer.driver import engine_backend
+
+    assert engine_backend(name, gpus) == expected
 
 
 # --- real runs --------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ __all__ = [
     "RolloutConfig",
     "TrainerConfig",
     "TrainerSection",
+    "VLLMSection",
     "describe_config",
     "load_config",
     "to_dict",
@@ -159,6 +160,34 @@ class ActorConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class VLLMSection:
+    kv_cache_memory_bytes: int | None = 67108864
+    """KV-cache size of each vLLM engine in bytes (default 64 MiB, enough for the tiny
+    job). None: size it from ``gpu_memory_utilization`` (on CPU vLLM would then claim
+    most of the machine's memory)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the device memory vLLM may use when ``kv_cache_memory_bytes`` is None."""
+    max_model_len: int | None = None
+    """Longest prompt + response (None: the model's own limit)."""
+    enforce_eager: bool = True
+    """No CUDA graphs / compilation: fast start, slower decoding on GPUs."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "rollout.vllm.kv_cache_memory_bytes",
+            self.kv_cache_memory_bytes,
+            "use an int > 0 or null",
+        )
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            "rollout.vllm.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "use a float in (0, 1]",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     backend: str = "hf"
     """Generation engine: ``hf`` (Hugging Face ``generate`` on a plain copy of the
@@ -172,6 +201,7 @@ class RolloutConfig:
     """Tokens generated per sample."""
     temperature: float = 1.0
     """Sampling temperature (> 0)."""
+    vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
 
     def __post_init__(self) -> None:
         _check(
@@ -221,7 +251,8 @@ class AlgorithmConfig:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class CheckpointEngineConfig:
     backend: str = "auto"
-    """A ``rlwire.ckpt_engine`` backend name, or ``auto`` (by device)."""
+    """A ``rlwire.ckpt_engine`` backend name, or ``auto``: ``gloo`` on CPUs, ``cuda_ipc``
+    when the job shares one GPU, ``nccl`` across GPUs."""
     bucket_size: str = "64MiB"
     """Bytes per bucket (``rlwire.ckpt_engine.parse_bucket_size`` syntax)."""
     timeout: float = 60.0
@@ -234,7 +265,7 @@ class CheckpointEngineConfig:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class AsyncConfig:
-    staleness_threshold: float = 0.5
+    staleness_threshold: float = 1.0
     """verl's bound on stale samples (``trainer.mode=fully_async``): rollout workers pause
     once ``R x T x (1 + staleness_threshold)`` prompt groups were started since the last
     weight sync (counting those still queued at it), where ``R`` is

@@ -18,7 +18,7 @@ import torch
 from .config import TrainerConfig, to_dict
 from .grpo import group_advantages
 
-__all__ = ["RunError", "load_data", "load_reward", "resolve_model", "run"]
+__all__ = ["RunError", "engine_backend", "load_data", "load_reward", "resolve_model", "run"]
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -288,13 +288,15 @@ class _Job:
             self.start_step = ray.get([a.load.remote(str(resume_from)) for a in self.actors])[0]
             log.info("resumed from %s at step %d", resume_from, self.start_step)
         # The checkpoint engine: actor rank 0 sends, rollout worker i receives as rank 1 + i.
-        metadata = ray.get(self.actors[0].engine_prepare.remote())
-        backend = ray.get(self.actors[0]._engine_backend.remote())
+        backend = engine_backend(config.ckpt_engine.backend, cluster_gpus)
+        self.engine_backend = backend
+        log.info("checkpoint engine: %s", backend)
+        metadata = ray.get(self.actors[0].engine_prepare.remote(backend))
         size = 1 + workers
         ray.get(
             [
                 *[r.engine_init.remote(backend, size, metadata) for r in self.rollouts],
-                *[a.engine_init.remote(size, metadata) for a in self.actors],
+                *[a.engine_init.remote(backend, size, metadata) for a in self.actors],
             ]
         )
         self.metrics_path = run_dir / "metrics.jsonl"
@@ -355,6 +357,17 @@ class _Job:
             (target / "COMPLETE").write_text(str(done))
 
 
+def engine_backend(name: str, cluster_gpus: float) -> str:
+    """``ckpt_engine.backend``, with ``auto`` resolved by the cluster's devices: ``gloo`` on
+    CPUs, ``cuda_ipc`` when everything shares one GPU (processes on one device cannot form
+    an NCCL group), ``nccl`` across GPUs."""
+    if name != "auto":
+        return name
+    if not cluster_gpus:
+        return "gloo"
+    return "cuda_ipc" if cluster_gpus <= 1 else "nccl"
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -403,6 +416,7 @@ def _run_colocated(job: _Job, bar) -> None:
     n, workers = config.rollout.n, len(job.rollouts)
 
     def sync(version: int) -> dict:
+        ray.get([r.wake_up.remote() for r in job.rollouts])
         pushed = [a.push_weights.remote(version) for a in job.actors]
         pulled = [r.pull_weights.remote() for r in job.rollouts]
         stats = ray.get(pushed)[0]
@@ -422,6 +436,7 @@ def _run_colocated(job: _Job, bar) -> None:
             ]
         )
         generated = collate(parts)
+        ray.get([r.sleep.remote() for r in job.rollouts])  # vLLM on CUDA frees its memory
         t_rollout = time.perf_counter()
         expanded = [p for p in prompts for _ in range(n)]
         result = job.update(generated, expanded, [a for _, a in data for _ in range(n)])

@@ -90,25 +90,26 @@ class SampleQueue:
         async with self.cond:
             start = time.perf_counter()
             paused = 0.0
-            while True:
-                if self.stopping:
-                    return {"kind": "stop"}
-                if self.sync_to is not None and self.worker_versions[worker] != self.sync_to:
-                    self.receiving.add(worker)
-                    self.cond.notify_all()
-                    return {"kind": "sync", "version": self.sync_to}
-                if self._may_generate():
-                    break
-                left = self.poll - (time.perf_counter() - start)
-                waited = time.perf_counter()
-                held_by_bound = self.sync_to is None  # waiting for a sync is not a pause
-                woke = left > 0 and await self._wait(lambda: True, left, wake=True)
-                if held_by_bound:
-                    paused += time.perf_counter() - waited
-                if not woke:
-                    self.paused_s[worker] += paused
-                    return {"kind": "wait"}
-            self.paused_s[worker] += paused
+            try:
+                while True:
+                    if self.stopping:
+                        return {"kind": "stop"}
+                    if self.sync_to is not None and self.worker_versions[worker] != self.sync_to:
+                        self.receiving.add(worker)
+                        self.cond.notify_all()
+                        return {"kind": "sync", "version": self.sync_to}
+                    if self._may_generate():
+                        break
+                    left = self.poll - (time.perf_counter() - start)
+                    waited = time.perf_counter()
+                    held_by_bound = self.sync_to is None  # waiting for a sync is not a pause
+                    woke = left > 0 and await self._wait(lambda: True, left, wake=True)
+                    if held_by_bound:
+                        paused += time.perf_counter() - waited
+                    if not woke:
+                        return {"kind": "wait"}
+            finally:
+                self.paused_s[worker] += paused
             count = min(self.chunk, self.bound - self.stale)
             first = self.next_group
             self.next_group += count

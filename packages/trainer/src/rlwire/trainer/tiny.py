@@ -71,8 +71,9 @@ def build_tiny_model(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head size 32: the smallest vLLM's CPU attention takes (it rejects 16)
+        num_attention_heads=max(1, hidden // 32),
+        num_key_value_heads=max(1, hidden // 64),
         max_position_embeddings=64,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,

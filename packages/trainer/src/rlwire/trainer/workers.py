@@ -159,31 +159,25 @@ class ActorWorker:
         return metrics
 
     # --- weights to the rollout worker -----------------------------------------------------
-    def engine_prepare(self) -> dict:
+    def engine_prepare(self, backend: str) -> dict:
         from rlwire.ckpt_engine import registry
 
         if self.rank != 0:
             return {}
         self.engine = registry.new(
-            self._engine_backend(),
+            backend,
             is_master=True,
             bucket_size=self.config.ckpt_engine.bucket_size,
             timeout=self.config.ckpt_engine.timeout,
         )
         return self.engine.prepare()
 
-    def _engine_backend(self) -> str:
-        from rlwire.ckpt_engine import backend_for_device
-
-        name = self.config.ckpt_engine.backend
-        return backend_for_device(self.device.type) if name == "auto" else name
-
-    def engine_init(self, world_size: int, metadata: dict) -> None:
+    def engine_init(self, backend: str, world_size: int, metadata: dict) -> None:
         from rlwire.ckpt_engine import registry
 
         if self.rank != 0:  # trainer ranks other than 0 take part in gathers only
             self.engine = registry.new(
-                self._engine_backend(),
+                backend,
                 is_master=False,
                 bucket_size=self.config.ckpt_engine.bucket_size,
                 timeout=self.config.ckpt_engine.timeout,
@@ -331,6 +325,15 @@ class RolloutWorker:
         self.version = asyncio.run(self.backend.apply(self.engine))
         digest = self.backend.digest() if self.config.ckpt_engine.digest else None
         return {"version": self.version, "digest": digest}
+
+    def sleep(self) -> None:
+        """Colocated on CUDA with vLLM: free the engine's memory while the actor trains."""
+        if hasattr(self.backend, "sleep"):
+            self.backend.sleep()
+
+    def wake_up(self) -> None:
+        if hasattr(self.backend, "wake_up"):
+            self.backend.wake_up()
 
     def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
         out = self.backend.generate(prompts, seed)
