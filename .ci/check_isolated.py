@@ -17,7 +17,8 @@ from pathlib import Path
 
 
 def rlwire_closure(dist: str) -> set[str]:
-    """Import names of `dist` and every rlwire distribution it requires, transitively."""
+    """Import names of `dist` and every rlwire distribution it requires, transitively
+    (its `test` extra included: CI installs the wheel with `[test]`)."""
     seen: set[str] = set()
     todo = [dist]
     while todo:
@@ -26,7 +27,7 @@ def rlwire_closure(dist: str) -> set[str]:
             continue
         seen.add(name)
         for req in md.requires(name) or []:
-            if "extra ==" in req:
+            if "extra ==" in req and not re.search(r"extra\s*==\s*['\"]test['\"]", req):
                 continue
             dep = re.split(r"[\s;<>=!~\[]", req, maxsplit=1)[0].lower().replace("_", "-")
             if dep.startswith("rlwire-"):

@@ -46,7 +46,12 @@ def _metrics(run: Path) -> list[dict]:
 
 def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
     run = tmp_path / "run"
-    common = [f"trainer.output_dir={run}", "actor.world_size=2", "trainer.save_every=1"]
+    common = [
+        f"trainer.output_dir={run}",
+        "actor.world_size=2",
+        "trainer.save_every=1",
+        "algorithm.kl_coef=0.1",  # with a frozen reference policy (the initial weights)
+    ]
     first = _train(*common, "trainer.steps=2")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
     records = _metrics(run)
@@ -55,6 +60,8 @@ def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
         assert set(r) == METRIC_KEYS
         assert r["grad_sync_policy"] == "defer" and r["retained_grad_bytes"] > 0
         assert 0.0 <= r["reward_mean"] <= 1.0
+    # step 1 trains the initial weights: KL to the reference is 0; after an update it is not
+    assert records[0]["kl_ref"] < 1e-7 and records[1]["kl_ref"] > 1e-6
     assert (run / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run / "config.yaml").exists() and (run / "train.log").exists()
     assert (run / "checkpoints" / "step_2" / "COMPLETE").exists()

@@ -26,6 +26,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "GradSyncSection",
+    "MegatronSection",
     "ModelConfig",
     "OptimConfig",
     "RayConfig",
@@ -129,9 +130,41 @@ class GradSyncSection:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class MegatronSection:
+    use_distributed_optimizer: bool = True
+    """Megatron's distributed optimizer: optimizer state and fp32 main parameters sharded
+    over the data-parallel ranks (works on gloo/CPU too)."""
+    optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Megatron ``OptimizerConfig`` fields beyond ``actor.optim`` (which gives ``lr``,
+    ``weight_decay`` and ``clip_grad``), e.g. ``use_precision_aware_optimizer``,
+    ``main_grads_dtype``; dtypes as strings (``bf16``, ``fp32``)."""
+    override_optimizer_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``OptimizerConfig`` fields applied last (verl's ``override_optimizer_config``)."""
+    override_ddp_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``DistributedDataParallelConfig`` fields; they win over the gradient dtype
+    ``rlwire.megatron_ddp`` derives from the optimizer (e.g. ``grad_reduce_in_fp32``,
+    ``bucket_size``, ``overlap_grad_reduce``)."""
+    tensor_model_parallel_size: int = 1
+    """Only 1: this engine is data parallel (TP needs Megatron's own model code)."""
+    pipeline_model_parallel_size: int = 1
+    """Only 1: this engine is data parallel (PP needs Megatron's own model code)."""
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            _check(
+                getattr(self, key) == 1,
+                f"actor.megatron.{key}",
+                getattr(self, key),
+                "the Megatron engine is data parallel only (tensor and pipeline parallelism "
+                "are out of scope); use 1 and scale with actor.world_size",
+            )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class ActorConfig:
     strategy: str = "fsdp2"
-    """``fsdp2`` (``fully_shard``) or ``fsdp`` (FSDP1)."""
+    """``fsdp2`` (``fully_shard``), ``fsdp`` (FSDP1) or ``megatron`` (Megatron-Core DDP and
+    optimizer; extra ``rlwire-trainer[megatron]``)."""
     world_size: int = 1
     """Actor ranks (Ray actors forming a gloo/NCCL group)."""
     micro_batch_size: int = 8
@@ -142,13 +175,14 @@ class ActorConfig:
     """Move parameters and optimizer state to host between phases (``rlwire.offload``)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     grad_sync: GradSyncSection = dataclasses.field(default_factory=GradSyncSection)
+    megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
 
     def __post_init__(self) -> None:
         _check(
-            self.strategy in ("fsdp2", "fsdp"),
+            self.strategy in ("fsdp2", "fsdp", "megatron"),
             "actor.strategy",
             self.strategy,
-            "use 'fsdp2' or 'fsdp'",
+            "use 'fsdp2', 'fsdp' or 'megatron'",
         )
         _check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
         _check(
@@ -440,6 +474,10 @@ def _coerce(key: str, annotation: Any, value: Any) -> Any:
     elif hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+    elif typing.get_origin(hint) is dict:
+        if isinstance(value, Mapping):
+            return dict(value)
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
     else:
         return value
     raise ConfigError(f"{key}: {value!r} is not a {hint.__name__}")

@@ -7,6 +7,8 @@ so the configured sync policy (defer / every / auto) applies for real.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rlwire.grad_sync import decide_policy, retained_grad_bytes, run_micro_batches
@@ -52,12 +54,16 @@ def grpo_update(
     grad_sync: object = "defer",
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    optimizer_step: Callable[[], float] | None = None,
 ) -> dict[str, float]:
     """One optimizer step over this rank's share of the rollout.
 
     Each micro-batch's loss is scaled by its share of the batch so that the
     accumulated gradient equals the full-batch gradient. With ``ref_logprobs``
     and ``kl_coef > 0`` the k3 KL to the reference policy is added to the loss.
+    ``optimizer_step`` replaces the default clip-step-zero sequence for engines that own
+    it (Megatron: finish the grad sync, step with clipping inside, clear the buffers); it
+    returns the gradient norm.
     Returns metrics: ``policy_loss``, ``clip_fraction``, ``entropy``, ``kl_ref``
     (0 without a reference), ``grad_norm``, ``retained_grad_bytes`` (the most
     held between micro-batches) and ``grad_sync_policy``.
@@ -94,15 +100,10 @@ def grpo_update(
         )
 
     results = run_micro_batches(model, slices, step, policy=grad_sync)
-    clip_params = [p for p in model.parameters() if p.grad is not None]
-    if grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(clip_params, grad_clip)
+    if optimizer_step is not None:
+        grad_norm = optimizer_step()
     else:
-        grad_norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(p.grad) for p in clip_params])
-        )
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        grad_norm = _clip_and_step(model, optimizer, grad_clip)
     return {
         "policy_loss": sum(r[0] for r in results),
         "clip_fraction": sum(r[1] for r in results),
@@ -112,3 +113,16 @@ def grpo_update(
         "retained_grad_bytes": max(held),
         "grad_sync_policy": str(decide_policy(model, grad_sync)),
     }
+
+
+def _clip_and_step(model, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
+    clip_params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(clip_params, grad_clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad) for p in clip_params])
+        )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import os
 import random
 from pathlib import Path
@@ -54,6 +55,8 @@ class ActorWorker:
         self.model = None
         self.optimizer = None
         self.engine = None
+        self.megatron = None
+        self.reference = None
 
     # --- setup ---------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -76,12 +79,39 @@ class ActorWorker:
         _seed_everything(cfg.trainer.seed)
         model = _load_model(self.model_path, cfg.model.dtype, self.device)
         model.gradient_checkpointing_disable()
-        self.model = self._wrap(model)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=cfg.actor.optim.lr,
-            weight_decay=cfg.actor.optim.weight_decay,
-        )
+        if cfg.actor.strategy == "megatron":
+            from .megatron_engine import MegatronActor
+
+            self.megatron = MegatronActor(cfg, model, self.device)
+            self.model, self.optimizer = self.megatron.model, self.megatron.optimizer
+            if self.rank == 0:
+                for warning in self.megatron.warnings:
+                    logging.getLogger("rlwire.trainer").warning("megatron: %s", warning)
+        else:
+            self.model = self._wrap(model)
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=cfg.actor.optim.lr,
+                weight_decay=cfg.actor.optim.weight_decay,
+            )
+        if cfg.algorithm.kl_coef > 0:  # the frozen reference policy: the initial weights
+            reference = _load_model(self.model_path, cfg.model.dtype, self.device)
+            reference.requires_grad_(False)
+            self.reference = (
+                reference if cfg.actor.strategy == "megatron" else self._wrap(reference)
+            ).eval()
+
+    def megatron_info(self) -> dict[str, Any]:
+        """The DDP config the Megatron engine built, its buffers' dtypes and its warnings."""
+        import dataclasses
+
+        ddp = self.megatron.ddp_config
+        return {
+            "ddp_config": {f.name: getattr(ddp, f.name) for f in dataclasses.fields(ddp)},
+            "grad_buffer_dtypes": [str(d) for d in self.megatron.grad_buffer_dtypes()],
+            "optimizer": type(self.megatron.optimizer).__name__,
+            "warnings": list(self.megatron.warnings),
+        }
 
     def _wrap(self, model):
         cfg = self.config.actor
@@ -110,15 +140,12 @@ class ActorWorker:
     # --- a training step -----------------------------------------------------------------
     def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Old log-probs (forward only), then one GRPO update over micro-batches."""
-        from rlwire.offload import load_model, load_optimizer, offload_model, offload_optimizer
-
         from .rollout import Rollout
         from .step import compute_old_logprobs, grpo_update
 
         cfg = self.config
         if cfg.actor.offload:
-            load_model(self.model)
-            load_optimizer(self.optimizer)
+            self._reload()
         rollout = Rollout(
             *(
                 batch[k].to(self.device)
@@ -135,6 +162,14 @@ class ActorWorker:
             micro_batch_size=cfg.actor.micro_batch_size,
             temperature=temperature,
         )
+        ref = None
+        if self.reference is not None:
+            ref = compute_old_logprobs(
+                self.reference,
+                rollout,
+                micro_batch_size=cfg.actor.micro_batch_size,
+                temperature=temperature,
+            )
         metrics = grpo_update(
             self.model,
             self.optimizer,
@@ -150,13 +185,38 @@ class ActorWorker:
                 "policy": cfg.actor.grad_sync.policy,
                 "memory_budget_bytes": cfg.actor.grad_sync.memory_budget_bytes,
             },
+            ref_logprobs=ref,
+            kl_coef=cfg.algorithm.kl_coef,
+            optimizer_step=self.megatron.step if self.megatron else None,
         )
         mask = rollout.response_mask.float()
         metrics["kl_rollout"] = float(((rollout.logprobs - old) * mask).sum() / mask.sum())
         if cfg.actor.offload:
-            offload_model(self.model).wait()
-            offload_optimizer(self.optimizer).wait()
+            self._offload()
         return metrics
+
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        return self.megatron._inner_optimizers() if self.megatron else [self.optimizer]
+
+    def _offload(self) -> None:
+        from rlwire.offload import offload_model, offload_optimizer
+
+        if self.megatron:  # parameters are views into Megatron's buffers: its own offload
+            self.megatron.offload()
+        else:
+            offload_model(self.model).wait()
+        for optimizer in self._inner_optimizers():
+            offload_optimizer(optimizer).wait()
+
+    def _reload(self) -> None:
+        from rlwire.offload import load_model, load_optimizer
+
+        if self.megatron:
+            self.megatron.reload()
+        else:
+            load_model(self.model)
+        for optimizer in self._inner_optimizers():
+            load_optimizer(optimizer)
 
     # --- weights to the rollout worker -----------------------------------------------------
     def engine_prepare(self, backend: str) -> dict:
@@ -188,7 +248,7 @@ class ActorWorker:
 
     def _full_weights(self):
         """(name, full tensor) for every parameter and buffer; a collective on every rank."""
-        state = self.model.state_dict()
+        state = self.megatron.hf_state_dict() if self.megatron else self.model.state_dict()
         for name, value in state.items():
             if hasattr(value, "full_tensor"):
                 value = value.full_tensor()
@@ -218,10 +278,13 @@ class ActorWorker:
     def save(self, directory: str, step: int) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
+        if self.megatron:
+            state = self.megatron.state()
+        else:
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         torch.save(
             {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                **state,
                 "step": step,
                 "rng": torch.get_rng_state(),
                 "py_rng": random.getstate(),
@@ -231,8 +294,11 @@ class ActorWorker:
 
     def load(self, directory: str) -> int:
         state = torch.load(Path(directory) / f"actor_rank{self.rank}.pt", weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.megatron:
+            self.megatron.load_state(state)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         random.setstate(state["py_rng"])
         return int(state["step"])

@@ -1,0 +1,147 @@
+"""The Megatron actor engine (``actor.strategy=megatron``) on CPU with gloo: the DDP config and
+gradient buffers it builds, two training steps with 2 ranks, weights reaching the rollout
+worker, the same first-step loss as FSDP2, and a resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "megatron.core", reason="needs megatron-core: pip install 'rlwire-trainer[megatron]'"
+)
+
+from rlwire.trainer.config import ConfigError, load_config  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("megatron") / "engines.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(HERE / "trainer_megatron_worker.py"),
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2
+    return {r["case"]: r for r in data["results"]}
+
+
+@pytest.mark.parametrize(
+    ("case", "reduce_in_fp32", "buffer"),
+    [
+        # the four precision combinations: fp32 reduction unless the optimizer is
+        # precision-aware with bf16 main grads (rlwire.megatron_ddp's rule)
+        ("fp32_main_grads", True, "torch.float32"),
+        ("bf16_main_grads_without_precision_aware", True, "torch.float32"),
+        ("precision_aware_fp32", True, "torch.float32"),
+        ("precision_aware_bf16", False, "torch.bfloat16"),
+        # explicit overrides win
+        ("explicit_bf16_reduce", False, "torch.bfloat16"),
+        ("explicit_fp32_reduce_precision_aware_bf16", True, "torch.float32"),
+    ],
+)
+def test_engine_resolves_the_ddp_gradient_dtype(engines, case, reduce_in_fp32, buffer):
+    r = engines[case]
+    assert (
+        r["ddp_type"] == "megatron.core.distributed.distributed_data_parallel_config."
+        "DistributedDataParallelConfig"
+    )
+    assert r["ddp"]["grad_reduce_in_fp32"] == repr(reduce_in_fp32)
+    assert r["ddp"]["use_distributed_optimizer"] == "True"  # the engine's default
+    assert r["buffers"] == [buffer]  # bf16 parameters: the buffer dtype shows the choice
+    assert r["main_grad_is_buffer_view"]
+    if case.startswith("explicit"):  # an override against the optimizer's precision is flagged
+        assert r["warnings"] and all("grad_reduce_in_fp32" in w for w in r["warnings"])
+
+
+def test_engine_builds_megatrons_optimizers(engines):
+    dist_opt = engines["engine_distributed_optimizer"]
+    assert dist_opt["optimizer"] == "ChainedOptimizer"
+    assert dist_opt["inner"] == ["DistributedOptimizer"]
+    assert dist_opt["buffers"] == ["torch.float32"]
+    plain = engines["engine_plain_optimizer"]
+    assert plain["inner"] == ["Float16OptimizerWithFloat16Params"]  # bf16 params, fp32 main
+    assert plain["ddp"]["use_distributed_optimizer"] == "False"
+    failed = engines["engine_precision_aware_on_cpu"]
+    assert failed["error"].startswith(
+        "actor.megatron: Megatron-Core rejects this optimizer configuration (the "
+        "precision-aware optimizer needs Transformer Engine's FusedAdam: CUDA)"
+    )
+
+
+def test_tensor_and_pipeline_parallelism_are_refused():
+    with pytest.raises(
+        ConfigError,
+        match=r"^actor\.megatron\.tensor_model_parallel_size: 2 is "
+        r"not allowed; the Megatron engine is data parallel only",
+    ):
+        load_config(
+            overrides=["actor.strategy=megatron", "actor.megatron.tensor_model_parallel_size=2"]
+        )
+    with pytest.raises(ConfigError, match=r"pipeline_model_parallel_size: 4 is not allowed"):
+        load_config(overrides=["actor.megatron.pipeline_model_parallel_size=4"])
+
+
+def _train(run: Path, *overrides: str) -> list[dict]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlwire.trainer.cli",
+        "--no-progress",
+        f"trainer.output_dir={run}",
+        "actor.world_size=2",
+        "ckpt_engine.digest=true",
+        "trainer.save_every=1",
+        "ray.startup_timeout=300",
+        *overrides,
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# Same seed, data and initial weights: the first step's rollout is identical, so the loss
+# (computed before any update) agrees to float rounding; the gradient norm after the
+# (differently ordered) reductions to a relative 1e-5.
+LOSS_TOLERANCE = 1e-6
+
+
+def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(tmp_path):
+    fsdp2 = _train(tmp_path / "fsdp2", "trainer.steps=2")
+    megatron = _train(tmp_path / "megatron", "actor.strategy=megatron", "trainer.steps=2")
+    assert [r["step"] for r in megatron] == [1, 2]
+    for r in megatron:
+        assert torch.isfinite(torch.tensor(r["policy_loss"])) and r["grad_norm"] > 0
+        # the rollout worker holds exactly the weights Megatron's engine exported
+        assert r["weight_digest_rollout"] == [r["weight_digest_actor"]]
+    assert megatron[0]["weight_digest_actor"] != megatron[1]["weight_digest_actor"]
+    assert megatron[0]["reward_mean"] == fsdp2[0]["reward_mean"]  # the same samples
+    assert abs(megatron[0]["policy_loss"] - fsdp2[0]["policy_loss"]) <= LOSS_TOLERANCE
+    assert megatron[0]["grad_norm"] == pytest.approx(fsdp2[0]["grad_norm"], rel=1e-5)
+
+    # resume: the step count, weights and Megatron's (distributed) optimizer state carry on
+    resumed = _train(tmp_path / "megatron", "actor.strategy=megatron", "trainer.steps=3")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for rank in range(2):
+        state = torch.load(
+            tmp_path / "megatron" / "checkpoints" / "step_3" / f"actor_rank{rank}.pt",
+            weights_only=False,
+        )
+        assert state["step"] == 3
+        steps = {float(s["step"]) for o in state["optimizer"] for s in o["state"].values()}
+        assert steps == {3.0}  # AdamW's own step count continued through the resume

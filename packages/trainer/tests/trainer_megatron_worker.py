@@ -1,0 +1,94 @@
+"""torchrun worker (2 ranks, gloo, CPU): the Megatron actor engine on the tiny model.
+
+For each case it builds the engine exactly as ``actor.strategy=megatron`` does and records
+the real ``DistributedDataParallelConfig``, the gradient buffers' dtypes, the optimizer
+class and the ``check_consistency`` warnings (or the error) as JSON at argv[1].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from rlwire.trainer.config import load_config
+from rlwire.trainer.megatron_engine import MegatronActor
+from rlwire.trainer.tiny import build_tiny_model
+
+# (name, overrides, build the optimizer too)
+CASES = [
+    ("fp32_main_grads", [], False),
+    ("bf16_main_grads_without_precision_aware", ["optimizer.main_grads_dtype=bf16"], False),
+    ("precision_aware_fp32", ["optimizer.use_precision_aware_optimizer=true"], False),
+    (
+        "precision_aware_bf16",
+        ["optimizer.use_precision_aware_optimizer=true", "optimizer.main_grads_dtype=bf16"],
+        False,
+    ),
+    ("explicit_bf16_reduce", ["override_ddp_config.grad_reduce_in_fp32=false"], False),
+    (
+        "explicit_fp32_reduce_precision_aware_bf16",
+        [
+            "optimizer.use_precision_aware_optimizer=true",
+            "optimizer.main_grads_dtype=bf16",
+            "override_ddp_config.grad_reduce_in_fp32=true",
+        ],
+        False,
+    ),
+    ("engine_distributed_optimizer", [], True),
+    ("engine_plain_optimizer", ["use_distributed_optimizer=false"], True),
+    ("engine_precision_aware_on_cpu", ["optimizer.use_precision_aware_optimizer=true"], True),
+]
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    out = Path(sys.argv[1])
+    path = out.parent / "tiny"
+    if dist.get_rank() == 0:
+        build_tiny_model(path, seed=0)
+    dist.barrier()
+    results = []
+    for name, overrides, with_optimizer in CASES:
+        config = load_config(
+            overrides=[
+                "actor.strategy=megatron",
+                "model.dtype=bfloat16",
+                *[f"actor.megatron.{o}" for o in overrides],
+            ]
+        )
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        record = {"case": name}
+        try:
+            engine = MegatronActor(config, model, torch.device("cpu"), optimizer=with_optimizer)
+            ddp = engine.ddp_config
+            record.update(
+                ddp={f.name: repr(getattr(ddp, f.name)) for f in dataclasses.fields(ddp)},
+                ddp_type=f"{type(ddp).__module__}.{type(ddp).__name__}",
+                buffers=[str(d) for d in engine.grad_buffer_dtypes()],
+                main_grad_is_buffer_view=all(
+                    p.main_grad.untyped_storage().data_ptr()
+                    == engine.model.buffers[0].grad_data.untyped_storage().data_ptr()
+                    for p in engine.model.module.parameters()
+                ),
+                optimizer=type(engine.optimizer).__name__ if engine.optimizer else None,
+                inner=[
+                    type(o).__name__ for o in getattr(engine.optimizer, "chained_optimizers", [])
+                ],
+                warnings=engine.warnings,
+            )
+        except (ValueError, RuntimeError) as err:
+            record["error"] = str(err)
+        results.append(record)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({"world_size": dist.get_world_size(), "results": results}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
