@@ -97,7 +97,7 @@ def test_tensor_and_pipeline_parallelism_are_refused():
         load_config(overrides=["actor.megatron.pipeline_model_parallel_size=4"])
 
 
-def _train(run: Path, *overrides: str) -> list[dict]:
+def _train(run: Path, *overrides: str) -> tuple[list[dict], str]:
     cmd = [
         sys.executable,
         "-m",
@@ -112,7 +112,8 @@ def _train(run: Path, *overrides: str) -> list[dict]:
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return records, result.stderr
 
 
 # Same seed, data and initial weights: the first step's rollout is identical, so the loss
@@ -122,8 +123,16 @@ LOSS_TOLERANCE = 1e-6
 
 
 def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(tmp_path):
-    fsdp2 = _train(tmp_path / "fsdp2", "trainer.steps=2")
-    megatron = _train(tmp_path / "megatron", "actor.strategy=megatron", "trainer.steps=2")
+    fsdp2, _ = _train(tmp_path / "fsdp2", "trainer.steps=2")
+    megatron, stderr = _train(
+        tmp_path / "megatron",
+        "actor.strategy=megatron",
+        "trainer.steps=2",
+        # fp32 parameters: the same buffer either way, but the consistency check speaks up
+        "actor.megatron.override_ddp_config.grad_reduce_in_fp32=false",
+    )
+    warnings = [x for x in stderr.splitlines() if x.startswith("rlwire-train: warning: megatron:")]
+    assert len(warnings) == 1 and "grad_reduce_in_fp32=False" in warnings[0]
     assert [r["step"] for r in megatron] == [1, 2]
     for r in megatron:
         assert torch.isfinite(torch.tensor(r["policy_loss"])) and r["grad_norm"] > 0
@@ -135,7 +144,8 @@ def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(tmp_path):
     assert megatron[0]["grad_norm"] == pytest.approx(fsdp2[0]["grad_norm"], rel=1e-5)
 
     # resume: the step count, weights and Megatron's (distributed) optimizer state carry on
-    resumed = _train(tmp_path / "megatron", "actor.strategy=megatron", "trainer.steps=3")
+    resumed, stderr = _train(tmp_path / "megatron", "actor.strategy=megatron", "trainer.steps=3")
+    assert "warning: megatron" not in stderr
     assert [r["step"] for r in resumed] == [1, 2, 3]
     for rank in range(2):
         state = torch.load(

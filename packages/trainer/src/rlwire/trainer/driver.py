@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -283,6 +284,17 @@ class _Job:
             ) from None
         except ray.exceptions.RayActorError as err:
             raise RunError(f"ray: a worker failed to start: {_first_line(err)}") from None
+        if config.actor.strategy == "megatron":  # check_consistency's warnings, once
+            info = ray.get(self.actors[0].megatron_info.remote())
+            log.info(
+                "megatron: DDP config %s, grad buffers %s, optimizer %s",
+                info["ddp_config"],
+                info["grad_buffer_dtypes"],
+                info["optimizer"],
+            )
+            for warning in info["warnings"]:
+                log.warning("megatron: %s", warning)
+                print(f"rlwire-train: warning: megatron: {warning}", file=sys.stderr)
         self.start_step = 0
         if resume_from is not None:
             self.start_step = ray.get([a.load.remote(str(resume_from)) for a in self.actors])[0]

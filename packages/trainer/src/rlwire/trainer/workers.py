@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import logging
 import os
 import random
 from pathlib import Path
@@ -84,9 +83,6 @@ class ActorWorker:
 
             self.megatron = MegatronActor(cfg, model, self.device)
             self.model, self.optimizer = self.megatron.model, self.megatron.optimizer
-            if self.rank == 0:
-                for warning in self.megatron.warnings:
-                    logging.getLogger("rlwire.trainer").warning("megatron: %s", warning)
         else:
             self.model = self._wrap(model)
             self.optimizer = torch.optim.AdamW(
