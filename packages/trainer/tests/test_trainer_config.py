@@ -30,7 +30,7 @@ def test_unknown_key_lists_valid_keys_and_closest_match():
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["actor.micro_batchsize=4"])
     assert str(err.value) == (
-        "actor.micro_batchsize: unknown key; valid keys under actor: grad_sync, "
+        "actor.micro_batchsize: unknown key; valid keys under actor: grad_sync, megatron, "
         "micro_batch_size, mixed_precision, offload, optim, strategy, world_size; "
         "did you mean 'actor.micro_batch_size'?"
     )
@@ -48,7 +48,10 @@ def test_unknown_key_lists_valid_keys_and_closest_match():
         ("actor.world_size=two", "actor.world_size: 'two' is not a int"),
         ("actor.world_size=0", "actor.world_size: 0 is not allowed; use an int >= 1"),
         ("rollout.temperature=0", "rollout.temperature: 0.0 is not allowed; use a float > 0"),
-        ("actor.strategy=ddp", "actor.strategy: 'ddp' is not allowed; use 'fsdp2' or 'fsdp'"),
+        (
+            "actor.strategy=ddp",
+            "actor.strategy: 'ddp' is not allowed; use 'fsdp2', 'fsdp' or 'megatron'",
+        ),
         (
             "actor.grad_sync.policy=sometimes",
             "actor.grad_sync.policy: 'sometimes' is not allowed; use 'defer', 'every' or 'auto'",

@@ -4,17 +4,14 @@ with Ray: 2 rollout workers, weights verified by digest after every sync, and a 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from trainer_cli import metrics, train_cli
 
 from rlwire.trainer.config import AsyncConfig, load_config
 from rlwire.trainer.fully_async import SampleQueue, max_stale_groups
@@ -168,29 +165,17 @@ def test_auto_checkpoint_engine_follows_the_devices(name, gpus, expected):
 
 
 # --- real runs --------------------------------------------------------------------------------
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_fully_async_two_workers_weights_reach_every_worker(tmp_path):
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlwire.trainer.cli",
-        "--no-progress",
-        f"trainer.output_dir={run}",
+    records, _ = train_cli(
+        run,
         "trainer.mode=fully_async",
         "rollout.num_workers=2",
         "trainer.steps=5",
         "async.staleness_threshold=0.5",
         "async.trigger_parameter_sync_step=2",
         "ckpt_engine.digest=true",
-        "ray.startup_timeout=300",
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    records = _metrics(run)
+    )
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     bound = 2 * (1 + 1) - 1  # T x (1 + ceil(S)) - 1
     versions = [r["weight_version"] for r in records]
@@ -255,7 +240,7 @@ def test_killed_rollout_worker_stops_the_run_with_its_error(tmp_path):
     assert "at" in killed, "the worker was never killed"
     assert stopped - killed["at"] < 60  # reported promptly, not after a hang
     assert "last checkpoint in the run directory is intact" in str(err.value)
-    steps = [r["step"] for r in _metrics(out)]
+    steps = [r["step"] for r in metrics(out)]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200
     # the checkpoint written before the failure is complete and loadable
     state = torch.load(out / "checkpoints" / "step_2" / "actor_rank0.pt", weights_only=False)

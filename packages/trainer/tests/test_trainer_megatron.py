@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_cli import train_cli
 
 pytest.importorskip(
     "megatron.core", reason="needs megatron-core: pip install 'rlwire-trainer[megatron]'"
@@ -98,22 +99,9 @@ def test_tensor_and_pipeline_parallelism_are_refused():
 
 
 def _train(run: Path, *overrides: str) -> tuple[list[dict], str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlwire.trainer.cli",
-        "--no-progress",
-        f"trainer.output_dir={run}",
-        "actor.world_size=2",
-        "ckpt_engine.digest=true",
-        "trainer.save_every=1",
-        "ray.startup_timeout=300",
-        *overrides,
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return records, result.stderr
+    return train_cli(
+        run, "actor.world_size=2", "ckpt_engine.digest=true", "trainer.save_every=1", *overrides
+    )
 
 
 # Same seed, data and initial weights: the first step's rollout is identical, so the loss

@@ -4,12 +4,10 @@ environment with vLLM, e.g. by ``.ci/vllm``; deselected by default)."""
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from trainer_cli import train_cli
 
 pytestmark = pytest.mark.vllm
 
@@ -97,21 +95,9 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
 
 @pytest.mark.parametrize("mode", ["fully_async", "colocated"])
 def test_short_run_with_the_vllm_backend(ray_local, mode, tmp_path):
-    run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlwire.trainer.cli",
-        "--no-progress",
-        f"trainer.output_dir={run}",
-        f"trainer.mode={mode}",
-        "rollout.backend=vllm",
-        "trainer.steps=3",
-        "ray.startup_timeout=300",
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records, _ = train_cli(
+        tmp_path / "run", f"trainer.mode={mode}", "rollout.backend=vllm", "trainer.steps=3"
+    )
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["grad_norm"] == r["grad_norm"]

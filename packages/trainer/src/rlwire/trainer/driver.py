@@ -353,6 +353,36 @@ class _Job:
             "_tokens": tokens,
         }
 
+    @staticmethod
+    def step_record(
+        step: int,
+        result: dict[str, Any],
+        times: tuple[float, float, float, float],
+        synced: dict[str, Any],
+        *,
+        samples: int,
+        version: int,
+        lags: list[int],
+    ) -> dict[str, Any]:
+        """The metrics both modes record: ``times`` are the step's start, samples ready,
+        update done and sync done; ``lags`` the version lag of each prompt group."""
+        t0, t_samples, t_update, t_sync = times
+        tokens = result.pop("_tokens")
+        return {
+            "step": step + 1,
+            **result,
+            "time_rollout_s": t_samples - t0,
+            "time_update_s": t_update - t_samples,
+            "time_weight_sync_s": t_sync - t_update,
+            "weight_sync_gbps": synced["weight_sync_gbps"],
+            "tokens_per_s": tokens / (t_sync - t0),
+            "samples_per_s": samples / (t_sync - t0),
+            "weight_version": version,
+            "version_lag_mean": sum(lags) / len(lags),
+            "version_lag_max": max(lags),
+            **(_digests(synced, synced["pulls"]) if synced["pulls"] else {}),
+        }
+
     def record(self, record: dict[str, Any], bar) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
@@ -455,21 +485,15 @@ def _run_colocated(job: _Job, bar) -> None:
         t_update = time.perf_counter()
         synced = sync(step + 1)
         t_sync = time.perf_counter()
-        tokens = result.pop("_tokens")
-        record: dict[str, Any] = {
-            "step": step + 1,
-            **result,
-            "time_rollout_s": t_rollout - t0,
-            "time_update_s": t_update - t_rollout,
-            "time_weight_sync_s": t_sync - t_update,
-            "weight_sync_gbps": synced["weight_sync_gbps"],
-            "tokens_per_s": tokens / (t_sync - t0),
-            "samples_per_s": len(prompts) * n / (t_sync - t0),
-            "weight_version": step + 1,
-            "version_lag_mean": 0.0,
-            "version_lag_max": 0,
-            **_digests(synced, synced["pulls"]),
-        }
+        record = job.step_record(
+            step,
+            result,
+            (t0, t_rollout, t_update, t_sync),
+            synced,
+            samples=len(prompts) * n,
+            version=step + 1,
+            lags=[0],
+        )
         job.record(record, bar)
         bar.update(1)
         job.save_if_due(step + 1)

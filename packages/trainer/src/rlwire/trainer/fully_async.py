@@ -281,7 +281,7 @@ def run_fully_async(job, bar) -> None:
     """Train on groups from the queue while the rollout workers keep generating."""
     import ray
 
-    from .driver import RunError, _digests
+    from .driver import RunError
     from .rollout import collate
 
     config = job.config
@@ -353,23 +353,19 @@ def run_fully_async(job, bar) -> None:
             t_sync = time.perf_counter()
             stats = ray.get(queue.stats.remote())
             paused = sum(stats["paused_s"])
-            tokens = result.pop("_tokens")
-            record: dict[str, Any] = {
-                "step": step + 1,
-                **result,
-                "time_rollout_s": t_samples - t0,
-                "time_update_s": t_update - t_samples,
-                "time_weight_sync_s": t_sync - t_update,
-                "weight_sync_gbps": synced["weight_sync_gbps"],
-                "tokens_per_s": tokens / (t_sync - t0),
-                "samples_per_s": len(groups) * n / (t_sync - t0),
-                "weight_version": held,
-                "version_lag_mean": sum(lags) / len(lags),
-                "version_lag_max": max(lags),
+            record = {
+                **job.step_record(
+                    step,
+                    result,
+                    (t0, t_samples, t_update, t_sync),
+                    synced,
+                    samples=len(groups) * n,
+                    version=held,
+                    lags=lags,
+                ),
                 "dropped_samples": got["dropped"] * n,
                 "wait_for_samples_s": got["wait_s"],
                 "rollout_paused_s": paused - paused_before,
-                **(_digests(synced, synced["pulls"]) if synced["pulls"] else {}),
             }
             paused_before = paused
             job.record(record, bar)

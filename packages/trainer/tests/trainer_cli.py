@@ -1,0 +1,31 @@
+"""Test helper (not a test module): run ``rlwire-train`` as a user does and read its metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_cli(run: Path, *overrides: str, timeout: float = 600) -> tuple[list[dict], str]:
+    """``rlwire-train`` in a fresh interpreter writing to ``run``; its metrics and stderr.
+
+    Fails the test with the command's output when it does not exit 0.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlwire.trainer.cli",
+        "--no-progress",
+        f"trainer.output_dir={run}",
+        "ray.startup_timeout=300",
+        *overrides,
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return metrics(run), result.stderr
