@@ -240,6 +240,7 @@ def test_killed_rollout_worker_stops_the_run_with_its_error(tmp_path):
     assert "at" in killed, "the worker was never killed"
     assert stopped - killed["at"] < 60  # reported promptly, not after a hang
     assert "last checkpoint in the run directory is intact" in str(err.value)
+    print("run stopped with:", err.value, f"({stopped - killed['at']:.1f} s after the kill)")
     steps = [r["step"] for r in metrics(out)]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200
     # the checkpoint written before the failure is complete and loadable
