@@ -284,6 +284,9 @@ class _Job:
             ) from None
         except ray.exceptions.RayActorError as err:
             raise RunError(f"ray: a worker failed to start: {_first_line(err)}") from None
+        except ray.exceptions.RayTaskError as err:  # setup raised: the engine refused the config
+            cause = err.cause if isinstance(err.cause, BaseException) else err
+            raise RunError(f"actor setup failed: {_first_line(cause)}") from None
         if config.actor.strategy == "megatron":  # check_consistency's warnings, once
             info = ray.get(self.actors[0].megatron_info.remote())
             log.info(

@@ -43,7 +43,8 @@ def _seed_everything(seed: int) -> None:
 
 
 class ActorWorker:
-    """One training rank: the policy under FSDP2 or FSDP1, its optimizer, GRPO updates."""
+    """One training rank: the policy under FSDP2, FSDP1 or Megatron DDP, its optimizer, GRPO
+    updates, and (with ``algorithm.kl_coef > 0``) a frozen reference policy."""
 
     def __init__(self, config: TrainerConfig, model_path: str, rank: int) -> None:
         torch.set_num_threads(1)
