@@ -50,6 +50,13 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key}: {value!r} is not allowed; {allowed}")
 
 
+def _check_choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
+    """``value`` must be one of ``choices`` (the message lists them: "use 'a', 'b' or 'c'")."""
+    quoted = [repr(c) for c in choices]
+    listed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    _check(value in choices, key, value, f"use {listed}")
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ModelConfig:
     path: str = "tiny"
@@ -60,12 +67,7 @@ class ModelConfig:
     """Parameter dtype of the actor: ``float32`` or ``bfloat16``."""
 
     def __post_init__(self) -> None:
-        _check(
-            self.dtype in ("float32", "bfloat16"),
-            "model.dtype",
-            self.dtype,
-            "use 'float32' or 'bfloat16'",
-        )
+        _check_choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -121,12 +123,7 @@ class GradSyncSection:
     """Budget for ``auto`` (None: half the free device memory; defer on CPU)."""
 
     def __post_init__(self) -> None:
-        _check(
-            self.policy in ("defer", "every", "auto"),
-            "actor.grad_sync.policy",
-            self.policy,
-            "use 'defer', 'every' or 'auto'",
-        )
+        _check_choice(self.policy, "actor.grad_sync.policy", ("defer", "every", "auto"))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -178,12 +175,7 @@ class ActorConfig:
     megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
 
     def __post_init__(self) -> None:
-        _check(
-            self.strategy in ("fsdp2", "fsdp", "megatron"),
-            "actor.strategy",
-            self.strategy,
-            "use 'fsdp2', 'fsdp' or 'megatron'",
-        )
+        _check_choice(self.strategy, "actor.strategy", ("fsdp2", "fsdp", "megatron"))
         _check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
         _check(
             self.micro_batch_size >= 1,
@@ -238,9 +230,7 @@ class RolloutConfig:
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
 
     def __post_init__(self) -> None:
-        _check(
-            self.backend in ("hf", "vllm"), "rollout.backend", self.backend, "use 'hf' or 'vllm'"
-        )
+        _check_choice(self.backend, "rollout.backend", ("hf", "vllm"))
         _check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
         _check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")
         _check(
@@ -274,12 +264,7 @@ class AlgorithmConfig:
             "use a float in (0, 1)",
         )
         _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "use a float >= 0")
-        _check(
-            self.loss_agg in ("token-mean", "seq-mean-token-mean"),
-            "algorithm.loss_agg",
-            self.loss_agg,
-            "use 'token-mean' or 'seq-mean-token-mean'",
-        )
+        _check_choice(self.loss_agg, "algorithm.loss_agg", ("token-mean", "seq-mean-token-mean"))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -361,12 +346,7 @@ class TrainerSection:
     """``auto`` (latest checkpoint in output_dir, if any), ``never``, or a checkpoint path."""
 
     def __post_init__(self) -> None:
-        _check(
-            self.mode in ("colocated", "fully_async"),
-            "trainer.mode",
-            self.mode,
-            "use 'colocated' or 'fully_async'",
-        )
+        _check_choice(self.mode, "trainer.mode", ("colocated", "fully_async"))
         _check(self.steps >= 1, "trainer.steps", self.steps, "use an int >= 1")
         _check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
 

@@ -257,6 +257,8 @@ class _Job:
         # there are fewer GPUs than workers; NCCL still needs one GPU per actor rank).
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
         gpus = min(1.0, cluster_gpus / (world + workers)) if cluster_gpus else 0
+        # colocated vLLM on GPUs sleeps while the actor trains (no-op elsewhere: skip the calls)
+        self.rollout_sleeps = config.rollout.backend == "vllm" and bool(cluster_gpus)
         self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
         Actor = ray.remote(num_cpus=1, num_gpus=gpus)(ActorWorker)
         Rollout = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker)
@@ -406,11 +408,13 @@ def engine_backend(name: str, cluster_gpus: float) -> str:
     """``ckpt_engine.backend``, with ``auto`` resolved by the cluster's devices: ``gloo`` on
     CPUs, ``cuda_ipc`` when everything shares one GPU (processes on one device cannot form
     an NCCL group), ``nccl`` across GPUs."""
+    from rlwire.ckpt_engine import backend_for_device
+
     if name != "auto":
         return name
-    if not cluster_gpus:
-        return "gloo"
-    return "cuda_ipc" if cluster_gpus <= 1 else "nccl"
+    if cluster_gpus == 1:
+        return "cuda_ipc"
+    return backend_for_device("cuda" if cluster_gpus else "cpu")
 
 
 def _first_line(err: BaseException) -> str:
@@ -461,7 +465,8 @@ def _run_colocated(job: _Job, bar) -> None:
     n, workers = config.rollout.n, len(job.rollouts)
 
     def sync(version: int) -> dict:
-        ray.get([r.wake_up.remote() for r in job.rollouts])
+        if job.rollout_sleeps:
+            ray.get([r.wake_up.remote() for r in job.rollouts])
         pushed = [a.push_weights.remote(version) for a in job.actors]
         pulled = [r.pull_weights.remote() for r in job.rollouts]
         stats = ray.get(pushed)[0]
@@ -481,7 +486,8 @@ def _run_colocated(job: _Job, bar) -> None:
             ]
         )
         generated = collate(parts)
-        ray.get([r.sleep.remote() for r in job.rollouts])  # vLLM on CUDA frees its memory
+        if job.rollout_sleeps:  # vLLM on CUDA frees its memory while the actor trains
+            ray.get([r.sleep.remote() for r in job.rollouts])
         t_rollout = time.perf_counter()
         expanded = [p for p in prompts for _ in range(n)]
         result = job.update(generated, expanded, [a for _, a in data for _ in range(n)])

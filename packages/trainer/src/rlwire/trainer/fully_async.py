@@ -103,7 +103,7 @@ class SampleQueue:
                     left = self.poll - (time.perf_counter() - start)
                     waited = time.perf_counter()
                     held_by_bound = self.sync_to is None  # waiting for a sync is not a pause
-                    woke = left > 0 and await self._wait(lambda: True, left, wake=True)
+                    woke = left > 0 and await self._wait(None, left)
                     if held_by_bound:
                         paused += time.perf_counter() - waited
                     if not woke:
@@ -159,6 +159,8 @@ class SampleQueue:
         self.queue = collections.deque(kept)
         self.dropped += dropped
         self.stale -= dropped  # dropped groups free their place under the bound
+        if dropped:
+            self.cond.notify_all()  # ... which may let a paused worker go on
         return dropped
 
     async def get(self, count: int, trainer_version: int, timeout: float) -> dict[str, Any]:
@@ -172,13 +174,12 @@ class SampleQueue:
         async with self.cond:
             while True:
                 dropped += self._drop_lagging(trainer_version)
-                self.cond.notify_all()
                 if len(self.queue) >= count:
                     break
                 left = timeout - (time.perf_counter() - start)
                 if left <= 0:
                     return {"timeout": True, "queued": len(self.queue), "dropped": dropped}
-                await self._wait(lambda: True, min(left, self.poll), wake=True)
+                await self._wait(None, min(left, self.poll))
             groups = [self.queue.popleft() for _ in range(count)]
         return {"groups": groups, "dropped": dropped, "wait_s": time.perf_counter() - start}
 
@@ -188,12 +189,12 @@ class SampleQueue:
             self.sync_to = version
             self.cond.notify_all()
 
-    async def _wait(self, predicate, timeout: float, *, wake: bool = False) -> bool:
-        """Wait (lock held) until ``predicate()`` or, with ``wake``, any notification."""
+    async def _wait(self, predicate: Callable[[], bool] | None, timeout: float) -> bool:
+        """Wait (lock held) until ``predicate()``, or any notification when it is None;
+        False on timeout."""
+        waiting = self.cond.wait() if predicate is None else self.cond.wait_for(predicate)
         try:
-            await asyncio.wait_for(
-                self.cond.wait() if wake else self.cond.wait_for(predicate), timeout
-            )
+            await asyncio.wait_for(waiting, timeout)
         except TimeoutError:
             return False
         return True

@@ -12,6 +12,7 @@ import torch
 
 __all__ = [
     "Rollout",
+    "WeightsDigest",
     "collate",
     "hf_generate",
     "sequence_logprobs",
@@ -153,15 +154,31 @@ def collate(parts: list[dict]) -> dict:
     return out
 
 
-def weights_digest(items) -> str:
-    """SHA-256 over ``(name, tensor)`` pairs as fp32 bytes, independent of their order."""
-    import hashlib
+class WeightsDigest:
+    """SHA-256 over ``(name, tensor)`` pairs as fp32 bytes, independent of their order;
+    each tensor is hashed as it is added (nothing is kept but its digest)."""
 
-    per_tensor = []
-    for name, tensor in items:
+    def __init__(self) -> None:
+        self._parts: list[tuple[str, str]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        import hashlib
+
         data = tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-        per_tensor.append((name, hashlib.sha256(data).hexdigest()))
-    whole = hashlib.sha256()
-    for name, digest in sorted(per_tensor):
-        whole.update(f"{name}:{digest};".encode())
-    return whole.hexdigest()
+        self._parts.append((name, hashlib.sha256(data).hexdigest()))
+
+    def hexdigest(self) -> str:
+        import hashlib
+
+        whole = hashlib.sha256()
+        for name, digest in sorted(self._parts):
+            whole.update(f"{name}:{digest};".encode())
+        return whole.hexdigest()
+
+
+def weights_digest(items) -> str:
+    """The :class:`WeightsDigest` of ``(name, tensor)`` pairs."""
+    digest = WeightsDigest()
+    for name, tensor in items:
+        digest.add(name, tensor)
+    return digest.hexdigest()

@@ -253,22 +253,22 @@ class ActorWorker:
 
     def push_weights(self, version: int) -> dict[str, Any]:
         """Send the full weights as ``version`` (rank 0; the others join the gathers)."""
-        from .rollout import weights_digest
+        from .rollout import WeightsDigest
 
-        sent: list[tuple[str, torch.Tensor]] = []
-        digest = self.config.ckpt_engine.digest
+        wanted = self.config.ckpt_engine.digest and self.rank == 0  # only rank 0 reports
+        digest = WeightsDigest() if wanted else None
 
         def weights():
             for name, value in self._full_weights():
-                if digest:
-                    sent.append((name, value))
+                if digest is not None:
+                    digest.add(name, value)
                 yield name, value
 
         stats = asyncio.run(self.engine.send_weights(weights(), version=version))
         return {
             "weight_sync_s": stats.seconds,
             "weight_sync_gbps": stats.gbps,
-            "digest": weights_digest(sent) if digest else None,
+            "digest": digest.hexdigest() if digest is not None else None,
         }
 
     # --- checkpoints -----------------------------------------------------------------------
