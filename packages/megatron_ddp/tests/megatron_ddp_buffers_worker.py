@@ -82,6 +82,7 @@ def main(out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump({"world_size": dist.get_world_size(), "results": results}, f)
     parallel_state.destroy_model_parallel()
+    dist.barrier()  # every rank done with its collectives before any tears down
     dist.destroy_process_group()
 
 

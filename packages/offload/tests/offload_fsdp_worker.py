@@ -112,6 +112,7 @@ def main(wrapper: str, device_name: str, out: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(report, f)
+    dist.barrier()  # every rank done with its collectives before any tears down
     dist.destroy_process_group()
 
 

@@ -87,6 +87,7 @@ def main() -> None:
         results.append(record)
     if dist.get_rank() == 0:
         out.write_text(json.dumps({"world_size": dist.get_world_size(), "results": results}))
+    dist.barrier()  # every rank done with its collectives before any tears down
     dist.destroy_process_group()
 
 
