@@ -9,6 +9,7 @@ the receivers. Scenarios:
              (shm only) and updated in place between versions
   kill       the last receiver dies (os._exit) in the middle of update 1
   corrupt    checksum=True; receiver 1 flips one byte of the first bucket it gets
+The CUDA backends (nccl, cuda_ipc) send from the GPU with checksum=True.
 OUT receives a torch.save'd report.
 """
 
@@ -63,7 +64,8 @@ def _engine(backend: str, scenario: str, rank: int, rendezvous: str):
         "bucket_size": BUCKET,
         "timeout": TIMEOUT,
         "is_master": rank == 0,
-        "checksum": scenario == "corrupt",
+        # The CUDA backends always verify (the checksum reads device buffers there).
+        "checksum": scenario == "corrupt" or backend in ("nccl", "cuda_ipc"),
     }
     if backend == "filesystem":
         options["root"] = os.path.join(rendezvous, "weights")
@@ -108,6 +110,8 @@ async def sender(engine, scenario: str, out: str) -> None:
     try:
         for version in (1, 2, 3) if scenario in ("roundtrip", "shared") else (1,):
             state = make_state(version)
+            if getattr(engine, "device", None) is not None:  # CUDA backends: send from the GPU
+                state = [(name, t.to(engine.device)) for name, t in state]
             if shared is not None:  # the trainer updates its (shared) weights in place
                 for (_, mine), (_, new) in zip(shared, state, strict=True):
                     mine.copy_(new)
@@ -147,6 +151,8 @@ async def receiver(engine, scenario: str, rank: int, world_size: int, out: str) 
 def main(
     backend: str, scenario: str, rank: int, world_size: int, rendezvous: str, out: str
 ) -> None:
+    if backend == "nccl":  # one GPU per member (NCCL refuses two ranks on one device)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     engine = _engine(backend, scenario, rank, rendezvous)
     meta = engine.prepare()
     meta_path = os.path.join(rendezvous, "meta.json")

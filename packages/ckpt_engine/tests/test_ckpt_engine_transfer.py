@@ -30,7 +30,7 @@ def _run_group(backend: str, scenario: str, tmp_path: Path, world: int = WORLD) 
             backend,
             scenario,
             str(rank),
-            str(WORLD),
+            str(world),
             str(tmp_path),
             str(out),
         ]

@@ -62,7 +62,14 @@ def to_bytes(buf: torch.Tensor) -> bytes:
 
 
 def checksum(buf: torch.Tensor) -> int:
-    """CRC-32 of a contiguous CPU ``uint8`` tensor's bytes (no copy)."""
+    """CRC-32 of a contiguous ``uint8`` tensor's bytes.
+
+    No copy for host memory; an accelerator buffer is first copied to the host
+    (ordered after the current stream's work), so checksums on the CUDA
+    backends cost one device-to-host copy per bucket on each member.
+    """
+    if buf.device.type != "cpu":
+        buf = buf.cpu()
     n = buf.numel()
     if n == 0:
         return 0
@@ -184,7 +191,7 @@ class Unpacker:
             dtype = dtype_from_name(e.dtype)
             total = e.nbytes
             if total == 0:
-                yield e.name, torch.empty(e.shape, dtype=dtype), False
+                yield e.name, torch.empty(e.shape, dtype=dtype, device=buf.device), False
                 continue
             source = buf
             if e.arena is not None:

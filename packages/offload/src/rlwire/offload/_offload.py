@@ -125,13 +125,13 @@ def _offload(
         for slot, host in zip(moving, hosts, strict=True):
             slot.install(host)
         return Transfer.completed(what, nbytes, time.perf_counter() - start)
-    # The device memory must outlive the copy even though the model lets go of
-    # it right below: record_sources keeps the allocator from reusing it early.
+    # The model lets go of the device memory right below, before the copy ran:
+    # record_sources keeps the allocator from reusing it until the copy is done,
+    # so the memory is free for the caller's next allocations at once.
     start, end = _side_stream_copies(device, hosts, sources, non_blocking, record_sources=True)
     for slot, host in zip(moving, hosts, strict=True):
         slot.install(host)
-    keep = [sources]  # dropped on completion
-    return _finish(Transfer(nbytes, what=what, start=start, end=end, on_complete=keep.clear))
+    return _finish(Transfer(nbytes, what=what, start=start, end=end))
 
 
 def _load(
@@ -163,11 +163,10 @@ def _load(
     torch.cuda.current_stream(target).wait_event(end)
     for slot, dst in zip(moving, dests, strict=True):
         slot.install(dst)
-
-    def release(pool=record.pool, slab=record.slab) -> None:
-        pool.free(slab)  # only now may the next offload overwrite it
-
-    return _finish(Transfer(nbytes, what=what, start=start, end=end, on_complete=release))
+    # Back to the pool now, fenced: the next reservation of this slab waits for
+    # the copy, so a caller who never waits on this load loses no pinned memory.
+    record.pool.free(record.slab, after=end)
+    return _finish(Transfer(nbytes, what=what, start=start, end=end))
 
 
 def offload_model(

@@ -7,6 +7,8 @@ import threading
 
 import torch
 
+from ._transfer import DEFAULT_TIMEOUT_S, wait_event
+
 __all__ = ["PinnedPool", "PoolStats", "default_pool"]
 
 
@@ -36,7 +38,8 @@ class PinnedPool:
     Page-locking memory is slow (it maps and locks every page) and an offload
     that pins fresh memory every time grows the host footprint. The pool keeps
     every buffer it allocated: :meth:`reserve` hands out the smallest free one
-    that is large enough, and :meth:`free` takes it back for the next cycle.
+    that is large enough, and :meth:`free` takes it back for the next cycle,
+    optionally fenced by the event of a copy still reading it.
 
     Args:
         pin: page-lock the buffers. ``None`` pins when an accelerator is
@@ -46,7 +49,7 @@ class PinnedPool:
     def __init__(self, *, pin: bool | None = None) -> None:
         self.pin = _accelerator_available() if pin is None else pin
         self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []
+        self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._in_use: dict[int, torch.Tensor] = {}
         self._bytes = 0
         self._allocations = 0
@@ -61,20 +64,29 @@ class PinnedPool:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes: {nbytes!r} is not allowed; use an int >= 0")
         with self._lock:
-            fitting = [b for b in self._free if b.numel() >= nbytes]
+            fitting = [entry for entry in self._free if entry[0].numel() >= nbytes]
+            fence = None
             if fitting:
-                block = min(fitting, key=lambda b: b.numel())
-                self._free.remove(block)
+                entry = min(fitting, key=lambda e: e[0].numel())
+                self._free.remove(entry)
+                block, fence = entry
                 self._reuses += 1
             else:
                 block = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin)
                 self._bytes += block.numel()
                 self._allocations += 1
             self._in_use[id(block)] = block
-            return block
+        if fence is not None:  # a copy out of this buffer may still run: let it finish
+            wait_event(fence, DEFAULT_TIMEOUT_S, "PinnedPool.reserve: a copy reading a buffer")
+        return block
 
-    def free(self, block: torch.Tensor) -> None:
-        """Return a buffer from :meth:`reserve`; its contents may be overwritten from now on.
+    def free(self, block: torch.Tensor, *, after: torch.cuda.Event | None = None) -> None:
+        """Return a buffer from :meth:`reserve` for reuse.
+
+        Without ``after`` its contents may be overwritten from now on. With
+        ``after`` (the event recorded behind an accelerator copy still reading
+        the buffer) it is handed out again only once that event completed, so
+        a caller that never waits on its copy still returns the buffer.
 
         Raises:
             ValueError: ``block`` is not a buffer this pool handed out.
@@ -82,15 +94,18 @@ class PinnedPool:
         with self._lock:
             if self._in_use.pop(id(block), None) is None:
                 raise ValueError("free: this tensor is not a buffer reserved from this pool")
-            self._free.append(block)
+            self._free.append((block, after))
 
     def release(self) -> int:
         """Drop the free buffers (unpinning them); buffers in use stay. Returns bytes released."""
         with self._lock:
-            released = sum(b.numel() for b in self._free)
-            self._free.clear()
+            dropped, self._free = self._free, []
+            released = sum(block.numel() for block, _ in dropped)
             self._bytes -= released
-            return released
+        for _, fence in dropped:  # never unpin memory a copy still reads
+            if fence is not None:
+                wait_event(fence, DEFAULT_TIMEOUT_S, "PinnedPool.release: a copy reading a buffer")
+        return released
 
     def stats(self) -> PoolStats:
         with self._lock:

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Transfer"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Transfer", "wait_event"]
 
 # How long wait() blocks by default before raising: far beyond any real copy
 # (minutes at PCIe speed for hundreds of GB), short of a silent hang.
 DEFAULT_TIMEOUT_S = 600.0
+
+
+def wait_event(event: torch.cuda.Event, timeout: float | None, what: str) -> None:
+    """Block until ``event`` completed (polling, so the wait is bounded).
+
+    Raises:
+        TimeoutError: not complete within ``timeout`` seconds (``None``: no limit).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not event.query():
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not complete within {timeout:g} s")
+        time.sleep(0.0002)
 
 
 class Transfer:
@@ -37,28 +49,18 @@ class Transfer:
         start: torch.cuda.Event | None = None,
         end: torch.cuda.Event | None = None,
         host_seconds: float | None = None,
-        on_complete: Callable[[], None] | None = None,
     ) -> None:
         self.nbytes = nbytes
         self._what = what
         self._start = start
         self._end = end
         self._host_seconds = host_seconds
-        self._on_complete = on_complete
         self._completed = end is None
-        if self._completed:
-            self._finish()
 
     @classmethod
     def completed(cls, what: str, nbytes: int = 0, seconds: float = 0.0) -> Transfer:
         """A handle for work that finished synchronously."""
         return cls(nbytes, what=what, host_seconds=seconds)
-
-    def _finish(self) -> None:
-        callback, self._on_complete = self._on_complete, None
-        self._completed = True
-        if callback is not None:
-            callback()
 
     @property
     def event(self) -> torch.cuda.Event | None:
@@ -68,7 +70,7 @@ class Transfer:
     def done(self) -> bool:
         """Whether the copy has completed (non-blocking)."""
         if not self._completed and self._end is not None and self._end.query():
-            self._finish()
+            self._completed = True
         return self._completed
 
     def wait(self, timeout: float | None = DEFAULT_TIMEOUT_S) -> Transfer:
@@ -77,13 +79,9 @@ class Transfer:
         Raises:
             TimeoutError: not complete within ``timeout`` seconds (``None``: no limit).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done():
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self._what} ({self.nbytes} bytes) did not complete within {timeout:g} s"
-                )
-            time.sleep(0.0002)
+        if not self.done():
+            wait_event(self._end, timeout, f"{self._what} ({self.nbytes} bytes)")
+            self._completed = True
         return self
 
     def wait_stream(self, stream: torch.cuda.Stream) -> None:
