@@ -51,6 +51,8 @@ def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
         "actor.world_size=2",
         "trainer.save_every=1",
         "algorithm.kl_coef=0.1",  # with a frozen reference policy (the initial weights)
+        # Offload between phases: without an accelerator the same calls, moving nothing.
+        "actor.offload=true",
     ]
     first = _train(*common, "trainer.steps=2")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]

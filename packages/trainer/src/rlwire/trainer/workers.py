@@ -9,6 +9,7 @@ checkpoint engine as its sender and the rollout worker as its receiver.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 import random
@@ -195,6 +196,19 @@ class ActorWorker:
     def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
         return self.megatron._inner_optimizers() if self.megatron else [self.optimizer]
 
+    @contextlib.contextmanager
+    def _resident(self, *, optimizer: bool):
+        """The model (and the optimizer state) on the device for the block, when offloaded
+        between phases: exporting weights and saving gather shards with device collectives."""
+        if not self.config.actor.offload:
+            yield
+            return
+        self._reload(optimizer=optimizer)
+        try:
+            yield
+        finally:
+            self._offload()
+
     def _offload(self) -> None:
         from rlwire.offload import offload_model, offload_optimizer
 
@@ -205,15 +219,15 @@ class ActorWorker:
         for optimizer in self._inner_optimizers():
             offload_optimizer(optimizer).wait()
 
-    def _reload(self) -> None:
+    def _reload(self, *, optimizer: bool = True) -> None:
         from rlwire.offload import load_model, load_optimizer
 
         if self.megatron:
             self.megatron.reload()
         else:
             load_model(self.model)
-        for optimizer in self._inner_optimizers():
-            load_optimizer(optimizer)
+        for inner in self._inner_optimizers() if optimizer else []:
+            load_optimizer(inner)
 
     # --- weights to the rollout worker -----------------------------------------------------
     def engine_prepare(self, backend: str) -> dict:
@@ -244,12 +258,16 @@ class ActorWorker:
         self.engine.init_process_group(rank=0, world_size=world_size, master_metadata=metadata)
 
     def _full_weights(self):
-        """(name, full tensor) for every parameter and buffer; a collective on every rank."""
+        """(name, full tensor) for every parameter and buffer; a collective on every rank.
+
+        Tensors go where the engine's buckets live: the device for the CUDA backends
+        (``nccl``, ``cuda_ipc``), the host for the others."""
+        target = getattr(self.engine, "device", None) or torch.device("cpu")
         state = self.megatron.hf_state_dict() if self.megatron else self.model.state_dict()
         for name, value in state.items():
             if hasattr(value, "full_tensor"):
                 value = value.full_tensor()
-            yield name.removeprefix("_fsdp_wrapped_module."), value.detach().to("cpu")
+            yield name.removeprefix("_fsdp_wrapped_module."), value.detach().to(target)
 
     def push_weights(self, version: int) -> dict[str, Any]:
         """Send the full weights as ``version`` (rank 0; the others join the gathers)."""
@@ -264,7 +282,8 @@ class ActorWorker:
                     digest.add(name, value)
                 yield name, value
 
-        stats = asyncio.run(self.engine.send_weights(weights(), version=version))
+        with self._resident(optimizer=False):
+            stats = asyncio.run(self.engine.send_weights(weights(), version=version))
         return {
             "weight_sync_s": stats.seconds,
             "weight_sync_gbps": stats.gbps,
@@ -275,19 +294,20 @@ class ActorWorker:
     def save(self, directory: str, step: int) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        if self.megatron:
-            state = self.megatron.state()
-        else:
-            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        torch.save(
-            {
-                **state,
-                "step": step,
-                "rng": torch.get_rng_state(),
-                "py_rng": random.getstate(),
-            },
-            path / f"actor_rank{self.rank}.pt",
-        )
+        with self._resident(optimizer=True):
+            if self.megatron:
+                state = self.megatron.state()
+            else:
+                state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+            torch.save(
+                {
+                    **state,
+                    "step": step,
+                    "rng": torch.get_rng_state(),
+                    "py_rng": random.getstate(),
+                },
+                path / f"actor_rank{self.rank}.pt",
+            )
 
     def load(self, directory: str) -> int:
         state = torch.load(Path(directory) / f"actor_rank{self.rank}.pt", weights_only=False)
