@@ -5,7 +5,8 @@ Usage: torchrun --standalone --nproc-per-node N offload_fsdp_worker.py WRAPPER D
 
 Each rank trains a reference model and an identical model that goes through two
 offload/load cycles (parameters, gradients kept, optimizer state) between steps,
-then compares: bit-exact values, unchanged object identity, and pool reuse.
+then compares: bit-exact values, unchanged object identity, and pool reuse. Both
+models get the same in-place write right after each load.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ def _wrap(wrapper: str, device: torch.device) -> nn.Module:
         nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 4)
     ).to(device)
     if wrapper == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # An explicit mesh: the default one follows the machine's accelerator, not `device`.
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        return fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return FSDP(model, device_id=device, use_orig_params=wrapper == "fsdp1_orig_params")
@@ -67,6 +71,10 @@ def main(wrapper: str, device_name: str, out: str) -> None:
     for step in range(3):
         report["losses_ref"].append(_step(ref, ref_opt, step, device))
         report["losses_moved"].append(_step(moved, opt, step, device))
+        # A forward without backward (old log-probs, say) right before the offload.
+        with torch.no_grad():
+            for model in (ref, moved):
+                model(torch.ones(2, 24, device=device))
         before = [_local(p).clone() for p in moved.parameters()]
         t_model = offload_model(moved, grads="keep", pool=pool, _include_host=not cuda)
         t_opt = offload_optimizer(opt, pool=pool, _include_host=not cuda)
@@ -90,6 +98,12 @@ def main(wrapper: str, device_name: str, out: str) -> None:
         back_equal = all(
             torch.equal(_local(p), b) for p, b in zip(moved.parameters(), before, strict=True)
         )
+        # A write between load and the next forward must stick (a stale FSDP alias would
+        # revert it at the next reshard); both models get it, so they stay equal.
+        with torch.no_grad():
+            for model in (ref, moved):
+                for p in model.parameters():
+                    _local(p).add_(0.125)
         report["checks"].append(
             {
                 "nbytes": t_model.nbytes,

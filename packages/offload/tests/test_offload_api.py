@@ -148,6 +148,22 @@ def test_optimizer_state_round_trip_and_training_continues_identically():
     _assert_equal(_snapshot(moved), _snapshot(ref))
 
 
+def test_ddp_models_are_refused_with_the_reason():
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(_model())
+        with pytest.raises(
+            ValueError, match=r"^offload_model: DistributedDataParallel is not supported \("
+        ):
+            offload_model(ddp)
+        assert all(p.grad is not None for p in ddp.parameters())  # refused before any change
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without CUDA")
 def test_bench_without_cuda_says_so_and_succeeds(capsys):
     from rlwire.offload.bench import main

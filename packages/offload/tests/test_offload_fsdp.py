@@ -45,9 +45,13 @@ def _assert_round_trips(report: dict, *, pinned: bool) -> None:
         assert check["reuses"] == 2 * cycle, check
 
 
-@pytest.mark.parametrize("wrapper", ["fsdp2", "fsdp1", "fsdp1_orig_params"])
-def test_round_trip_on_gloo(wrapper, tmp_path):
-    report = _run(wrapper, "cpu", 2, tmp_path)
+@pytest.mark.parametrize(
+    ("wrapper", "nproc"),
+    # One FSDP1 rank runs NO_SHARD (its local shard aliases the whole flat parameter).
+    [("fsdp2", 2), ("fsdp1", 2), ("fsdp1_orig_params", 2), ("fsdp1", 1), ("fsdp1_orig_params", 1)],
+)
+def test_round_trip_on_gloo(wrapper, nproc, tmp_path):
+    report = _run(wrapper, "cpu", nproc, tmp_path)
     _assert_round_trips(report, pinned=False)
     assert report["checks"][0]["device_after_load"] == "cpu"
 

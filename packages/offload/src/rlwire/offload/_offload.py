@@ -82,7 +82,7 @@ def _side_stream_copies(
     stream = _copy_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), torch.no_grad():
         start.record(stream)
         for dst, src in zip(dests, sources, strict=True):
             dst.copy_(src, non_blocking=non_blocking)
@@ -111,8 +111,14 @@ def _offload(
     if not moving:
         return Transfer.completed(f"{what} (nothing on an accelerator)")
     pool = pool or default_pool()
-    sources = [s.tensor for s in moving]
+    sources = [s.tensor.detach() for s in moving]
     device = sources[0].device
+    devices = sorted({str(t.device) for t in sources})
+    if len(devices) > 1:
+        raise ValueError(
+            f"{what}: tensors on {', '.join(devices)}; one device per model or optimizer is "
+            "supported (offload each device's part separately)"
+        )
     offsets, total = _layout(sources)
     slab = pool.reserve(total)
     hosts = _host_views(slab, sources, offsets)
@@ -120,8 +126,9 @@ def _offload(
     _offloaded[owner] = _Offloaded(slab, pool, device)
     if device.type != "cuda":
         start = time.perf_counter()
-        for host, src in zip(hosts, sources, strict=True):
-            host.copy_(src)
+        with torch.no_grad():
+            for host, src in zip(hosts, sources, strict=True):
+                host.copy_(src)
         for slot, host in zip(moving, hosts, strict=True):
             slot.install(host)
         return Transfer.completed(what, nbytes, time.perf_counter() - start)
@@ -149,7 +156,7 @@ def _load(
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     moving = [s for s in slots if _in_slab(s.tensor, record.slab)]
-    sources = [s.tensor for s in moving]
+    sources = [s.tensor.detach() for s in moving]
     nbytes = sum(t.numel() * t.element_size() for t in sources)
     if target.type != "cuda":
         start = time.perf_counter()
@@ -188,7 +195,10 @@ def offload_model(
 
     Safety: with ``non_blocking=True`` the copy runs on a side stream and the
     host tensors are NOT safe to read until the returned :class:`Transfer` is
-    waited on (``RLWIRE_OFFLOAD_DEBUG=1`` makes every call wait eagerly).
+    waited on (``RLWIRE_OFFLOAD_DEBUG=1`` makes every call wait eagerly). While
+    offloaded, an FSDP2 ``DTensor`` parameter still reports its accelerator as
+    ``device`` (its local shard is on the host): load before using the model.
+    Tensors come back contiguous. FSDP2 modules are resharded first; DDP is refused.
 
     Args:
         grads: ``"drop"`` frees gradients (also on a machine without an
@@ -202,6 +212,14 @@ def offload_model(
     """
     if grads not in _GRAD_MODES:
         raise ValueError(f"grads: {grads!r} is not allowed; use one of {_GRAD_MODES}")
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+        raise ValueError(
+            "offload_model: DistributedDataParallel is not supported (moving a parameter "
+            "to another device replaces the gradient accumulators DDP's reducer hooks); "
+            "use FSDP2 or FSDP1"
+        )
     params, grad_slots = module_slots(model, grads=grads == "keep")
     if grads == "drop":
         drop_grads(model)

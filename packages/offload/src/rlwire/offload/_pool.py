@@ -32,6 +32,14 @@ def _accelerator_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _empty_host_cache() -> None:
+    """Give torch's caching host allocator's free pinned blocks back to the system."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    empty = empty or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_initialized():
+        empty()
+
+
 class PinnedPool:
     """Page-locked host buffers that persist across offload/load cycles.
 
@@ -105,6 +113,9 @@ class PinnedPool:
         for _, fence in dropped:  # never unpin memory a copy still reads
             if fence is not None:
                 wait_event(fence, DEFAULT_TIMEOUT_S, "PinnedPool.release: a copy reading a buffer")
+        if self.pin and dropped:
+            dropped.clear()  # the last references: torch's host allocator now caches them
+            _empty_host_cache()  # and only this unpins them
         return released
 
     def stats(self) -> PoolStats:

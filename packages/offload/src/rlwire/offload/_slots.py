@@ -60,6 +60,9 @@ def _fsdp2_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
+        # After a forward without backward the root keeps its unsharded parameters
+        # registered; offload the sharded storage only, which a reshard puts back.
+        module.reshard()
         state = module._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:
@@ -109,7 +112,9 @@ def _fsdp1_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list
 
         def install(new: torch.Tensor, handle=handle, flat=flat) -> None:
             flat.data = new
-            if handle.uses_sharded_strategy and hasattr(flat, "_local_shard"):
+            # Every reshard sets flat.data = _local_shard, NO_SHARD (one rank) included:
+            # a stale alias would keep the old device memory and revert later writes.
+            if hasattr(flat, "_local_shard"):
                 flat._local_shard = new
             if handle._use_orig_params:
                 if handle.uses_sharded_strategy:
@@ -123,8 +128,11 @@ def _fsdp1_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list
 
             def install_grad(new: torch.Tensor, handle=handle, grad=grad) -> None:
                 grad.data = new
-                if handle._use_orig_params and handle.uses_sharded_strategy:
-                    handle._use_sharded_grad_views()  # original .grad views follow
+                if handle._use_orig_params:  # the original parameters' .grad views follow
+                    if handle.uses_sharded_strategy:
+                        handle._use_sharded_grad_views()
+                    else:
+                        handle._use_unsharded_grad_views()
 
             grad_slots.append(Slot(grad, install_grad))
     return params, grad_slots
