@@ -128,6 +128,41 @@ def test_auto_bucket_size_is_bounded():
     assert 16 << 20 <= parse_bucket_size("auto") <= 1 << 30
 
 
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_auto_receivers_take_the_masters_bucket_size_and_others_must_match(backend):
+    import threading
+
+    master = registry.new(backend, bucket_size="1MiB", is_master=True, timeout=30)
+    meta = master.prepare()
+    assert meta["bucket_size"] == 1 << 20
+    with pytest.raises(
+        CheckpointEngineError,
+        match=rf"^{backend}: bucket_size 2097152 differs from the master's 1048576; use the same",
+    ):
+        registry.new(backend, bucket_size="2MiB", timeout=30).init_process_group(
+            rank=1, world_size=2, master_metadata=meta
+        )
+    receiver = registry.new(backend, bucket_size="auto", timeout=30)
+    joined = threading.Thread(
+        target=master.init_process_group,
+        kwargs={"rank": 0, "world_size": 2, "master_metadata": meta},
+    )
+    joined.start()
+    receiver.init_process_group(rank=1, world_size=2, master_metadata=meta)
+    joined.join(timeout=60)
+    assert receiver.bucket_size == 1 << 20 and not joined.is_alive()
+    weights = [("w", torch.arange(600_000, dtype=torch.float32))]  # 2.4 MB: three buckets
+    sent = threading.Thread(
+        target=lambda: asyncio.run(master.send_weights(weights, version=1)), daemon=True
+    )
+    sent.start()
+    got = asyncio.run(_collect(receiver))
+    sent.join(timeout=60)
+    assert torch.equal(got[0][1], weights[0][1]) and receiver.last_version == 1
+    receiver.finalize()
+    master.finalize()
+
+
 @pytest.mark.parametrize("bad", ["12 parsecs", "-5MB", 0, 255, True, 3.5, "auto-ish"])
 def test_bad_bucket_size(bad):
     with pytest.raises(ValueError, match=r"^bucket_size: .* is not allowed; use bytes as an int"):

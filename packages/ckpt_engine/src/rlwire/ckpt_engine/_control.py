@@ -28,9 +28,12 @@ def cuda_device(device: torch.device | str | None, backend: str) -> torch.device
     """``device`` (default: the current CUDA device), or an error if there is no CUDA."""
     if not torch.cuda.is_available():
         raise CheckpointEngineError(f"{backend} needs a CUDA device; none is available")
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(device)
+    device = torch.device("cuda") if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise CheckpointEngineError(f"{backend}: device {device} is not a CUDA device")
+    if device.index is None:  # resolved now: "cuda" means the current device
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class StoreControlledEngine(BucketedEngine):
@@ -60,6 +63,9 @@ class StoreControlledEngine(BucketedEngine):
     @abc.abstractmethod
     def _attach_slots(self, master_metadata: dict) -> None:
         """Receiver: make ``self.slots`` usable from ``master_metadata``."""
+
+    def _publish_slots(self, receivers: list[int]) -> None:
+        """Master: per-receiver attachment data, through the store (before they attach)."""
 
     def _all_attached(self) -> None:
         """Master: every receiver has attached (e.g. unlink names nobody needs now)."""
@@ -97,6 +103,7 @@ class StoreControlledEngine(BucketedEngine):
     def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
         self._receivers = list(range(1, world_size))
         if rank == 0:
+            self._publish_slots(self._receivers)
             keys = [f"joined/{r}" for r in self._receivers]
             with peer_errors(f"{self.name}: waiting for every receiver to join", self.timeout):
                 if keys:

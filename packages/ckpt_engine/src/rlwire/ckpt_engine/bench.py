@@ -115,6 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.backend in _CUDA_BACKENDS and not torch.cuda.is_available():
         print(f"rlwire.ckpt_engine.bench: {args.backend} needs CUDA; none on this machine")
         return
+    if args.backend == "nccl" and args.receivers + 1 > torch.cuda.device_count():
+        print(
+            f"rlwire.ckpt_engine.bench: nccl needs one GPU per member ({args.receivers + 1}); "
+            f"this machine has {torch.cuda.device_count()}"
+        )
+        return
     device = _device(args.backend, 0)
     weights = _weights(args.gib, args.tensor_mib, device)
     nbytes = sum(t.numel() * 4 for _, t in weights)

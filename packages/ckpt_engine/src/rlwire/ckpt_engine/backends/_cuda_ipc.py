@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import base64
+import datetime
+import json
+import os
 import pickle
 
 import torch
 
 from .._control import StoreControlledEngine, cuda_device
 from .._errors import CheckpointEngineError
+from .._store import peer_errors
 from .._wire import BucketMeta
 
 __all__ = ["CudaIpcEngine"]
+
+
+_DEVICE_ARG = 6  # rebuild_cuda_tensor's storage_device argument
 
 
 def _export(tensor: torch.Tensor) -> str:
@@ -20,9 +27,28 @@ def _export(tensor: torch.Tensor) -> str:
     return base64.b64encode(pickle.dumps(reduce_tensor(tensor))).decode()
 
 
-def _import(handle: str) -> torch.Tensor:
+def _import(handle: str, device_index: int) -> torch.Tensor:
+    """Map an exported slot; ``device_index`` is this process's index of the master's GPU
+    (the master's own index means another GPU where CUDA_VISIBLE_DEVICES differ)."""
     rebuild, args = pickle.loads(base64.b64decode(handle))
+    args = list(args)
+    args[_DEVICE_ARG] = device_index
     return rebuild(*args)
+
+
+def _uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _local_index(uuid: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if _uuid(index) == uuid:
+            return index
+    raise CheckpointEngineError(
+        f"cuda_ipc: the master's GPU {uuid} is not visible in this process "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+        "cuda_ipc needs the master and its receivers on one node and GPU; use nccl otherwise"
+    )
 
 
 class CudaIpcEngine(StoreControlledEngine):
@@ -31,9 +57,14 @@ class CudaIpcEngine(StoreControlledEngine):
     The colocated hybrid-engine case: trainer and rollout processes on one
     GPU (or one node). The master packs on its current stream and
     synchronises it before announcing a bucket (the bytes are on the device,
-    not merely launched); a receiver synchronises its stream before
+    not merely launched); a receiver synchronises its current stream before
     acknowledging (its reads are done, so the master may overwrite the slot).
-    With ``copy=False`` receivers get device views into the mapped slot.
+    With ``copy=False`` receivers get device views into the mapped slot: read
+    them on the current stream (a side stream's reads are not waited for).
+
+    Each receiver maps its own export of the slots (torch counts the mappings
+    of one export; sharing it between receivers would free the slots early or
+    never), found by the GPU's UUID, so differing ``CUDA_VISIBLE_DEVICES`` work.
 
     Args:
         device: the CUDA device for the slots (default: the current device).
@@ -52,13 +83,27 @@ class CudaIpcEngine(StoreControlledEngine):
         self.slots = [
             torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device) for _ in range(2)
         ]
-        return {"handles": [_export(s) for s in self.slots]}
+        return {"device_uuid": _uuid(self.device.index)}
+
+    def _publish_slots(self, receivers: list[int]) -> None:
+        for rank in receivers:  # one export per receiver
+            self._store.set(f"cuda_ipc/slots/{rank}", json.dumps([_export(s) for s in self.slots]))
 
     def _attach_slots(self, master_metadata: dict) -> None:
+        if "device_uuid" not in master_metadata:
+            raise CheckpointEngineError(
+                "cuda_ipc: master_metadata has no 'device_uuid' (pass the master's prepare())"
+            )
+        index = _local_index(master_metadata["device_uuid"])
+        key = f"cuda_ipc/slots/{self.rank}"
+        with peer_errors("cuda_ipc: waiting for the master's slots", self.timeout):
+            self._store.wait([key], datetime.timedelta(seconds=self.timeout))
+            handles = json.loads(self._store.get(key))
         try:
-            self.slots = [_import(h) for h in master_metadata["handles"]]
-        except (KeyError, RuntimeError) as err:
+            self.slots = [_import(h, index) for h in handles]
+        except RuntimeError as err:
             raise CheckpointEngineError(f"cuda_ipc: cannot map the master's slots: {err}") from err
+        self.device = torch.device("cuda", index)
 
     async def _before_publish(self, slot: int, meta: BucketMeta) -> None:
         torch.cuda.current_stream(self.slots[slot].device).synchronize()

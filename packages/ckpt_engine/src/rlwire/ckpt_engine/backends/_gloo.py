@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .._base import BucketedEngine
+from .._errors import CheckpointEngineError
 from .._store import blocking, connect_store, master_store, peer_errors
 from .._wire import BucketMeta, to_bytes
 
@@ -42,10 +43,16 @@ class GlooEngine(BucketedEngine):
         if not self.is_master:
             return {}
         self._store = master_store(self.host, self.timeout)
-        return {"host": self.host, "port": self._store.port}
+        return {"host": self.host, "port": self._store.port, "bucket_size": self.bucket_size}
 
     def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
-        if not self.slots:
+        theirs = master_metadata.get("bucket_size", self.bucket_size)
+        if rank > 0 and theirs != self.bucket_size:
+            raise CheckpointEngineError(
+                f"gloo: bucket_size {self.bucket_size} differs from the master's {theirs}; "
+                "use the same value on every member"
+            )
+        if not self.slots or self.slots[0].numel() != self.bucket_size:
             self.prepare()
         if self._store is None:
             self._store = connect_store(master_metadata, self.timeout)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import threading
 import time
 
 import torch
@@ -26,7 +28,9 @@ class NcclEngine(StoreControlledEngine):
     event recorded behind the broadcast has completed: the data is on its
     device, not merely launched. Every member uses its own two device slots;
     the master reuses one after the broadcast from it finished and every
-    receiver acknowledged the bucket.
+    receiver acknowledged the bucket. The communicator is created when the
+    group forms (bounded by ``timeout``); after any failure the group is
+    aborted, never left to NCCL's watchdog (whose timeout is set above ours).
 
     Args:
         device: this member's CUDA device (default: the current device).
@@ -39,6 +43,7 @@ class NcclEngine(StoreControlledEngine):
         super().__init__(**kwargs)
         self._pg = None
         self._inflight: list = [None, None]
+        self._failed = False
 
     def _buffer_device(self) -> torch.device:
         return self.device
@@ -58,11 +63,64 @@ class NcclEngine(StoreControlledEngine):
     def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
         super()._join(rank, world_size, master_metadata)
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = datetime.timedelta(seconds=self.timeout)
+        # NCCL's watchdog tears the process down when a collective outlives this; our own
+        # waits (``timeout``) must fire first, raise, and abort the group instead.
+        options._timeout = datetime.timedelta(seconds=2 * self.timeout + 60)
         with peer_errors("nccl: forming the group", self.timeout):
             self._pg = dist.ProcessGroupNCCL(
                 dist.PrefixStore("rlwire-ckpt/nccl", self._store), rank, world_size, options
             )
+        self._connect()
+
+    def _connect(self) -> None:
+        """Create the communicator now, while every member is known to be here, with a
+        bounded wait (NCCL creates it lazily, blocking, at the first collective)."""
+        probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._broadcast(probe).wait()
+                torch.cuda.current_stream(self.device).synchronize()
+            except BaseException as err:  # reported by the joining thread
+                failure.append(err)
+
+        worker = threading.Thread(target=run, name="rlwire-nccl-connect", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive() or failure:
+            if worker.is_alive():  # stuck creating the communicator: aborting could block too
+                self._failed = True
+            else:
+                self._abort()
+            reason = f" ({failure[0]})" if failure else ""
+            raise CheckpointEngineTimeout(
+                f"nccl: connecting the group of {self.world_size}: not done within "
+                f"{self.timeout:g} s or a member failed{reason}"
+            )
+
+    def _abort(self) -> None:
+        """After a failure: abort the communicator (pending work would block a shutdown)."""
+        self._failed = True
+        self._inflight = [None, None]
+        if self._pg is not None and hasattr(self._pg, "abort"):
+            with contextlib.suppress(Exception):  # already torn down by NCCL itself
+                self._pg.abort()
+
+    async def _send(self, weights, version: int) -> tuple[int, int, int]:
+        try:
+            return await super()._send(weights, version)
+        except Exception:
+            self._abort()
+            raise
+
+    async def _receive(self, copy: bool):
+        try:
+            async for item in super()._receive(copy):
+                yield item
+        except Exception:
+            self._abort()
+            raise
 
     def _broadcast(self, tensor: torch.Tensor):
         opts = dist.BroadcastOptions()
@@ -83,7 +141,8 @@ class NcclEngine(StoreControlledEngine):
         await super()._acquire(slot, seq)
         work, self._inflight[slot] = self._inflight[slot], None
         if work is not None:
-            work.wait()  # the current stream (next packing copies) waits for the broadcast
+            with peer_errors("nccl: sending a bucket", self.timeout):
+                work.wait()  # the current stream (next packing copies) waits for the broadcast
 
     async def _after_publish(self, slot: int, meta: BucketMeta) -> None:
         if meta.nbytes:
@@ -93,7 +152,8 @@ class NcclEngine(StoreControlledEngine):
         for slot in range(2):
             work, self._inflight[slot] = self._inflight[slot], None
             if work is not None:
-                work.wait()
+                with peer_errors("nccl: sending the last bucket", self.timeout):
+                    work.wait()
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         await self._until_done(event, "sending the last bucket")
@@ -102,7 +162,8 @@ class NcclEngine(StoreControlledEngine):
     async def _receive_into(self, meta: BucketMeta) -> torch.Tensor:
         buf = self.slots[meta.index % 2]
         if meta.nbytes:
-            self._broadcast(buf[: meta.nbytes]).wait()
+            with peer_errors(f"nccl: receiving bucket {meta.index}", self.timeout):
+                self._broadcast(buf[: meta.nbytes]).wait()
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             await self._until_done(event, f"receiving bucket {meta.index}")
@@ -110,6 +171,6 @@ class NcclEngine(StoreControlledEngine):
 
     def finalize(self) -> None:
         pg, self._pg = self._pg, None
-        if pg is not None and hasattr(pg, "shutdown"):
-            pg.shutdown()
+        if pg is not None and not self._failed and hasattr(pg, "shutdown"):
+            pg.shutdown()  # a clean drain: graceful; after a failure _abort() already ran
         super().finalize()
