@@ -64,7 +64,8 @@ class ModelConfig:
     model with random weights and a matching tokenizer, built locally (no
     download) and cached under the output directory."""
     dtype: str = "float32"
-    """Parameter dtype of the actor: ``float32`` or ``bfloat16``."""
+    """Parameter dtype of the actor and of the rollout copy it updates: ``float32`` or
+    ``bfloat16``."""
 
     def __post_init__(self) -> None:
         _check_choice(self.dtype, "model.dtype", ("float32", "bfloat16"))

@@ -459,18 +459,23 @@ def _run_colocated(job: _Job, bar) -> None:
     """Generate, update, sync: every sample comes from the weights being updated."""
     import ray
 
+    from .fully_async import _Watch
     from .rollout import collate
 
     config = job.config
     n, workers = config.rollout.n, len(job.rollouts)
+    watch = _Watch([])
+    sync_s = config.ckpt_engine.timeout + 30
 
     def sync(version: int) -> dict:
         if job.rollout_sleeps:
             ray.get([r.wake_up.remote() for r in job.rollouts])
         pushed = [a.push_weights.remote(version) for a in job.actors]
         pulled = [r.pull_weights.remote() for r in job.rollouts]
-        stats = ray.get(pushed)[0]
-        return {**stats, "pulls": ray.get(pulled)}
+        # A receiver's failure ends the wait at once with its own error (the sender would
+        # only report a timeout, after ckpt_engine.timeout).
+        done = watch.get([*pushed, *pulled], timeout=sync_s, what="weight sync")
+        return {**done[0], "pulls": done[len(pushed) :]}
 
     sync(job.start_step)  # the rollout workers start from the actor's (maybe resumed) weights
     for step in range(job.start_step, config.trainer.steps):

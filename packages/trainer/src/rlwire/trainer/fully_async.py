@@ -237,8 +237,18 @@ class SampleQueue:
 
 
 # --- the driver's loop ----------------------------------------------------------------------
+def _failure(err: BaseException) -> str:
+    """``Type: first line`` of a Ray task's own error (not Ray's wrapper)."""
+    from .driver import _first_line
+
+    cause = getattr(err, "cause", None)
+    cause = cause if isinstance(cause, BaseException) else err
+    return f"{type(cause).__name__}: {_first_line(cause)}"
+
+
 class _Watch:
-    """Bounded waits on Ray futures that fail at once when a rollout worker's loop ends."""
+    """Bounded waits on Ray futures that fail at once when one of them fails or a rollout
+    worker's loop ends."""
 
     def __init__(self, loops: list) -> None:
         self.loops = loops
@@ -250,6 +260,7 @@ class _Watch:
 
         single = not isinstance(refs, list)
         pending = [refs] if single else list(refs)
+        values = {}
         deadline = time.monotonic() + timeout
         while pending:
             left = deadline - time.monotonic()
@@ -260,7 +271,11 @@ class _Watch:
                 if ref in self.loops:
                     self.failed(ref)
                 pending.remove(ref)
-        return ray.get(refs)
+                try:  # the first failure stops the wait (its peers would only time out)
+                    values[ref] = ray.get(ref)
+                except Exception as err:
+                    raise RunError(f"{what}: {_failure(err)}") from None
+        return values[refs] if single else [values[r] for r in refs]
 
     def failed(self, ref) -> None:
         import ray

@@ -7,6 +7,7 @@ so the configured sync policy (defer / every / auto) applies for real.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -116,13 +117,16 @@ def grpo_update(
 
 
 def _clip_and_step(model, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
-    clip_params = [p for p in model.parameters() if p.grad is not None]
-    if grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(clip_params, grad_clip)
-    else:
-        grad_norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(p.grad) for p in clip_params])
-        )
+    """Clip to ``grad_clip`` (0: no clipping) by the norm of the whole gradient, step, zero."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    max_norm = grad_clip if grad_clip > 0 else math.inf  # inf: the norm, grads unchanged
+    if isinstance(model, FullyShardedDataParallel):
+        # FSDP1's .grad are plain local shards: only its own method reduces over ranks.
+        grad_norm = model.clip_grad_norm_(max_norm)
+    else:  # plain tensors, or FSDP2's DTensors (whose norm is reduced over the mesh)
+        clip_params = [p for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(clip_params, max_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm)

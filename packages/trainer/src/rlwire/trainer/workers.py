@@ -328,7 +328,7 @@ class HFEngine:
         from transformers import AutoTokenizer
 
         self.config = config
-        self.model = _load_model(model_path, "float32", device).eval()
+        self.model = _load_model(model_path, config.model.dtype, device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     async def apply(self, engine) -> int:
