@@ -155,13 +155,40 @@ def test_async_section_keys_and_verl_alias():
 
 
 @pytest.mark.parametrize(
-    ("name", "gpus", "expected"),
-    [("auto", 0, "gloo"), ("auto", 1, "cuda_ipc"), ("auto", 4, "nccl"), ("shm", 0, "shm")],
+    ("world", "workers", "gpus", "mode", "actors", "rollouts", "backend"),
+    [
+        (1, 1, 0, "colocated", None, None, "gloo"),  # CPUs
+        (1, 1, 1, "colocated", [0], [0], "cuda_ipc"),  # one GPU shared
+        (2, 1, 2, "colocated", [0, 1], [0], "cuda_ipc"),  # the worker beside rank 0
+        (2, 2, 2, "colocated", [0, 1], [0, 1], "gloo"),  # one worker shares rank 0's GPU
+        (1, 3, 4, "fully_async", [0], [1, 2, 3], "nccl"),  # a GPU for every member
+        (1, 4, 2, "fully_async", [0], [1, 1, 1, 1], "gloo"),  # the rollout GPU is shared
+        (2, 1, 2, "fully_async", [0, 1], [0], "cuda_ipc"),  # no GPU left: shared again
+    ],
 )
-def test_auto_checkpoint_engine_follows_the_devices(name, gpus, expected):
-    from rlwire.trainer.driver import engine_backend
+def test_gpu_layout_and_the_auto_checkpoint_engine(
+    world, workers, gpus, mode, actors, rollouts, backend
+):
+    from rlwire.trainer.driver import engine_backend, gpu_layout
 
-    assert engine_backend(name, gpus) == expected
+    layout = gpu_layout(world, workers, gpus, mode)
+    if actors is None:
+        assert layout is None
+    else:
+        assert (layout.actors, layout.rollouts) == (actors, rollouts)
+    assert engine_backend("auto", layout) == backend
+    assert engine_backend("shm", layout) == "shm"  # an explicit choice stands
+    if layout:  # processes on one GPU split it evenly
+        for gpu in range(layout.gpus):
+            members = (layout.actors + layout.rollouts).count(gpu)
+            assert layout.share(gpu) * members == pytest.approx(1.0)
+
+
+def test_fewer_gpus_than_actor_ranks_is_refused():
+    from rlwire.trainer.driver import RunError, gpu_layout
+
+    with pytest.raises(RunError, match=r"^actor.world_size: 4 actor ranks need 4 GPUs \(NCCL"):
+        gpu_layout(4, 1, 2, "colocated")
 
 
 # --- real runs --------------------------------------------------------------------------------

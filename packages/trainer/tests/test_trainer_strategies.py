@@ -29,3 +29,30 @@ def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy(tmp_path):
     for r in records:  # the hf rollout copy holds exactly the weights sent, in bfloat16
         assert r["weight_digest_rollout"] == [r["weight_digest_actor"]]
     assert records[0]["weight_digest_actor"] != records[1]["weight_digest_actor"]
+
+
+def test_ray_places_actor_ranks_on_distinct_gpus_and_workers_beside_them(tmp_path):
+    import ast
+    import re
+
+    # Ray's logical GPUs (the processes still compute on the CPU here): the placement is
+    # Ray's own, one bundle per GPU, asked for as it would be on a GPU machine.
+    train_cli(
+        tmp_path / "gpus",
+        "ray.num_gpus=2",
+        "actor.world_size=2",
+        "rollout.num_workers=2",
+        "ckpt_engine.backend=gloo",
+        "trainer.steps=1",
+    )
+    log = (tmp_path / "gpus" / "train.log").read_text()
+    found = re.search(
+        r"GPUs: actor ranks on bundles \[0, 1\] \(Ray GPU ids (\[.*?\]\])\), "
+        r"rollout workers on \[0, 1\] \((\[.*?\]\])\)",
+        log,
+    )
+    assert found, log[-2000:]
+    actors, rollouts = ast.literal_eval(found[1]), ast.literal_eval(found[2])
+    assert len(actors) == 2 and all(len(ids) == 1 for ids in actors)
+    assert actors[0] != actors[1]  # NCCL: one GPU per actor rank
+    assert rollouts == actors  # rollout worker i shares actor rank i's GPU (colocated)

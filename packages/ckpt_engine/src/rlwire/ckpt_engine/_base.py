@@ -63,8 +63,9 @@ class CheckpointEngine(abc.ABC):
 
     Args:
         bucket_size: bytes per bucket: an int, a string such as ``"512MiB"`` or
-            ``"2GB"``, ``"auto"`` (from the master's free memory; receivers take the
-            master's value), or ``None`` for :data:`rlwire.ckpt_engine.DEFAULT_BUCKET_SIZE`.
+            ``"2GB"``, ``"auto"`` (from free memory), or ``None`` for
+            :data:`rlwire.ckpt_engine.DEFAULT_BUCKET_SIZE`. The master's value is the one
+            used: receivers take it from its metadata when they join.
         timeout: seconds any wait may block before raising ``CheckpointEngineTimeout``.
         checksum: send a CRC-32 per bucket and verify it on receipt.
         is_master: this member sends.
@@ -85,9 +86,6 @@ class CheckpointEngine(abc.ABC):
         ):
             raise ValueError(f"timeout: {timeout!r} is not allowed; use seconds > 0")
         self.bucket_size = parse_bucket_size(bucket_size, device=self._buffer_device())
-        # "auto" is resolved by the master; receivers take its value when they join
-        # (each member measuring its own free memory would disagree).
-        self._bucket_auto = isinstance(bucket_size, str) and bucket_size.strip().lower() == "auto"
         self.timeout = float(timeout)
         self.checksum = bool(checksum)
         self.is_master = bool(is_master)
@@ -115,7 +113,9 @@ class CheckpointEngine(abc.ABC):
                 "rank 0 is the master"
             )
         self.rank, self.world_size = rank, world_size
-        if rank > 0 and self._bucket_auto and isinstance(master_metadata, dict):
+        if rank > 0 and isinstance(master_metadata, dict):
+            # The sender's choice: receivers take the master's bucket size ("auto" measured
+            # on each member would disagree; slots must match what is sent).
             self.bucket_size = master_metadata.get("bucket_size", self.bucket_size)
         if rank != -1:
             self._join(rank, world_size, master_metadata)

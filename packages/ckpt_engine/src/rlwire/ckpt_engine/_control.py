@@ -110,11 +110,6 @@ class StoreControlledEngine(BucketedEngine):
                     self._store.wait(keys, datetime.timedelta(seconds=self.timeout))
             self._all_attached()
             return
-        if master_metadata.get("bucket_size") != self.bucket_size:
-            raise CheckpointEngineError(
-                f"{self.name}: bucket_size {self.bucket_size} differs from the master's "
-                f"{master_metadata.get('bucket_size')}; use the same value on every member"
-            )
         self._store = connect_store(master_metadata, self.timeout)
         self._attach_slots(master_metadata)
         self._store.set(f"joined/{rank}", b"1")

@@ -188,12 +188,13 @@ class ActorConfig:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class VLLMSection:
-    kv_cache_memory_bytes: int | None = 67108864
-    """KV-cache size of each vLLM engine in bytes (default 64 MiB, enough for the tiny
-    job). None: size it from ``gpu_memory_utilization`` (on CPU vLLM would then claim
-    most of the machine's memory)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache size of each vLLM engine in bytes. None: on GPUs sized from
+    ``gpu_memory_utilization``; on CPUs 64 MiB (enough for the tiny job; sizing from
+    memory would claim most of the machine)."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of the device memory vLLM may use when ``kv_cache_memory_bytes`` is None."""
+    """Fraction of the GPU's memory vLLM may use (weights and KV cache; vLLM checks at start
+    that this much is free)."""
     max_model_len: int | None = None
     """Longest prompt + response (None: the model's own limit)."""
     enforce_eager: bool = True
@@ -272,7 +273,8 @@ class AlgorithmConfig:
 class CheckpointEngineConfig:
     backend: str = "auto"
     """A ``rlwire.ckpt_engine`` backend name, or ``auto``: ``gloo`` on CPUs, ``cuda_ipc``
-    when the job shares one GPU, ``nccl`` across GPUs."""
+    when every rollout worker shares actor rank 0's GPU, ``nccl`` when every member has a
+    GPU of its own, else ``gloo``."""
     bucket_size: str = "64MiB"
     """Bytes per bucket (``rlwire.ckpt_engine.parse_bucket_size`` syntax)."""
     timeout: float = 60.0
@@ -358,6 +360,8 @@ class RayConfig:
     """An existing cluster (``ray://...`` or ``host:port``); None: ``RAY_ADDRESS`` or local."""
     num_cpus: int | None = None
     """CPUs of the embedded local cluster (None: all, and at least one per worker)."""
+    num_gpus: int | None = None
+    """GPUs of the embedded local cluster (None: Ray detects them)."""
     startup_timeout: float = 120.0
     """Seconds for the workers to be scheduled and start before the run stops."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -198,6 +199,7 @@ def _init_ray(config: TrainerConfig) -> None:
             cpus = config.ray.num_cpus or max(os.cpu_count() or 1, need)
             ray.init(
                 num_cpus=cpus,
+                num_gpus=config.ray.num_gpus,
                 include_dashboard=False,
                 log_to_driver=False,
                 logging_level=logging.ERROR,
@@ -253,36 +255,38 @@ class _Job:
         self.batches, self.reward_fn = batches, reward_fn
         world, workers = config.actor.world_size, config.rollout.num_workers
         self.world = world
-        # Colocated: actor ranks and rollout workers share the GPUs (fractions of one when
-        # there are fewer GPUs than workers; NCCL still needs one GPU per actor rank).
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
-        gpus = min(1.0, cluster_gpus / (world + workers)) if cluster_gpus else 0
+        layout = gpu_layout(world, workers, cluster_gpus, config.trainer.mode)
         # colocated vLLM on GPUs sleeps while the actor trains (no-op elsewhere: skip the calls)
-        self.rollout_sleeps = config.rollout.backend == "vllm" and bool(cluster_gpus)
+        self.rollout_sleeps = config.rollout.backend == "vllm" and layout is not None
         self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
-        Actor = ray.remote(num_cpus=1, num_gpus=gpus)(ActorWorker)
-        Rollout = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker)
-        self.actors = [Actor.remote(config, model_path, r) for r in range(world)]
+        place = _placement(layout, config.ray.startup_timeout)
+        Actor = ray.remote(num_cpus=1)(ActorWorker)
+        Rollout = ray.remote(num_cpus=1)(RolloutWorker)
+        self.actors = [
+            Actor.options(**place("actor", r)).remote(config, model_path, r) for r in range(world)
+        ]
         self.rollouts = [
-            Rollout.options(name=f"rollout-{i}", namespace=self.namespace).remote(
-                config, model_path, i
-            )
+            Rollout.options(
+                name=f"rollout-{i}", namespace=self.namespace, **place("rollout", i)
+            ).remote(config, model_path, i)
             for i in range(workers)
         ]
+        gpus = f", sharing {layout.gpus} GPU(s)" if layout else ""
         try:
             master = ray.get(self.actors[0].address.remote(), timeout=config.ray.startup_timeout)
+            ready = [r.ready.remote() for r in self.rollouts]
+            if layout is not None:  # on GPUs the rollout engines measure free memory first
+                ray.get(ready, timeout=config.ray.startup_timeout)
             ray.get(
-                [
-                    *[a.setup.remote(master) for a in self.actors],
-                    *[r.ready.remote() for r in self.rollouts],
-                ],
+                [*[a.setup.remote(master) for a in self.actors], *ready],
                 timeout=config.ray.startup_timeout,
             )
         except ray.exceptions.GetTimeoutError:
             raise RunError(
-                f"ray: the {world} actor ranks and {workers} rollout worker(s) (1 CPU"
-                f"{f' and {gpus:g} GPU' if gpus else ''} each) did not start within "
-                f"{config.ray.startup_timeout:g} s; the cluster has {ray.cluster_resources()}"
+                f"ray: the {world} actor ranks and {workers} rollout worker(s) (1 CPU each"
+                f"{gpus}) did not start within {config.ray.startup_timeout:g} s; the cluster "
+                f"has {ray.cluster_resources()}"
             ) from None
         except ray.exceptions.RayActorError as err:
             raise RunError(f"ray: a worker failed to start: {_first_line(err)}") from None
@@ -305,7 +309,16 @@ class _Job:
             self.start_step = ray.get([a.load.remote(str(resume_from)) for a in self.actors])[0]
             log.info("resumed from %s at step %d", resume_from, self.start_step)
         # The checkpoint engine: actor rank 0 sends, rollout worker i receives as rank 1 + i.
-        backend = engine_backend(config.ckpt_engine.backend, cluster_gpus)
+        if layout is not None:  # bundle indices, and the GPU ids Ray gave each process
+            ids = ray.get([w.gpu_ids.remote() for w in [*self.actors, *self.rollouts]])
+            log.info(
+                "GPUs: actor ranks on bundles %s (Ray GPU ids %s), rollout workers on %s (%s)",
+                layout.actors,
+                ids[:world],
+                layout.rollouts,
+                ids[world:],
+            )
+        backend = engine_backend(config.ckpt_engine.backend, layout)
         self.engine_backend = backend
         log.info("checkpoint engine: %s", backend)
         metadata = ray.get(self.actors[0].engine_prepare.remote(backend))
@@ -404,17 +417,93 @@ class _Job:
             (target / "COMPLETE").write_text(str(done))
 
 
-def engine_backend(name: str, cluster_gpus: float) -> str:
-    """``ckpt_engine.backend``, with ``auto`` resolved by the cluster's devices: ``gloo`` on
-    CPUs, ``cuda_ipc`` when everything shares one GPU (processes on one device cannot form
-    an NCCL group), ``nccl`` across GPUs."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class GpuLayout:
+    """Which GPU (placement-group bundle) every actor rank and rollout worker uses."""
+
+    actors: list[int]
+    rollouts: list[int]
+
+    def share(self, gpu: int) -> float:
+        """The GPU fraction each process on ``gpu`` asks for (they split it evenly)."""
+        return 1.0 / (self.actors + self.rollouts).count(gpu)
+
+    @property
+    def gpus(self) -> int:
+        return max(self.actors + self.rollouts) + 1
+
+
+def gpu_layout(world: int, workers: int, cluster_gpus: float, mode: str) -> GpuLayout | None:
+    """Actor rank i on GPU i (NCCL needs one GPU per rank); rollout workers round-robin over
+    the actors' GPUs when colocated, over the remaining GPUs in fully-async mode when there
+    are any. ``None`` without GPUs.
+
+    Raises:
+        RunError: fewer GPUs than actor ranks.
+    """
+    gpus = int(cluster_gpus)
+    if gpus == 0:
+        return None
+    if world > gpus:
+        raise RunError(
+            f"actor.world_size: {world} actor ranks need {world} GPUs (NCCL: one GPU per "
+            f"rank); the cluster has {cluster_gpus:g}"
+        )
+    if mode == "fully_async" and gpus > world:  # a separate rollout pool
+        rollouts = [world + j % (gpus - world) for j in range(workers)]
+    else:
+        rollouts = [j % world for j in range(workers)]
+    return GpuLayout(list(range(world)), rollouts)
+
+
+def engine_backend(name: str, layout: GpuLayout | None) -> str:
+    """``ckpt_engine.backend``, with ``auto`` resolved by where the members are: ``gloo``
+    on CPUs, ``cuda_ipc`` when every rollout worker shares actor rank 0's GPU (processes on
+    one device cannot form an NCCL group), ``nccl`` when all members have GPUs of their
+    own, ``gloo`` for anything in between."""
     from rlwire.ckpt_engine import backend_for_device
 
     if name != "auto":
         return name
-    if cluster_gpus == 1:
+    if layout is None:
+        return backend_for_device("cpu")
+    master = layout.actors[0]
+    if all(g == master for g in layout.rollouts):
         return "cuda_ipc"
-    return backend_for_device("cuda" if cluster_gpus else "cpu")
+    members = [master, *layout.rollouts]
+    if len(set(members)) == len(members):
+        return backend_for_device("cuda")
+    return backend_for_device("cpu")
+
+
+def _placement(layout: GpuLayout | None, timeout: float):
+    """``place(kind, index) -> Ray options`` putting each worker on its GPU of ``layout``:
+    one placement-group bundle per GPU (a whole GPU each, so bundles are distinct GPUs),
+    each process asking for its even share of its bundle's GPU."""
+    if layout is None:
+        return lambda kind, index: {}
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cpus = [(layout.actors + layout.rollouts).count(g) for g in range(layout.gpus)]
+    group = placement_group([{"GPU": 1, "CPU": c} for c in cpus], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout)
+    if not ready:
+        ray.util.remove_placement_group(group)
+        raise RunError(
+            f"ray: {layout.gpus} GPU(s) with {cpus} CPUs for the workers were not available "
+            f"within {timeout:g} s; the cluster has {ray.cluster_resources()}"
+        )
+
+    def place(kind: str, index: int) -> dict[str, Any]:
+        gpu = (layout.actors if kind == "actor" else layout.rollouts)[index]
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=gpu
+        )
+        return {"num_gpus": layout.share(gpu), "scheduling_strategy": strategy}
+
+    return place
 
 
 def _first_line(err: BaseException) -> str:

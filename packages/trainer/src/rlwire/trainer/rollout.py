@@ -58,10 +58,12 @@ def hf_generate(
     temperature: float,
     seed: int,
 ) -> Rollout:
-    """Sample ``n`` responses per prompt with ``model.generate``."""
+    """Sample ``n`` responses per prompt with ``model.generate`` on the model's device;
+    the returned tensors are on the host (they travel to the driver)."""
+    device = next(model.parameters()).device
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    prompt_ids = batch["input_ids"].repeat_interleave(n, dim=0)
-    prompt_mask = batch["attention_mask"].repeat_interleave(n, dim=0)
+    prompt_ids = batch["input_ids"].repeat_interleave(n, dim=0).to(device)
+    prompt_mask = batch["attention_mask"].repeat_interleave(n, dim=0).to(device)
     torch.manual_seed(seed)
     out = model.generate(
         input_ids=prompt_ids,
@@ -83,7 +85,8 @@ def hf_generate(
     texts = tokenizer.batch_decode(
         response_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True
     )
-    return Rollout(prompt_ids, prompt_mask, response_ids, mask, logprobs.squeeze(-1) * mask, texts)
+    tensors = (prompt_ids, prompt_mask, response_ids, mask, logprobs.squeeze(-1) * mask)
+    return Rollout(*(t.cpu() for t in tensors), texts)
 
 
 def sequence_logprobs(

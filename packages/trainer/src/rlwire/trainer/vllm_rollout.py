@@ -42,6 +42,9 @@ class WeightReloadExtension:
         return len(weights)
 
 
+_CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
+
+
 class VLLMEngine:
     """Generation with ``vllm.LLM``; the same interface as the ``hf`` backend."""
 
@@ -71,9 +74,12 @@ class VLLMEngine:
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": f"{__name__}.WeightReloadExtension",
         }
-        if cfg.kv_cache_memory_bytes is not None:
-            options["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
-        else:
+        kv_bytes = cfg.kv_cache_memory_bytes
+        if kv_bytes is None and not on_gpu:
+            kv_bytes = _CPU_KV_CACHE_BYTES
+        if kv_bytes is not None:
+            options["kv_cache_memory_bytes"] = kv_bytes
+        if on_gpu:  # vLLM's start-up memory check uses it even with an explicit KV size
             options["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         if cfg.max_model_len is not None:
             options["max_model_len"] = cfg.max_model_len

@@ -38,6 +38,16 @@ def _load_model(path: str, dtype: str, device: torch.device):
     return model.to(device)
 
 
+def _host() -> str:
+    """The address other workers reach this one at: loopback on a one-node cluster, the
+    node's IP when there are several."""
+    import ray
+
+    if sum(1 for node in ray.nodes() if node.get("Alive")) <= 1:
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address()
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -64,9 +74,10 @@ class ActorWorker:
         """rank 0: where the group's store listens."""
         import socket
 
+        host = _host()
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return "127.0.0.1", s.getsockname()[1]
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
 
     def setup(self, master: tuple[str, int]) -> None:
         import torch.distributed as dist
@@ -98,6 +109,11 @@ class ActorWorker:
             self.reference = (
                 reference if cfg.actor.strategy == "megatron" else self._wrap(reference)
             ).eval()
+
+    def gpu_ids(self) -> list:
+        import ray
+
+        return ray.get_gpu_ids()
 
     def megatron_info(self) -> dict[str, Any]:
         """The DDP config the Megatron engine built, its buffers' dtypes and its warnings."""
@@ -203,7 +219,7 @@ class ActorWorker:
         if not self.config.actor.offload:
             yield
             return
-        self._reload(optimizer=optimizer)
+        self._reload(optimizer=optimizer, reference=False)
         try:
             yield
         finally:
@@ -218,8 +234,10 @@ class ActorWorker:
             offload_model(self.model).wait()
         for optimizer in self._inner_optimizers():
             offload_optimizer(optimizer).wait()
+        if self.reference is not None:
+            offload_model(self.reference).wait()
 
-    def _reload(self, *, optimizer: bool = True) -> None:
+    def _reload(self, *, optimizer: bool = True, reference: bool = True) -> None:
         from rlwire.offload import load_model, load_optimizer
 
         if self.megatron:
@@ -228,6 +246,8 @@ class ActorWorker:
             load_model(self.model)
         for inner in self._inner_optimizers() if optimizer else []:
             load_optimizer(inner)
+        if reference and self.reference is not None:
+            load_model(self.reference)
 
     # --- weights to the rollout worker -----------------------------------------------------
     def engine_prepare(self, backend: str) -> dict:
@@ -235,11 +255,14 @@ class ActorWorker:
 
         if self.rank != 0:
             return {}
+        # Backends whose receivers reach the master's store: at this node's address.
+        where = {"host": _host()} if backend in ("gloo", "nccl", "shm", "cuda_ipc") else {}
         self.engine = registry.new(
             backend,
             is_master=True,
             bucket_size=self.config.ckpt_engine.bucket_size,
             timeout=self.config.ckpt_engine.timeout,
+            **where,
         )
         return self.engine.prepare()
 
@@ -389,6 +412,8 @@ class RolloutWorker:
 
     def ready(self) -> bool:
         return True
+
+    gpu_ids = ActorWorker.gpu_ids
 
     def engine_init(self, backend: str, world_size: int, metadata: dict) -> None:
         from rlwire.ckpt_engine import registry

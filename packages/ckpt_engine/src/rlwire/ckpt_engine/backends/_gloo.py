@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from .._base import BucketedEngine
-from .._errors import CheckpointEngineError
 from .._store import blocking, connect_store, master_store, peer_errors
 from .._wire import BucketMeta, to_bytes
 
@@ -46,12 +45,6 @@ class GlooEngine(BucketedEngine):
         return {"host": self.host, "port": self._store.port, "bucket_size": self.bucket_size}
 
     def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
-        theirs = master_metadata.get("bucket_size", self.bucket_size)
-        if rank > 0 and theirs != self.bucket_size:
-            raise CheckpointEngineError(
-                f"gloo: bucket_size {self.bucket_size} differs from the master's {theirs}; "
-                "use the same value on every member"
-            )
         if not self.slots or self.slots[0].numel() != self.bucket_size:
             self.prepare()
         if self._store is None:
