@@ -178,10 +178,12 @@ def test_gpu_layout_and_the_auto_checkpoint_engine(
         assert (layout.actors, layout.rollouts) == (actors, rollouts)
     assert engine_backend("auto", layout) == backend
     assert engine_backend("shm", layout) == "shm"  # an explicit choice stands
-    if layout:  # processes on one GPU split it evenly
+    if layout:  # processes on one GPU split it evenly; so do its vLLM engines their budget
         for gpu in range(layout.gpus):
             members = (layout.actors + layout.rollouts).count(gpu)
             assert layout.share(gpu) * members == pytest.approx(1.0)
+        for worker, gpu in enumerate(layout.rollouts):
+            assert layout.rollout_share(worker) == 1.0 / layout.rollouts.count(gpu)
 
 
 def test_fewer_gpus_than_actor_ranks_is_refused():
@@ -189,6 +191,10 @@ def test_fewer_gpus_than_actor_ranks_is_refused():
 
     with pytest.raises(RunError, match=r"^actor.world_size: 4 actor ranks need 4 GPUs \(NCCL"):
         gpu_layout(4, 1, 2, "colocated")
+    with pytest.raises(
+        RunError, match=r"need 1 GPUs \(NCCL: one GPU per rank\); the cluster has 0.5$"
+    ):
+        gpu_layout(1, 1, 0.5, "colocated")  # a fraction of a GPU holds no actor rank
 
 
 # --- real runs --------------------------------------------------------------------------------

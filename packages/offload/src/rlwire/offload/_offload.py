@@ -92,6 +92,15 @@ def _side_stream_copies(
     return start, end
 
 
+def _check_one_device(tensors: Sequence[torch.Tensor], what: str) -> None:
+    devices = sorted({str(t.device) for t in tensors if t.device.type != "cpu"})
+    if len(devices) > 1:
+        raise ValueError(
+            f"{what}: tensors on {', '.join(devices)}; one device per model or optimizer is "
+            "supported (offload each device's part separately)"
+        )
+
+
 def _finish(transfer: Transfer) -> Transfer:
     return transfer.wait() if _debug() else transfer
 
@@ -112,13 +121,8 @@ def _offload(
         return Transfer.completed(f"{what} (nothing on an accelerator)")
     pool = pool or default_pool()
     sources = [s.tensor.detach() for s in moving]
+    _check_one_device(sources, what)
     device = sources[0].device
-    devices = sorted({str(t.device) for t in sources})
-    if len(devices) > 1:
-        raise ValueError(
-            f"{what}: tensors on {', '.join(devices)}; one device per model or optimizer is "
-            "supported (offload each device's part separately)"
-        )
     offsets, total = _layout(sources)
     slab = pool.reserve(total)
     hosts = _host_views(slab, sources, offsets)
@@ -221,6 +225,7 @@ def offload_model(
             "use FSDP2 or FSDP1"
         )
     params, grad_slots = module_slots(model, grads=grads == "keep")
+    _check_one_device([s.tensor for s in params + grad_slots], "offload_model")  # before any change
     if grads == "drop":
         drop_grads(model)
     return _offload(
@@ -240,7 +245,8 @@ def load_model(
 
     ``device`` defaults to where the tensors came from. The current stream is
     made to wait for the copy, so using the model on it right away is safe;
-    the host slab returns to its pool once the copy completes.
+    the host slab goes back to its pool at once, fenced by the copy's event
+    (its next reservation waits for the copy), so waiting is optional.
     """
     params, grad_slots = module_slots(model, grads=True)
     return _load(model, params + grad_slots, device, non_blocking=non_blocking, what="load_model")

@@ -66,8 +66,11 @@ class PinnedPool:
     def reserve(self, nbytes: int) -> torch.Tensor:
         """A host buffer of at least ``nbytes`` bytes (1-D ``torch.uint8``, maybe larger).
 
+        Reusing a buffer freed with ``after=`` first waits for that event.
+
         Raises:
             ValueError: ``nbytes`` is negative or not an int.
+            TimeoutError: that event did not complete within the default timeout.
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes: {nbytes!r} is not allowed; use an int >= 0")
@@ -85,7 +88,13 @@ class PinnedPool:
                 self._allocations += 1
             self._in_use[id(block)] = block
         if fence is not None:  # a copy out of this buffer may still run: let it finish
-            wait_event(fence, DEFAULT_TIMEOUT_S, "PinnedPool.reserve: a copy reading a buffer")
+            try:
+                wait_event(fence, DEFAULT_TIMEOUT_S, "PinnedPool.reserve: a copy reading a buffer")
+            except TimeoutError:
+                with self._lock:  # still the pool's, still fenced
+                    del self._in_use[id(block)]
+                    self._free.append((block, fence))
+                raise
         return block
 
     def free(self, block: torch.Tensor, *, after: torch.cuda.Event | None = None) -> None:
@@ -110,9 +119,9 @@ class PinnedPool:
             dropped, self._free = self._free, []
             released = sum(block.numel() for block, _ in dropped)
             self._bytes -= released
-        for _, fence in dropped:  # never unpin memory a copy still reads
-            if fence is not None:
-                wait_event(fence, DEFAULT_TIMEOUT_S, "PinnedPool.release: a copy reading a buffer")
+        fences = [fence for _, fence in dropped if fence is not None]
+        for fence in fences:  # never unpin memory a copy still reads
+            wait_event(fence, DEFAULT_TIMEOUT_S, "PinnedPool.release: a copy reading a buffer")
         if self.pin and dropped:
             dropped.clear()  # the last references: torch's host allocator now caches them
             _empty_host_cache()  # and only this unpins them

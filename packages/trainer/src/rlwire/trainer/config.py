@@ -194,7 +194,7 @@ class VLLMSection:
     memory would claim most of the machine)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of the GPU's memory vLLM may use (weights and KV cache; vLLM checks at start
-    that this much is free)."""
+    that this much is free), split evenly between the rollout workers on one GPU."""
     max_model_len: int | None = None
     """Longest prompt + response (None: the model's own limit)."""
     enforce_eager: bool = True

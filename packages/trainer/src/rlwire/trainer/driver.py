@@ -269,7 +269,7 @@ class _Job:
         self.rollouts = [
             Rollout.options(
                 name=f"rollout-{i}", namespace=self.namespace, **place("rollout", i)
-            ).remote(config, model_path, i)
+            ).remote(config, model_path, i, layout.rollout_share(i) if layout else 1.0)
             for i in range(workers)
         ]
         gpus = f", sharing {layout.gpus} GPU(s)" if layout else ""
@@ -428,6 +428,11 @@ class GpuLayout:
         """The GPU fraction each process on ``gpu`` asks for (they split it evenly)."""
         return 1.0 / (self.actors + self.rollouts).count(gpu)
 
+    def rollout_share(self, worker: int) -> float:
+        """The part of its GPU's rollout memory budget rollout worker ``worker`` may use
+        (the rollout workers on one GPU split it evenly)."""
+        return 1.0 / self.rollouts.count(self.rollouts[worker])
+
     @property
     def gpus(self) -> int:
         return max(self.actors + self.rollouts) + 1
@@ -441,9 +446,9 @@ def gpu_layout(world: int, workers: int, cluster_gpus: float, mode: str) -> GpuL
     Raises:
         RunError: fewer GPUs than actor ranks.
     """
-    gpus = int(cluster_gpus)
-    if gpus == 0:
+    if not cluster_gpus:
         return None
+    gpus = int(cluster_gpus)  # a fraction of a GPU cannot hold an actor rank
     if world > gpus:
         raise RunError(
             f"actor.world_size: {world} actor ranks need {world} GPUs (NCCL: one GPU per "
@@ -554,7 +559,6 @@ def _run_colocated(job: _Job, bar) -> None:
     config = job.config
     n, workers = config.rollout.n, len(job.rollouts)
     watch = _Watch([])
-    sync_s = config.ckpt_engine.timeout + 30
 
     def sync(version: int) -> dict:
         if job.rollout_sleeps:
@@ -562,8 +566,9 @@ def _run_colocated(job: _Job, bar) -> None:
         pushed = [a.push_weights.remote(version) for a in job.actors]
         pulled = [r.pull_weights.remote() for r in job.rollouts]
         # A receiver's failure ends the wait at once with its own error (the sender would
-        # only report a timeout, after ckpt_engine.timeout).
-        done = watch.get([*pushed, *pulled], timeout=sync_s, what="weight sync")
+        # only report a timeout, after ckpt_engine.timeout). No overall deadline: the engine
+        # bounds every wait of the transfer, and a large model may outlast any fixed budget.
+        done = watch.get([*pushed, *pulled], timeout=None, what="weight sync")
         return {**done[0], "pulls": done[len(pushed) :]}
 
     sync(job.start_step)  # the rollout workers start from the actor's (maybe resumed) weights

@@ -253,7 +253,7 @@ class _Watch:
     def __init__(self, loops: list) -> None:
         self.loops = loops
 
-    def get(self, refs, *, timeout: float, what: str):
+    def get(self, refs, *, timeout: float | None, what: str):
         import ray
 
         from .driver import RunError
@@ -261,10 +261,10 @@ class _Watch:
         single = not isinstance(refs, list)
         pending = [refs] if single else list(refs)
         values = {}
-        deadline = time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise RunError(f"{what}: no answer within {timeout:g} s")
             ready, _ = ray.wait(pending + self.loops, num_returns=1, timeout=left)
             for ref in ready:
@@ -330,7 +330,9 @@ def run_fully_async(job, bar) -> None:
                 f"weight sync: the rollout workers did not finish their chunks within {wait_s:g} s"
             )
         pushed = [a.push_weights.remote(version) for a in job.actors]
-        stats = watch.get(pushed, timeout=sync_s, what="weight sync (send)")[0]
+        # No overall deadline: the engine bounds every wait of the send (ckpt_engine.timeout)
+        # and fails it, and a large model may take longer than any fixed budget.
+        stats = watch.get(pushed, timeout=None, what="weight sync (send)")[0]
         pulls = watch.get(
             queue.wait_synced.remote(version, sync_s), timeout=sync_s + 30, what="weight sync"
         )

@@ -48,7 +48,7 @@ _CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
 class VLLMEngine:
     """Generation with ``vllm.LLM``; the same interface as the ``hf`` backend."""
 
-    def __init__(self, config, model_path: str) -> None:
+    def __init__(self, config, model_path: str, *, gpu_share: float = 1.0) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
@@ -80,7 +80,7 @@ class VLLMEngine:
         if kv_bytes is not None:
             options["kv_cache_memory_bytes"] = kv_bytes
         if on_gpu:  # vLLM's start-up memory check uses it even with an explicit KV size
-            options["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            options["gpu_memory_utilization"] = cfg.gpu_memory_utilization * gpu_share
         if cfg.max_model_len is not None:
             options["max_model_len"] = cfg.max_model_len
         self.sleep_mode = on_gpu and config.trainer.mode == "colocated"

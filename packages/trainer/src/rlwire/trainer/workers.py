@@ -396,7 +396,9 @@ class RolloutWorker:
     stop (see :mod:`rlwire.trainer.fully_async`).
     """
 
-    def __init__(self, config: TrainerConfig, model_path: str, index: int = 0) -> None:
+    def __init__(
+        self, config: TrainerConfig, model_path: str, index: int = 0, gpu_share: float = 1.0
+    ) -> None:
         torch.set_num_threads(1)
         self.config = config
         self.index = index
@@ -404,7 +406,8 @@ class RolloutWorker:
         if config.rollout.backend == "vllm":
             from .vllm_rollout import VLLMEngine
 
-            self.backend = VLLMEngine(config, model_path)
+            # several engines on one GPU split rollout.vllm.gpu_memory_utilization
+            self.backend = VLLMEngine(config, model_path, gpu_share=gpu_share)
         else:
             self.backend = HFEngine(config, model_path, self.device)
         self.engine = None

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .._control import StoreControlledEngine, cuda_device
-from .._errors import CheckpointEngineTimeout
+from .._errors import CheckpointEngineError, CheckpointEngineTimeout
 from .._store import peer_errors
 from .._wire import BucketMeta
 
@@ -88,15 +88,19 @@ class NcclEngine(StoreControlledEngine):
         worker = threading.Thread(target=run, name="rlwire-nccl-connect", daemon=True)
         worker.start()
         worker.join(self.timeout)
-        if worker.is_alive() or failure:
-            if worker.is_alive():  # stuck creating the communicator: aborting could block too
-                self._failed = True
-            else:
-                self._abort()
-            reason = f" ({failure[0]})" if failure else ""
+        if failure:
+            self._abort()
+            raise CheckpointEngineError(
+                f"nccl: connecting the group of {self.world_size} failed: {failure[0]}"
+            ) from failure[0]
+        if worker.is_alive():
+            # Stuck creating the communicator: abort it (what unblocks a blocked init)
+            # from a thread of its own, so that this error is raised at once either way.
+            self._failed = True
+            threading.Thread(target=self._abort, name="rlwire-nccl-abort", daemon=True).start()
             raise CheckpointEngineTimeout(
                 f"nccl: connecting the group of {self.world_size}: not done within "
-                f"{self.timeout:g} s or a member failed{reason}"
+                f"{self.timeout:g} s (a member did not take part)"
             )
 
     def _abort(self) -> None:
