@@ -21,22 +21,23 @@ def _batches(step: int) -> list[tuple[str, str]]:
     return [(f"p{step}-{i}", f"a{step}-{i}") for i in range(4)]
 
 
+def _queue(**settings) -> SampleQueue:
+    """A queue over the test batches, from version 0, polling every 50 ms."""
+    return SampleQueue(batches=_batches, start_version=0, seed=0, poll=0.05, **settings)
+
+
 async def _simulate(
     *, staleness: float, trigger: int, workers: int, steps: int, max_lag: int, seed: int
 ) -> dict:
     """Workers of random speed against a trainer; returns what the trainer consumed."""
     rng = random.Random(seed)
     required = 4
-    queue = SampleQueue(
-        batches=_batches,
+    queue = _queue(
         groups_per_step=required,
         trigger_sync=trigger,
         staleness_threshold=staleness,
         max_version_lag=max_lag,
         num_workers=workers,
-        start_version=0,
-        seed=0,
-        poll=0.05,
     )
     seen_stale: list[int] = []
     pushed: dict[int, asyncio.Event] = {}
@@ -124,16 +125,12 @@ def test_queue_drops_groups_older_than_max_version_lag():
 
 
 def test_queue_get_times_out_instead_of_hanging():
-    queue = SampleQueue(
-        batches=_batches,
+    queue = _queue(
         groups_per_step=4,
         trigger_sync=1,
         staleness_threshold=0.0,
         max_version_lag=0,
         num_workers=1,
-        start_version=0,
-        seed=0,
-        poll=0.05,
     )
     start = time.perf_counter()
     got = asyncio.run(queue.get(4, 0, timeout=0.3))

@@ -121,7 +121,6 @@ def _offload(
         return Transfer.completed(f"{what} (nothing on an accelerator)")
     pool = pool or default_pool()
     sources = [s.tensor.detach() for s in moving]
-    _check_one_device(sources, what)
     device = sources[0].device
     offsets, total = _layout(sources)
     slab = pool.reserve(total)
@@ -264,9 +263,11 @@ def offload_optimizer(
     Same contract as :func:`offload_model`. Tensors already on the host (Adam's
     ``step`` counters by default) stay where they are.
     """
+    slots = optimizer_slots(optimizer)
+    _check_one_device([s.tensor for s in slots], "offload_optimizer")
     return _offload(
         optimizer,
-        optimizer_slots(optimizer),
+        slots,
         pool=pool,
         non_blocking=non_blocking,
         what="offload_optimizer",

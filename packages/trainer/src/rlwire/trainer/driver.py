@@ -291,8 +291,7 @@ class _Job:
         except ray.exceptions.RayActorError as err:
             raise RunError(f"ray: a worker failed to start: {_first_line(err)}") from None
         except ray.exceptions.RayTaskError as err:  # setup raised: the engine refused the config
-            cause = err.cause if isinstance(err.cause, BaseException) else err
-            raise RunError(f"actor setup failed: {_first_line(cause)}") from None
+            raise RunError(f"actor setup failed: {_first_line(_cause(err))}") from None
         if config.actor.strategy == "megatron":  # check_consistency's warnings, once
             info = ray.get(self.actors[0].megatron_info.remote())
             log.info(
@@ -424,9 +423,13 @@ class GpuLayout:
     actors: list[int]
     rollouts: list[int]
 
+    def members(self, gpu: int) -> int:
+        """How many processes (actor ranks and rollout workers) use ``gpu``."""
+        return (self.actors + self.rollouts).count(gpu)
+
     def share(self, gpu: int) -> float:
         """The GPU fraction each process on ``gpu`` asks for (they split it evenly)."""
-        return 1.0 / (self.actors + self.rollouts).count(gpu)
+        return 1.0 / self.members(gpu)
 
     def rollout_share(self, worker: int) -> float:
         """The part of its GPU's rollout memory budget rollout worker ``worker`` may use
@@ -491,7 +494,7 @@ def _placement(layout: GpuLayout | None, timeout: float):
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    cpus = [(layout.actors + layout.rollouts).count(g) for g in range(layout.gpus)]
+    cpus = [layout.members(g) for g in range(layout.gpus)]
     group = placement_group([{"GPU": 1, "CPU": c} for c in cpus], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout)
     if not ready:
@@ -514,6 +517,58 @@ def _placement(layout: GpuLayout | None, timeout: float):
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def _cause(err: BaseException) -> BaseException:
+    """A Ray task's own error (``RayTaskError.cause``), else ``err`` itself."""
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err
+
+
+class _Watch:
+    """Waits on Ray futures (bounded unless ``timeout`` is None) that fail at once when one
+    of them fails or a rollout worker's loop ends."""
+
+    def __init__(self, loops: list) -> None:
+        self.loops = loops
+
+    def get(self, refs, *, timeout: float | None, what: str):
+        import ray
+
+        single = not isinstance(refs, list)
+        pending = [refs] if single else list(refs)
+        values = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise RunError(f"{what}: no answer within {timeout:g} s")
+            ready, _ = ray.wait(pending + self.loops, num_returns=1, timeout=left)
+            for ref in ready:
+                if ref in self.loops:
+                    self.failed(ref)
+                pending.remove(ref)
+                try:  # the first failure stops the wait (its peers would only time out)
+                    values[ref] = ray.get(ref)
+                except Exception as err:
+                    cause = _cause(err)
+                    raise RunError(
+                        f"{what}: {type(cause).__name__}: {_first_line(cause)}"
+                    ) from None
+        return values[refs] if single else [values[r] for r in refs]
+
+    def failed(self, ref) -> None:
+        import ray
+
+        worker = self.loops.index(ref)
+        try:
+            ray.get(ref)
+        except Exception as err:  # the worker's own error, or Ray's ActorDiedError
+            raise RunError(
+                f"rollout worker {worker} stopped: {type(err).__name__}: {_first_line(err)}; "
+                "the last checkpoint in the run directory is intact (resume with the same command)"
+            ) from None
+        raise RunError(f"rollout worker {worker} left its loop before the run ended")
 
 
 def _digests(push: dict, pulls: list[dict]) -> dict[str, Any]:
@@ -553,7 +608,6 @@ def _run_colocated(job: _Job, bar) -> None:
     """Generate, update, sync: every sample comes from the weights being updated."""
     import ray
 
-    from .fully_async import _Watch
     from .rollout import collate
 
     config = job.config

@@ -237,67 +237,11 @@ class SampleQueue:
 
 
 # --- the driver's loop ----------------------------------------------------------------------
-def _failure(err: BaseException) -> str:
-    """``Type: first line`` of a Ray task's own error (not Ray's wrapper)."""
-    from .driver import _first_line
-
-    cause = getattr(err, "cause", None)
-    cause = cause if isinstance(cause, BaseException) else err
-    return f"{type(cause).__name__}: {_first_line(cause)}"
-
-
-class _Watch:
-    """Bounded waits on Ray futures that fail at once when one of them fails or a rollout
-    worker's loop ends."""
-
-    def __init__(self, loops: list) -> None:
-        self.loops = loops
-
-    def get(self, refs, *, timeout: float | None, what: str):
-        import ray
-
-        from .driver import RunError
-
-        single = not isinstance(refs, list)
-        pending = [refs] if single else list(refs)
-        values = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise RunError(f"{what}: no answer within {timeout:g} s")
-            ready, _ = ray.wait(pending + self.loops, num_returns=1, timeout=left)
-            for ref in ready:
-                if ref in self.loops:
-                    self.failed(ref)
-                pending.remove(ref)
-                try:  # the first failure stops the wait (its peers would only time out)
-                    values[ref] = ray.get(ref)
-                except Exception as err:
-                    raise RunError(f"{what}: {_failure(err)}") from None
-        return values[refs] if single else [values[r] for r in refs]
-
-    def failed(self, ref) -> None:
-        import ray
-
-        from .driver import RunError, _first_line
-
-        worker = self.loops.index(ref)
-        try:
-            ray.get(ref)
-        except Exception as err:  # the worker's own error, or Ray's ActorDiedError
-            raise RunError(
-                f"rollout worker {worker} stopped: {type(err).__name__}: {_first_line(err)}; "
-                "the last checkpoint in the run directory is intact (resume with the same command)"
-            ) from None
-        raise RunError(f"rollout worker {worker} left its loop before the run ended")
-
-
 def run_fully_async(job, bar) -> None:
     """Train on groups from the queue while the rollout workers keep generating."""
     import ray
 
-    from .driver import RunError
+    from .driver import RunError, _Watch
     from .rollout import collate
 
     config = job.config
