@@ -27,6 +27,9 @@ from rlwire.ckpt_engine import CheckpointEngineError, registry
 
 BUCKET = 64 << 10
 TIMEOUT = 15.0
+# The failure scenarios wait out the engine's timeout on purpose: a shorter one keeps
+# them quick (the members start together, so forming the group takes far less).
+FAILURE_TIMEOUT = 6.0
 
 
 def make_state(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -62,7 +65,7 @@ def _wait_for(path: str, timeout: float) -> dict:
 def _engine(backend: str, scenario: str, rank: int, rendezvous: str):
     options = {
         "bucket_size": BUCKET,
-        "timeout": TIMEOUT,
+        "timeout": FAILURE_TIMEOUT if scenario in ("kill", "corrupt") else TIMEOUT,
         "is_master": rank == 0,
         # The CUDA backends always verify (the checksum reads device buffers there).
         "checksum": scenario == "corrupt" or backend in ("nccl", "cuda_ipc"),
@@ -168,6 +171,13 @@ def main(
     else:
         asyncio.run(receiver(engine, scenario, rank, world_size, out))
     engine.finalize()
+    # The report is on disk. Leave without finalizing the interpreter: a gloo worker
+    # thread still dropping Python references (it needs the GIL) while the interpreter
+    # finalizes is ended with pthread_exit, which aborts the process ("terminate called
+    # without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from rlwire.ckpt_engine._wire import as_bytes
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from ckpt_engine_worker import TIMEOUT, make_state  # noqa: E402
+from ckpt_engine_worker import FAILURE_TIMEOUT, make_state  # noqa: E402
 
 BACKENDS = ["gloo", "shm", "filesystem"]
 WORLD = 3  # one sender, two receivers
@@ -103,7 +103,7 @@ def test_receiver_killed_mid_update_fails_the_sender_within_timeout(backend, tmp
     assert killed["exit"] == 3
     assert sender["error"] is not None, sender
     assert sender["error"][0] == "CheckpointEngineTimeout", sender
-    assert sender["seconds"] < TIMEOUT + 10, sender
+    assert sender["seconds"] < FAILURE_TIMEOUT + 10, sender
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -126,4 +126,4 @@ def test_corrupted_bucket_is_detected_with_checksum(backend, tmp_path):
         assert clean["error"][0] == "CheckpointEngineTimeout", clean
     # The corrupted receiver never acknowledged: the sender times out rather than hangs.
     assert sender["error"][0] == "CheckpointEngineTimeout"
-    assert sender["seconds"] < TIMEOUT + 10
+    assert sender["seconds"] < FAILURE_TIMEOUT + 10

@@ -7,6 +7,7 @@ plain tensors and numbers; the assertions run in the pytest process.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -94,9 +95,31 @@ def _fsdp2_body(rank: int, world_size: int) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
-def fsdp2_results(request) -> list[dict]:
-    return spawn(_fsdp2_body, request.param)
+def _world_body(rank: int, world_size: int) -> dict:
+    """Everything one world size tests, on one spawned group (spawning costs seconds)."""
+    out = {"fsdp2": _fsdp2_body(rank, world_size), "fsdp1": _fsdp1_body(rank, world_size)}
+    if world_size == 1:
+        out["fsdp2_flags"] = _fsdp2_flags_body(rank, world_size)
+    if world_size == 2:
+        out["ddp"] = _ddp_body(rank, world_size)
+    return out
+
+
+@pytest.fixture(scope="module")
+def worlds() -> dict[int, list[dict]]:
+    """Per world size, what each rank returned; each size spawned once, on first use."""
+    return {}
+
+
+def _ranks(worlds: dict[int, list[dict]], world_size: int, part: str) -> list:
+    if world_size not in worlds:
+        worlds[world_size] = spawn(_world_body, world_size)
+    return [ranks[part] for ranks in worlds[world_size]]
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"world{n}")
+def fsdp2_results(request, worlds) -> list[dict]:
+    return _ranks(worlds, request.param, "fsdp2")
 
 
 def test_fsdp2_defer_matches_every(fsdp2_results):
@@ -167,8 +190,8 @@ def _fsdp2_flags_body(rank: int, world_size: int) -> dict:
     return seen
 
 
-def test_fsdp2_flag_only_off_for_deferred_non_final_backward():
-    (seen,) = spawn(_fsdp2_flags_body, 1)
+def test_fsdp2_flag_only_off_for_deferred_non_final_backward(worlds):
+    (seen,) = _ranks(worlds, 1, "fsdp2_flags")
     assert seen == {
         "defer_not_last": False,
         "defer_last": True,
@@ -207,11 +230,11 @@ def _fsdp1_body(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_fsdp1_defer_matches_every_and_prediction_equals_measurement(world_size):
+def test_fsdp1_defer_matches_every_and_prediction_equals_measurement(worlds, world_size):
     # FSDP1 keeps the unsharded gradient in the bf16 compute dtype under no_sync;
     # at world size 1 it switches to NO_SHARD, where nothing extra is held.
     expected = 2 * _numel() if world_size > 1 else 0
-    for ranks in spawn(_fsdp1_body, world_size):
+    for ranks in _ranks(worlds, world_size, "fsdp1"):
         d, e = ranks["defer"], ranks["every"]
         assert d["predicted"] == expected
         assert d["retained"][:-1] == [expected] * (MICRO_BATCHES - 1)
@@ -246,9 +269,9 @@ def _ddp_body(rank: int, world_size: int) -> dict:
     return {p: _ddp_run(rank, world_size, p) for p in ("defer", "every")}
 
 
-def test_ddp_defer_reduces_once_with_equal_gradients():
+def test_ddp_defer_reduces_once_with_equal_gradients(worlds):
     numel = _numel()
-    for ranks in spawn(_ddp_body, 2):
+    for ranks in _ranks(worlds, 2, "ddp"):
         d, e = ranks["defer"], ranks["every"]
         assert d["reduced_elements"] == numel
         assert e["reduced_elements"] == MICRO_BATCHES * numel
@@ -256,3 +279,38 @@ def test_ddp_defer_reduces_once_with_equal_gradients():
         assert d["retained"] == e["retained"] == [0] * MICRO_BATCHES
         for gd, ge in zip(d["grads"], e["grads"], strict=True):
             torch.testing.assert_close(gd, ge, rtol=1e-5, atol=1e-7)
+
+
+class _DropsSlowly:
+    """A future callback whose last reference drops on the gloo worker thread, slowly.
+
+    It widens the window in which a worker thread still touches Python objects after
+    the collective has woken the rank; on a loaded machine the window opens by itself.
+    """
+
+    def __call__(self, future):
+        return future.value()[0]
+
+    def __del__(self):
+        time.sleep(0.5)  # releases the GIL: the rank's main thread reaches its exit meanwhile
+
+
+def _late_worker_thread_body(rank: int, world_size: int) -> int:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(nn.Linear(4, 4))
+
+    def hook(state, bucket):
+        work = dist.all_reduce(bucket.buffer(), async_op=True)
+        return work.get_future().then(_DropsSlowly())
+
+    model.register_comm_hook(None, hook)
+    model(torch.randn(2, 4)).sum().backward()
+    return rank
+
+
+def test_a_gloo_worker_thread_still_busy_at_exit_does_not_abort_the_rank():
+    # Alone on its group, so that nothing else can mask it: without exiting past
+    # interpreter finalization, a rank aborts here with "terminate called without an
+    # active exception" (SIGABRT) after a successful run.
+    assert spawn(_late_worker_thread_body, 2) == [0, 1]

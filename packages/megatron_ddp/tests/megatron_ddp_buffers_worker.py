@@ -10,6 +10,7 @@ at the CPU while the model-parallel state and the DDP wrappers are built.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from unittest import mock
 
@@ -84,6 +85,17 @@ def main(out_path: str) -> None:
     parallel_state.destroy_model_parallel()
     dist.barrier()  # every rank done with its collectives before any tears down
     dist.destroy_process_group()
+    _exit_without_finalizing()
+
+
+def _exit_without_finalizing() -> None:
+    # gloo's worker threads outlive destroy_process_group() and may still drop Python
+    # references (needing the GIL) while the interpreter finalizes: Python then ends them
+    # with pthread_exit, which aborts the rank ("terminate called without an active
+    # exception"). Leave without finalizing once the report is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

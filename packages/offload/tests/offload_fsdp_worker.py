@@ -1,7 +1,8 @@
 """Run under torchrun: offload/load round trips of FSDP2 and FSDP1 models and their optimizers.
 
-Usage: torchrun --standalone --nproc-per-node N offload_fsdp_worker.py WRAPPER DEVICE OUT.json
-  WRAPPER: fsdp2 | fsdp1 | fsdp1_orig_params;  DEVICE: cpu (gloo, host-copy path) | cuda (nccl)
+Usage: torchrun --standalone --nproc-per-node N offload_fsdp_worker.py WRAPPERS DEVICE OUT.json
+  WRAPPERS: comma-separated fsdp2 | fsdp1 | fsdp1_orig_params (one group serves them all)
+  DEVICE: cpu (gloo, host-copy path) | cuda (nccl)
 
 Each rank trains a reference model and an identical model that goes through two
 offload/load cycles (parameters, gradients kept, optimizer state) between steps,
@@ -56,12 +57,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t._local_tensor if hasattr(t, "_local_tensor") else t).detach()
 
 
-def main(wrapper: str, device_name: str, out: str) -> None:
-    cuda = device_name == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+def _round_trips(wrapper: str, device: torch.device) -> dict:
+    cuda = device.type == "cuda"
     ref, moved = _wrap(wrapper, device), _wrap(wrapper, device)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     opt = torch.optim.Adam(moved.parameters(), lr=1e-2)
@@ -123,11 +120,32 @@ def main(wrapper: str, device_name: str, out: str) -> None:
         torch.equal(_local(a), _local(b))
         for a, b in zip(ref.parameters(), moved.parameters(), strict=True)
     )
+    return report
+
+
+def _exit_without_finalizing() -> None:
+    # gloo's worker threads outlive destroy_process_group() and may still drop Python
+    # references (needing the GIL) while the interpreter finalizes: Python then ends them
+    # with pthread_exit, which aborts the rank ("terminate called without an active
+    # exception"). Leave without finalizing once the report is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main(wrappers: str, device_name: str, out: str) -> None:
+    cuda = device_name == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    reports = {wrapper: _round_trips(wrapper, device) for wrapper in wrappers.split(",")}
     if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump(report, f)
+            json.dump(reports, f)
     dist.barrier()  # every rank done with its collectives before any tears down
     dist.destroy_process_group()
+    _exit_without_finalizing()
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ import torch
 WORKER = Path(__file__).resolve().parent / "offload_fsdp_worker.py"
 
 
-def _run(wrapper: str, device: str, nproc: int, tmp_path: Path) -> dict:
-    out = tmp_path / f"{wrapper}-{device}-{nproc}.json"
+def _run(wrappers: list[str], device: str, nproc: int, tmp_path: Path) -> dict:
+    """One torchrun group runs every wrapper in turn; returns a report per wrapper."""
+    out = tmp_path / f"{device}-{nproc}.json"
     cmd = [
         sys.executable,
         "-m",
@@ -22,7 +23,7 @@ def _run(wrapper: str, device: str, nproc: int, tmp_path: Path) -> dict:
         "--standalone",
         f"--nproc-per-node={nproc}",
         str(WORKER),
-        wrapper,
+        ",".join(wrappers),
         device,
         str(out),
     ]
@@ -45,15 +46,17 @@ def _assert_round_trips(report: dict, *, pinned: bool) -> None:
         assert check["reuses"] == 2 * cycle, check
 
 
-@pytest.mark.parametrize(
-    ("wrapper", "nproc"),
-    # One FSDP1 rank runs NO_SHARD (its local shard aliases the whole flat parameter).
-    [("fsdp2", 2), ("fsdp1", 2), ("fsdp1_orig_params", 2), ("fsdp1", 1), ("fsdp1_orig_params", 1)],
-)
-def test_round_trip_on_gloo(wrapper, nproc, tmp_path):
-    report = _run(wrapper, "cpu", nproc, tmp_path)
-    _assert_round_trips(report, pinned=False)
-    assert report["checks"][0]["device_after_load"] == "cpu"
+# One FSDP1 rank runs NO_SHARD (its local shard aliases the whole flat parameter).
+GLOO_CASES = {2: ["fsdp2", "fsdp1", "fsdp1_orig_params"], 1: ["fsdp1", "fsdp1_orig_params"]}
+
+
+@pytest.mark.parametrize("nproc", sorted(GLOO_CASES))
+def test_round_trip_on_gloo(nproc, tmp_path):
+    reports = _run(GLOO_CASES[nproc], "cpu", nproc, tmp_path)
+    assert sorted(reports) == sorted(GLOO_CASES[nproc])
+    for report in reports.values():
+        _assert_round_trips(report, pinned=False)
+        assert report["checks"][0]["device_after_load"] == "cpu"
 
 
 @pytest.mark.gpu
@@ -63,6 +66,6 @@ def test_round_trip_on_gloo(wrapper, nproc, tmp_path):
 def test_round_trip_on_gpus(wrapper, nproc, tmp_path):
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
-    report = _run(wrapper, "cuda", nproc, tmp_path)
+    report = _run([wrapper], "cuda", nproc, tmp_path)[wrapper]
     _assert_round_trips(report, pinned=True)
     assert report["checks"][0]["device_after_load"].startswith("cuda")

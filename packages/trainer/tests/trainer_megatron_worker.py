@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -89,6 +90,17 @@ def main() -> None:
         out.write_text(json.dumps({"world_size": dist.get_world_size(), "results": results}))
     dist.barrier()  # every rank done with its collectives before any tears down
     dist.destroy_process_group()
+    _exit_without_finalizing()
+
+
+def _exit_without_finalizing() -> None:
+    # gloo's worker threads outlive destroy_process_group() and may still drop Python
+    # references (needing the GIL) while the interpreter finalizes: Python then ends them
+    # with pthread_exit, which aborts the rank ("terminate called without an active
+    # exception"). Leave without finalizing once the report is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "spawn"]
+__all__ = ["exit_without_finalizing", "free_port", "spawn"]
 
 
 def free_port() -> int:
@@ -52,6 +53,26 @@ def _entry(
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    exit_without_finalizing()
+
+
+def exit_without_finalizing(code: int = 0) -> None:
+    """End this process at once, once its results are on disk and its groups destroyed.
+
+    Why not return normally: gloo's worker threads outlive ``destroy_process_group()``
+    (``ProcessGroupGloo.shutdown`` is a no-op, and the group object lives as long as
+    anything references it: a DDP reducer, an FSDP state, a device mesh). After a
+    collective completes and wakes the caller, its worker thread still drops the work's
+    last references: the future's Python callbacks and tensors, which needs the GIL.
+    If the main thread has meanwhile reached interpreter finalization, Python ends that
+    thread with ``pthread_exit``; the forced unwind meets a ``noexcept`` C++ frame and
+    calls ``std::terminate``: "terminate called without an active exception", SIGABRT,
+    after a run that succeeded. Load makes it likely (the worker thread is descheduled
+    right after the wake-up). ``os._exit`` skips finalization, so no thread can race it.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn(

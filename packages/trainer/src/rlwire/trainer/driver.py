@@ -332,6 +332,19 @@ class _Job:
         if self.start_step == 0 and self.metrics_path.exists():
             self.metrics_path.unlink()
 
+    def close(self) -> None:
+        """End every worker process now, without interpreter finalization.
+
+        ``ray.kill`` exits the process at once. A normal exit would finalize the
+        interpreter while the process group's gloo worker threads may still be dropping
+        Python references, which aborts the process ("terminate called without an active
+        exception"). Everything the run produced is written by the time this is called.
+        """
+        import ray
+
+        for worker in [*self.actors, *self.rollouts]:
+            ray.kill(worker, no_restart=True)
+
     def update(self, generated: dict, prompts: list[str], answers: list[str]) -> dict[str, Any]:
         """Score, compute advantages and run one update on every actor rank (one step)."""
         import ray
@@ -593,13 +606,16 @@ def _train(config, run_dir, model_path, batches, reward_fn, resume_from, progres
         desc="rlwire-train",
         unit="step",
     )
-    if config.trainer.mode == "fully_async":
-        from .fully_async import run_fully_async
+    try:
+        if config.trainer.mode == "fully_async":
+            from .fully_async import run_fully_async
 
-        run_fully_async(job, bar)
-    else:
-        _run_colocated(job, bar)
-    bar.close()
+            run_fully_async(job, bar)
+        else:
+            _run_colocated(job, bar)
+    finally:
+        bar.close()
+        job.close()
     plot_run(run_dir)
     return run_dir
 
