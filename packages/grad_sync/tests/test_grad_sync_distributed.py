@@ -102,6 +102,7 @@ def _world_body(rank: int, world_size: int) -> dict:
         out["fsdp2_flags"] = _fsdp2_flags_body(rank, world_size)
     if world_size == 2:
         out["ddp"] = _ddp_body(rank, world_size)
+        out["auto_agrees"] = _auto_agrees_body(rank, world_size)
     return out
 
 
@@ -314,3 +315,37 @@ def test_a_gloo_worker_thread_still_busy_at_exit_does_not_abort_the_rank():
     # interpreter finalization, a rank aborts here with "terminate called without an
     # active exception" (SIGABRT) after a successful run.
     assert spawn(_late_worker_thread_body, 2) == [0, 1]
+
+
+def _auto_agrees_body(rank: int, world_size: int) -> dict:
+    """``auto`` with a budget that fits on rank 1 only: every rank must choose alike."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    full_fp32_grad = 4 * _numel()
+    budget = full_fp32_grad if rank == 1 else full_fp32_grad - 1
+    config = GradSyncConfig(policy="auto", memory_budget_bytes=budget)
+    fsdp2 = _model()
+    fully_shard(fsdp2)
+    fsdp1 = FSDP(_model(), device_id=torch.device("cpu"))
+    out = {}
+    for name, model in (("fsdp2", fsdp2), ("fsdp1", fsdp1)):
+        result = _accumulate(model, rank, config)  # runs the step under the agreed policy
+        out[name] = {
+            "policy": decide_policy(model, config).value,
+            "retained": result["retained"],
+            "grads": [_full(p.grad) for p in model.parameters()],
+        }
+    return out
+
+
+def test_auto_is_decided_alike_on_every_rank_from_the_smallest_budget(worlds):
+    # Rank 0's budget is one byte short of the deferred gradient, rank 1's fits: alone,
+    # rank 0 would sync every micro-batch and rank 1 defer (mismatched collectives).
+    ranks = _ranks(worlds, 2, "auto_agrees")
+    for name in ("fsdp2", "fsdp1"):
+        assert [r[name]["policy"] for r in ranks] == ["every", "every"], name
+        assert [r[name]["retained"] for r in ranks] == [[0] * MICRO_BATCHES] * 2, name
+    # The step ran to the same gradients on both ranks (FSDP2: the full gradient).
+    for a, b in zip(ranks[0]["fsdp2"]["grads"], ranks[1]["fsdp2"]["grads"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

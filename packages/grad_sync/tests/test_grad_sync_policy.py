@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
 from types import SimpleNamespace
 
 import pytest
@@ -157,3 +158,51 @@ def test_plain_module_retains_nothing_and_auto_on_cpu_defers(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "grad_sync auto -> defer for Linear: CPU model and no memory budget"
     ]
+
+
+class _VerlStyleConfig(Mapping):
+    """Behaves like verl 0.9.1's engine configs: a dataclass that is also a ``Mapping``
+    whose item lookup (and so ``in``) raises ``AttributeError`` for a missing key."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def __getitem__(self, key):
+        return getattr(self, key)  # AttributeError, not KeyError, when missing
+
+    def __iter__(self):
+        return iter(self.__dict__)
+
+    def __len__(self):
+        return len(self.__dict__)
+
+
+class _AttributeStyleMapping(dict):
+    """An attribute-style dict (like ``addict``/``EasyDict``): ``.missing`` raises KeyError."""
+
+    def __getattr__(self, key):
+        if key.startswith("__"):  # Python's own protocol lookups stay attribute errors
+            raise AttributeError(key)
+        return self[key]
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (_VerlStyleConfig(use_no_sync_for_gradient_accumulation=False), GradSyncPolicy.EVERY),
+        (_VerlStyleConfig(use_no_sync_for_gradient_accumulation=True), GradSyncPolicy.DEFER),
+        (_VerlStyleConfig(strategy="fsdp2"), GradSyncPolicy.DEFER),
+        (_VerlStyleConfig(grad_sync_policy="auto", memory_budget_bytes=7), GradSyncPolicy.AUTO),
+        (_AttributeStyleMapping(use_no_sync_for_gradient_accumulation=False), GradSyncPolicy.EVERY),
+        (_AttributeStyleMapping(), GradSyncPolicy.DEFER),
+    ],
+)
+def test_configs_whose_missing_keys_raise_attribute_or_key_errors(config, expected):
+    assert resolve_policy(config) is expected
+
+
+def test_budget_is_read_from_a_verl_style_config():
+    from rlwire.grad_sync._policy import resolve_config
+
+    cfg = resolve_config(_VerlStyleConfig(grad_sync_policy="auto", memory_budget_bytes=7))
+    assert cfg == GradSyncConfig(policy="auto", memory_budget_bytes=7)

@@ -195,16 +195,17 @@ def test_fewer_gpus_than_actor_ranks_is_refused():
 
 
 # --- real runs --------------------------------------------------------------------------------
-def test_fully_async_two_workers_weights_reach_every_worker(tmp_path):
+def test_fully_async_two_workers_weights_reach_every_worker(ray_cluster, tmp_path):
     run = tmp_path / "run"
     records, _ = train_cli(
         run,
+        "ckpt_engine.digest=true",
         "trainer.mode=fully_async",
         "rollout.num_workers=2",
         "trainer.steps=5",
         "async.staleness_threshold=0.5",
         "async.trigger_parameter_sync_step=2",
-        "ckpt_engine.digest=true",
+        cluster=ray_cluster,
     )
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     bound = 2 * (1 + 1) - 1  # T x (1 + ceil(S)) - 1
@@ -225,7 +226,7 @@ def test_fully_async_two_workers_weights_reach_every_worker(tmp_path):
     assert (run / "checkpoints" / "step_5" / "COMPLETE").exists()
 
 
-def test_killed_rollout_worker_stops_the_run_with_its_error(tmp_path):
+def test_killed_rollout_worker_stops_the_run_with_its_error(ray_cluster, tmp_path):
     import ray
 
     from rlwire.trainer.driver import RunError, run
@@ -240,6 +241,7 @@ def test_killed_rollout_worker_stops_the_run_with_its_error(tmp_path):
             "trainer.save_every=2",
             "async.staleness_threshold=0.5",
             "ray.startup_timeout=300",
+            f"ray.address={ray_cluster}",
         ]
     )
     killed: dict[str, float] = {}

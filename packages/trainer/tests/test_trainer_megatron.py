@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FSDP2_REFERENCE
 from trainer_cli import train_cli
 
 pytest.importorskip(
@@ -98,10 +99,8 @@ def test_tensor_and_pipeline_parallelism_are_refused():
         load_config(overrides=["actor.megatron.pipeline_model_parallel_size=4"])
 
 
-def _train(run: Path, *overrides: str) -> tuple[list[dict], str]:
-    return train_cli(
-        run, "actor.world_size=2", "ckpt_engine.digest=true", "trainer.save_every=1", *overrides
-    )
+def _train(run: Path, cluster: str, *overrides: str) -> tuple[list[dict], str]:
+    return train_cli(run, *FSDP2_REFERENCE, "actor.strategy=megatron", *overrides, cluster=cluster)
 
 
 # Same seed, data and initial weights: the first step's rollout is identical, so the loss
@@ -110,11 +109,13 @@ def _train(run: Path, *overrides: str) -> tuple[list[dict], str]:
 LOSS_TOLERANCE = 1e-6
 
 
-def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(tmp_path):
-    fsdp2, _ = _train(tmp_path / "fsdp2", "trainer.steps=2")
+def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(
+    fsdp2_reference, ray_cluster, tmp_path
+):
+    fsdp2 = fsdp2_reference
     megatron, stderr = _train(
         tmp_path / "megatron",
-        "actor.strategy=megatron",
+        ray_cluster,
         "trainer.steps=2",
         # fp32 parameters: the same buffer either way, but the consistency check speaks up
         "actor.megatron.override_ddp_config.grad_reduce_in_fp32=false",
@@ -132,7 +133,7 @@ def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(tmp_path):
     assert megatron[0]["grad_norm"] == pytest.approx(fsdp2[0]["grad_norm"], rel=1e-5)
 
     # resume: the step count, weights and Megatron's (distributed) optimizer state carry on
-    resumed, stderr = _train(tmp_path / "megatron", "actor.strategy=megatron", "trainer.steps=3")
+    resumed, stderr = _train(tmp_path / "megatron", ray_cluster, "trainer.steps=3")
     assert "warning: megatron" not in stderr
     assert [r["step"] for r in resumed] == [1, 2, 3]
     for rank in range(2):

@@ -8,22 +8,34 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import FSDP2_REFERENCE  # noqa: E402
 from trainer_cli import train_cli  # noqa: E402
 
 
-def test_fsdp1_and_fsdp2_agree_on_the_first_step_and_its_gradient_norm(tmp_path):
-    common = ("actor.world_size=2", "trainer.steps=1", "actor.optim.grad_clip=0.5")
-    fsdp2, _ = train_cli(tmp_path / "fsdp2", *common)
-    fsdp1, _ = train_cli(tmp_path / "fsdp1", *common, "actor.strategy=fsdp")
+def test_fsdp1_and_fsdp2_agree_on_the_first_step_and_its_gradient_norm(
+    fsdp2_reference, ray_cluster, tmp_path
+):
+    fsdp2 = fsdp2_reference
+    fsdp1, _ = train_cli(
+        tmp_path / "fsdp1",
+        *FSDP2_REFERENCE,
+        "trainer.steps=1",
+        "actor.strategy=fsdp",
+        cluster=ray_cluster,
+    )
     assert fsdp1[0]["reward_mean"] == fsdp2[0]["reward_mean"]  # the same samples
     assert fsdp1[0]["policy_loss"] == pytest.approx(fsdp2[0]["policy_loss"], abs=1e-6)
     # The norm of the whole gradient, not of one rank's shard (FSDP1 clips collectively).
     assert fsdp1[0]["grad_norm"] == pytest.approx(fsdp2[0]["grad_norm"], rel=1e-5)
 
 
-def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy(tmp_path):
+def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy(ray_cluster, tmp_path):
     records, _ = train_cli(
-        tmp_path / "bf16", "model.dtype=bfloat16", "trainer.steps=2", "ckpt_engine.digest=true"
+        tmp_path / "bf16",
+        "model.dtype=bfloat16",
+        "trainer.steps=2",
+        "ckpt_engine.digest=true",
+        cluster=ray_cluster,
     )
     assert [r["step"] for r in records] == [1, 2]
     for r in records:  # the hf rollout copy holds exactly the weights sent, in bfloat16

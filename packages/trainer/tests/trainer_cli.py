@@ -12,9 +12,13 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def train_cli(run: Path, *overrides: str, timeout: float = 600) -> tuple[list[dict], str]:
+def train_cli(
+    run: Path, *overrides: str, cluster: str | None = None, timeout: float = 600
+) -> tuple[list[dict], str]:
     """``rlwire-train`` in a fresh interpreter writing to ``run``; its metrics and stderr.
 
+    ``cluster``: the address of a running Ray cluster to join (the ``ray_cluster``
+    fixture); ``None`` starts one embedded in the command, as the README's command does.
     Fails the test with the command's output when it does not exit 0.
     """
     cmd = [
@@ -24,6 +28,7 @@ def train_cli(run: Path, *overrides: str, timeout: float = 600) -> tuple[list[di
         "--no-progress",
         f"trainer.output_dir={run}",
         "ray.startup_timeout=300",
+        *([f"ray.address={cluster}"] if cluster else []),
         *overrides,
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -80,12 +80,29 @@ class GradSyncConfig:
             )
 
 
+def _field(config: Any, name: str) -> Any:
+    """``config[name]`` or ``config.name``; ``None`` when it has neither.
+
+    A missing key may raise ``KeyError`` or ``AttributeError``: verl's engine configs
+    are dataclasses that are also ``Mapping``s whose item lookup (and so ``in``)
+    raises ``AttributeError``.
+    """
+    if isinstance(config, Mapping):
+        try:
+            return config[name]
+        except (KeyError, AttributeError):
+            pass
+    try:
+        return getattr(config, name)
+    except (AttributeError, KeyError):  # attribute-style mappings raise KeyError
+        return None
+
+
 def _fields(config: Any) -> dict[str, Any]:
     """The subset of ``config``'s fields that `resolve_policy` reads, as a dict."""
     names = (*_POLICY_KEYS, _LEGACY_KEY, "memory_budget_bytes")
-    if isinstance(config, Mapping):
-        return {k: config[k] for k in names if k in config and config[k] is not None}
-    return {k: getattr(config, k) for k in names if getattr(config, k, None) is not None}
+    values = {name: _field(config, name) for name in names}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def resolve_policy(config: Any) -> GradSyncPolicy:

@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from ._policy import GradSyncPolicy, resolve_config
-from ._wrappers import measure_retained_bytes, no_sync_context, predict_deferred_bytes
+from ._wrappers import (
+    data_parallel_groups,
+    measure_retained_bytes,
+    no_sync_context,
+    predict_deferred_bytes,
+)
 
 __all__ = [
     "decide_policy",
@@ -55,6 +60,32 @@ def _default_budget(device: torch.device) -> int | None:
     return int(free * AUTO_FREE_MEMORY_FRACTION)
 
 
+# A rank with no budget (a CPU model, no memory_budget_bytes) sets no limit.
+_NO_BUDGET = torch.iinfo(torch.int64).max
+
+
+def _agreed_budget(model: nn.Module, budget: int | None) -> int | None:
+    """The smallest budget over every rank that reduces ``model``'s gradients.
+
+    Ranks must choose the same policy (a rank deferring while another syncs issues
+    mismatched collectives: a hang or wrong gradients), but each has its own free
+    memory and maybe its own configured budget. One all-reduce (MIN) per group.
+    """
+    import torch.distributed as dist
+
+    groups = data_parallel_groups(model) if dist.is_available() and dist.is_initialized() else []
+    if not groups:
+        return budget
+    device = _model_device(model)
+    if device.type == "meta":
+        device = torch.device("cpu")
+    value = torch.tensor([_NO_BUDGET if budget is None else budget], device=device)
+    for group in groups:
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    agreed = int(value.item())
+    return None if agreed == _NO_BUDGET else agreed
+
+
 def decide_policy(model: nn.Module, config: Any = None) -> GradSyncPolicy:
     """The concrete policy (``DEFER`` or ``EVERY``) to use for ``model``.
 
@@ -65,6 +96,11 @@ def decide_policy(model: nn.Module, config: Any = None) -> GradSyncPolicy:
     model's parameters. On a CPU model with no budget it is ``DEFER``. The
     decision is made once per model and budget, and logged at INFO on the
     ``rlwire.grad_sync`` logger.
+
+    Under a data-parallel wrapper (FSDP2, FSDP1, DDP) every rank of its groups gets
+    the same answer: the ranks agree on the smallest budget among them with one
+    all-reduce per group, so for ``AUTO`` the first call is a collective that every
+    rank must make (as the micro-batch loop does).
 
     Args:
         model: the wrapped model (FSDP2, FSDP1, DDP or plain).
@@ -82,6 +118,9 @@ def decide_policy(model: nn.Module, config: Any = None) -> GradSyncPolicy:
     if budget is None:
         budget = _default_budget(_model_device(model))
         source = f"{AUTO_FREE_MEMORY_FRACTION:g} x free device memory"
+    agreed = _agreed_budget(model, budget)
+    if agreed != budget:
+        budget, source = agreed, "the smallest budget among the data-parallel ranks"
     predicted = predict_deferred_bytes(model)
     if budget is None:
         choice, reason = GradSyncPolicy.DEFER, "CPU model and no memory budget"

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "data_parallel_groups",
     "fsdp1_roots",
     "fsdp2_modules",
     "measure_retained_bytes",
@@ -41,6 +42,33 @@ def fsdp1_roots(model: nn.Module) -> list[nn.Module]:
             roots.append(module)
             inner.update(id(m) for m in module.modules() if m is not module)
     return roots
+
+
+def data_parallel_groups(model: nn.Module) -> list:
+    """The process groups whose ranks reduce ``model``'s gradients together.
+
+    FSDP2: one group per dimension of each parameter group's mesh (HSDP has two);
+    FSDP1: the sharding group and, under hybrid sharding, the replication group;
+    DDP: its group. Empty for a plain module. Duplicates are removed; order is the
+    same on every rank, so collectives over them line up.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    groups: list = []
+    for group in _fsdp2_groups(model):
+        mesh = group.mesh_info.mesh
+        groups += [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    for module in model.modules():
+        if isinstance(module, FSDP):
+            groups += [module.process_group, getattr(module, "_inter_node_pg", None)]
+        elif isinstance(module, DDP):
+            groups.append(module.process_group)
+    unique: list = []
+    for group in groups:
+        if group is not None and all(group is not g for g in unique):
+            unique.append(group)
+    return unique
 
 
 def _param_groups(module: nn.Module) -> list:

@@ -1,0 +1,90 @@
+"""One Ray cluster for the trainer's tests that run jobs (starting one costs 10 to 16 s here).
+
+The cluster lives in a process of its own, not in pytest's: a test that calls the driver's
+``run()`` in-process connects to it and disconnects at the end, as any user's driver does.
+Each job kills its own workers when it ends, so jobs do not see each other.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# Enough CPUs for the largest job here (2 actor ranks + 2 rollout workers, 1 CPU each).
+CPUS = 4
+START_TIMEOUT = 120.0
+
+_HEAD = textwrap.dedent(
+    f"""
+    import logging, sys
+    from rlwire.trainer.driver import _ray_environment
+    _ray_environment()
+    import ray
+    context = ray.init(num_cpus={CPUS}, include_dashboard=False, logging_level=logging.ERROR)
+    print(context.address_info["gcs_address"], flush=True)
+    sys.stdin.read()  # until pytest closes the pipe
+    ray.shutdown()
+    """
+)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The address of a running Ray cluster shared by the session's jobs."""
+    head = subprocess.Popen(
+        [sys.executable, "-c", _HEAD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        address = _first_line(head, START_TIMEOUT)
+        yield address
+    finally:
+        head.stdin.close()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait(timeout=10)
+
+
+def _first_line(process: subprocess.Popen, timeout: float) -> str:
+    import selectors
+
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            raise TimeoutError(f"the shared Ray cluster did not start within {timeout:g} s")
+    line = process.stdout.readline().strip()
+    if not line:
+        raise RuntimeError(f"the shared Ray cluster failed to start (exit {process.poll()})")
+    return line
+
+
+# The FSDP2 run that the other strategies are compared with (FSDP1 here, Megatron in
+# test_trainer_megatron.py): run once per session.
+FSDP2_REFERENCE = (
+    "actor.world_size=2",
+    "actor.optim.grad_clip=0.5",
+    "ckpt_engine.digest=true",
+    "trainer.save_every=1",
+)
+
+
+@pytest.fixture(scope="session")
+def fsdp2_reference(ray_cluster, tmp_path_factory) -> list[dict]:
+    """Metrics of 2 steps of FSDP2 on 2 gloo ranks with :data:`FSDP2_REFERENCE`."""
+    from trainer_cli import train_cli
+
+    records, _ = train_cli(
+        tmp_path_factory.mktemp("fsdp2") / "run",
+        *FSDP2_REFERENCE,
+        "trainer.steps=2",
+        cluster=ray_cluster,
+    )
+    return records
