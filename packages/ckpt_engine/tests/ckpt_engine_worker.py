@@ -9,7 +9,8 @@ the receivers. Scenarios:
              (shm only) and updated in place between versions
   kill       the last receiver dies (os._exit) in the middle of update 1
   corrupt    checksum=True; receiver 1 flips one byte of the first bucket it gets
-The CUDA backends (nccl, cuda_ipc) send from the GPU with checksum=True.
+The CUDA backends (nccl, cuda_ipc) send from the GPU with checksum=True. BACKEND
+broadcast-cpu is the nccl/hccl engine class run on the CPU over gloo.
 OUT receives a torch.save'd report.
 """
 
@@ -72,6 +73,10 @@ def _engine(backend: str, scenario: str, rank: int, rendezvous: str):
     }
     if backend == "filesystem":
         options["root"] = os.path.join(rendezvous, "weights")
+    if backend == "broadcast-cpu":  # the nccl/hccl engine's code, on the CPU over gloo
+        from rlwire.ckpt_engine.backends._broadcast import BroadcastEngine
+
+        return BroadcastEngine(device_type="cpu", collective_backend="gloo", **options)
     return registry.new(backend, **options)
 
 

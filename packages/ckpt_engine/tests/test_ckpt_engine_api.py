@@ -29,12 +29,41 @@ from rlwire.ckpt_engine._wire import ALIGN, BucketMeta, as_bytes
 # --- registry -----------------------------------------------------------------------
 
 
-def test_available_and_device_mapping():
-    assert {"gloo", "shm", "filesystem", "naive"} <= set(registry.available())
-    assert "hccl" not in registry.available()  # torch_npu is not installed here
+def test_available_lists_every_backend_and_status_says_which_can_be_built():
+    everything = ["cuda_ipc", "filesystem", "gloo", "hccl", "naive", "nccl", "shm"]
+    assert registry.available() == everything
+    status = registry.status()
+    assert list(status) == everything
+    assert status["hccl"].startswith("install torch_npu")  # not installed here
     cuda = torch.cuda.is_available()
-    assert ("nccl" in registry.available()) is cuda
-    assert ("cuda_ipc" in registry.available()) is cuda
+    for name in ("nccl", "cuda_ipc"):
+        assert status[name] == (None if cuda else "needs a CUDA device")
+    assert {"gloo", "shm", "filesystem", "naive"} <= set(registry.usable())
+    assert registry.usable() == [n for n in everything if status[n] is None]
+
+
+def test_verl_style_class_level_calls_reach_the_default_registry():
+    # verl's registry is class-level: code written for it calls the class.
+    assert CheckpointEngineRegistry.available() == registry.available()
+    assert CheckpointEngineRegistry.get("naive") is registry.get("naive")
+    engine = CheckpointEngineRegistry.new("naive", is_master=True)
+    assert isinstance(engine, CheckpointEngine) and engine.name == "naive"
+
+    @CheckpointEngineRegistry.register("naive-for-class-test")
+    class Registered(Loopback):
+        """Registered through the class: visible through the instance."""
+
+    try:
+        assert registry.get("naive-for-class-test") is Registered
+        with pytest.raises(ValueError, match="'naive-for-class-test' is already registered"):
+            registry.register("naive-for-class-test")(Registered)
+    finally:  # the default registry is the process's: leave it as the other tests expect
+        del registry._classes["naive-for-class-test"]
+    # An instance of its own stays separate.
+    assert "naive-for-class-test" not in CheckpointEngineRegistry().available()
+
+
+def test_device_mapping():
     assert [backend_for_device(d) for d in ("cuda", "npu", "cpu")] == ["nccl", "hccl", "gloo"]
     with pytest.raises(
         ValueError, match=r"^device_type: 'tpu' has no default backend; known: cpu, cuda, npu$"
@@ -58,6 +87,11 @@ def test_unknown_name_lists_available_and_missing_extras():
 def test_backend_with_missing_dependency_names_what_to_install():
     with pytest.raises(ImportError, match="'hccl' is unavailable here: install torch_npu"):
         registry.new("hccl")
+    # The class itself (importable without torch_npu) says the same when built.
+    from rlwire.ckpt_engine.backends._broadcast import HcclEngine
+
+    with pytest.raises(ImportError, match=r"^the hccl checkpoint engine needs torch_npu"):
+        HcclEngine(is_master=True)
 
 
 def test_duplicate_registration_raises():

@@ -61,7 +61,9 @@ def _assert_bit_identical(got: list, expected: list) -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "scenario"), [(b, "roundtrip") for b in BACKENDS] + [("shm", "shared")]
+    ("backend", "scenario"),
+    # broadcast-cpu: the engine class behind nccl and hccl, on the CPU over gloo.
+    [(b, "roundtrip") for b in BACKENDS] + [("shm", "shared"), ("broadcast-cpu", "roundtrip")],
 )
 def test_three_updates_arrive_bit_identical(backend, scenario, tmp_path):
     sender, *receivers = _run_group(backend, scenario, tmp_path)

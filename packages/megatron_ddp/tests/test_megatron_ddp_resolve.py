@@ -118,6 +118,7 @@ def test_inputs_are_never_mutated():
         ({"optimizer": "Dist_Muon"}, True),
         ({"optimizer": "muon", "use_distributed_optimizer": True}, True),
         ({"optimizer": "muon", "layer_wise_distributed_optimizer": True}, True),
+        ({"optimizer": "muon", "use_layer_wise_distributed_optimizer": True}, True),  # verl
         ({"optimizer": "muon"}, False),
         ({"optimizer": "adam", "use_distributed_optimizer": True}, False),
     ],
@@ -135,17 +136,52 @@ def test_muon_layout_is_only_a_default():
     assert resolved["use_layer_wise_param_layout"] is False
 
 
-@pytest.mark.parametrize("bad", ["fp8", "float64", "half", 32, torch.float64])
+@pytest.mark.parametrize("bad", ["float64", "half", 64, True, torch.float64])
 def test_bad_dtype_names_field_and_accepted_values(bad):
+    aware = {"use_precision_aware_optimizer": True}
     with pytest.raises(ValueError) as err:
-        resolve_ddp_overrides({"main_grads_dtype": bad})
+        resolve_ddp_overrides({**aware, "main_grads_dtype": bad})
     assert str(err.value) == (
         f"main_grads_dtype: {bad!r} is not an accepted dtype; accepted: "
-        "torch.float32/bfloat16/float16 or 'fp32', 'float32', 'bf16', 'bfloat16', "
-        "'fp16', 'float16'"
+        "torch.float32/bfloat16/float16/uint8 or 'fp32', 'float32', '32', 32, 'bf16', "
+        "'bfloat16', 'fp16', 'float16', '16', 16, 'fp8'"
     )
-    with pytest.raises(ValueError, match=r"^exp_avg_dtype: 'fp8' is not an accepted"):
-        resolve_ddp_overrides({}, optimizer_overrides={"exp_avg_dtype": "fp8"})
+    with pytest.raises(ValueError, match=r"^exp_avg_dtype: 'half' is not an accepted"):
+        resolve_ddp_overrides(aware, optimizer_overrides={"exp_avg_dtype": "half"})
+
+
+# Spellings Megatron-LM's arguments and verl's precision parsing accept, on a
+# precision-aware optimizer (where the dtypes matter), and what they resolve to:
+# (field, value, effective dtype, grad_reduce_in_fp32).
+SPELLINGS = [
+    ("main_grads_dtype", "32", torch.float32, True),
+    ("main_grads_dtype", 32, torch.float32, True),
+    ("main_grads_dtype", "float32", torch.float32, True),
+    ("main_grads_dtype", "16", torch.float16, False),
+    ("main_grads_dtype", 16, torch.float16, False),
+    ("main_grads_dtype", "bf16", torch.bfloat16, False),
+    ("exp_avg_dtype", "fp8", torch.uint8, True),
+    ("exp_avg_dtype", torch.uint8, torch.uint8, True),
+    ("exp_avg_sq_dtype", "FP8", torch.uint8, True),
+    ("exp_avg_sq_dtype", 16, torch.float16, True),
+    ("main_params_dtype", "16", torch.float16, True),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "dtype", "reduce_in_fp32"), SPELLINGS)
+def test_every_megatron_and_verl_dtype_spelling(field, value, dtype, reduce_in_fp32):
+    config = {"use_precision_aware_optimizer": True, field: value}
+    assert effective_optimizer_settings(config)[field] == dtype
+    assert resolve_ddp_overrides(config)["grad_reduce_in_fp32"] is reduce_in_fp32
+
+
+@pytest.mark.parametrize("value", ["fp8", "anything", 7, torch.float64])
+def test_optimizer_state_dtypes_are_not_read_without_the_precision_aware_optimizer(value):
+    # As verl does: only a precision-aware optimizer uses them; Megatron's are fp32 then.
+    config = {field: value for field in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")}
+    settings = effective_optimizer_settings(config)
+    assert settings["main_grads_dtype"] == settings["exp_avg_dtype"] == torch.float32
+    assert resolve_ddp_overrides(config) == {"grad_reduce_in_fp32": True}
 
 
 def test_unknown_optimizer_override_on_a_dataclass_lists_fields():

@@ -59,6 +59,27 @@ def test_grads_keep_keeps_them_and_bad_mode_is_rejected():
         offload_model(model, grads="free")
 
 
+def test_bad_empty_cache_is_refused_before_anything_moves():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters())
+    message = r"^empty_cache: 'yes' is not allowed; use True or False$"
+    with pytest.raises(ValueError, match=message):
+        offload_model(model, empty_cache="yes")
+    assert all(p.grad is not None for p in model.parameters())  # grads not dropped
+    with pytest.raises(ValueError, match=message):
+        offload_optimizer(opt, empty_cache="yes")
+
+
+def test_transfer_runs_its_completion_callback_once():
+    calls = []
+    t = Transfer.completed("x")
+    assert t.done()
+    t = Transfer(0, what="x", host_seconds=0.0, on_done=lambda: calls.append(1))
+    t.wait()
+    t.done()
+    assert calls == [1]  # a synchronous transfer completes, and calls back, at once
+
+
 def test_host_path_round_trip_is_bit_exact_and_keeps_identity():
     model, pool = _model(), PinnedPool(pin=False)
     before = _snapshot(model)
@@ -206,3 +227,25 @@ def test_cuda_offload_pins_and_host_reads_after_wait_are_right(debug, monkeypatc
     _assert_equal(_snapshot(model), before)
     released = pool.release()  # waits for any copy still reading a buffer, then unpins
     assert released > 0 and pool.stats().bytes_pinned == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("empty_cache", [True, False])
+def test_offload_returns_device_memory_to_the_driver_once_copied(empty_cache):
+    model = torch.nn.Linear(4096, 4096).cuda()  # 64 MiB of fp32 weights
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4096, device="cuda")).sum().backward()
+    opt.step()
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    offload_model(model, empty_cache=empty_cache).wait()
+    offload_optimizer(opt, empty_cache=empty_cache).wait()
+    freed = reserved - torch.cuda.memory_reserved()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if empty_cache:  # parameters, gradients and Adam's two moments went back to the driver
+        assert freed >= 3 * weights, (reserved, freed)
+    else:  # still cached by this process, unusable by any other
+        assert freed == 0, (reserved, freed)
+    load_model(model).wait()
+    load_optimizer(opt).wait()

@@ -64,6 +64,12 @@ def test_unknown_key_lists_valid_keys_and_closest_match():
             "use one of [True, False]",
         ),
         ("novalue", "override 'novalue': expected dotted.key=value"),
+        (  # checked when the config loads, not when a Ray worker builds the engine
+            "ckpt_engine.bucket_size=12 parsecs",
+            "ckpt_engine.bucket_size: '12 parsecs' is not allowed; use bytes as an int >= 256, "
+            "a string such as '512MiB' or '2GB' (units B, KB, MB, GB, KiB, MiB, GiB), or 'auto'",
+        ),
+        ("ckpt_engine.timeout=0", "ckpt_engine.timeout: 0.0 is not allowed; use seconds > 0"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -101,3 +107,11 @@ def test_readme_reference_is_generated_from_the_dataclasses():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert describe_config() in readme
+
+
+def test_checkpoint_engine_defaults_are_the_librarys():
+    from rlwire.ckpt_engine import DEFAULT_BUCKET_SIZE, DEFAULT_TIMEOUT_S, parse_bucket_size
+
+    engine = load_config().ckpt_engine
+    assert parse_bucket_size(engine.bucket_size) == DEFAULT_BUCKET_SIZE
+    assert engine.timeout == DEFAULT_TIMEOUT_S

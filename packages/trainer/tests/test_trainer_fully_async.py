@@ -194,6 +194,15 @@ def test_fewer_gpus_than_actor_ranks_is_refused():
         gpu_layout(1, 1, 0.5, "colocated")  # a fraction of a GPU holds no actor rank
 
 
+def test_sync_cadence_counts_from_the_global_step_across_a_resume():
+    from rlwire.trainer.fully_async import sync_due
+
+    whole = [step for step in range(10) if sync_due(step, 3, 10)]
+    assert whole == [2, 5, 8]  # after updates 3, 6 and 9 of 10
+    # Resumed at step 4 (the checkpoint after 4 updates): the same syncs from there on.
+    assert [step for step in range(4, 10) if sync_due(step, 3, 10)] == [5, 8]
+
+
 # --- real runs --------------------------------------------------------------------------------
 def test_fully_async_two_workers_weights_reach_every_worker(ray_cluster, tmp_path):
     run = tmp_path / "run"

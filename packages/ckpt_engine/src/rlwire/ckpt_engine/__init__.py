@@ -1,7 +1,7 @@
 """Checkpoint engines: move trainer weights to rollout workers.
 
-One API over several transports (``gloo``, ``shm``, ``filesystem``, ``naive``;
-``hccl`` by name), bucketed with 256-byte aligned tensors, versioned,
+One API over several transports (``gloo``, ``shm``, ``filesystem``, ``naive``,
+``nccl``, ``cuda_ipc``, ``hccl``), bucketed with 256-byte aligned tensors, versioned,
 optionally checksummed, and with every wait bounded by ``timeout``. Importing
 this package imports no optional dependency: backends load on first use.
 """

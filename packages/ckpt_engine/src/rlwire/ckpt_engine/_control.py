@@ -21,19 +21,34 @@ from ._errors import CheckpointEngineError
 from ._store import blocking, connect_store, master_store, peer_errors
 from ._wire import BucketMeta
 
-__all__ = ["StoreControlledEngine", "cuda_device"]
+__all__ = ["StoreControlledEngine", "accelerator_device", "cuda_device"]
+
+
+def accelerator_device(
+    device: torch.device | str | None, device_type: str, backend: str
+) -> torch.device:
+    """``device`` (default: the current device of ``device_type``), or an error if there is none.
+
+    ``device_type`` is ``cuda``, ``npu`` (torch_npu's ``torch.npu``) or ``cpu``.
+    """
+    module = getattr(torch, device_type, None)
+    if device_type != "cpu" and (module is None or not module.is_available()):
+        raise CheckpointEngineError(
+            f"{backend} needs a {device_type.upper()} device; none is available"
+        )
+    device = torch.device(device_type) if device is None else torch.device(device)
+    if device.type != device_type:
+        raise CheckpointEngineError(
+            f"{backend}: device {device} is not a {device_type.upper()} device"
+        )
+    if device.index is None and device_type != "cpu":  # "cuda" means the current device
+        device = torch.device(device_type, module.current_device())
+    return device
 
 
 def cuda_device(device: torch.device | str | None, backend: str) -> torch.device:
     """``device`` (default: the current CUDA device), or an error if there is no CUDA."""
-    if not torch.cuda.is_available():
-        raise CheckpointEngineError(f"{backend} needs a CUDA device; none is available")
-    device = torch.device("cuda") if device is None else torch.device(device)
-    if device.type != "cuda":
-        raise CheckpointEngineError(f"{backend}: device {device} is not a CUDA device")
-    if device.index is None:  # resolved now: "cuda" means the current device
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return accelerator_device(device, "cuda", backend)
 
 
 class StoreControlledEngine(BucketedEngine):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -26,14 +27,14 @@ _IN_TREE: dict[str, tuple[str, str | None, str | None]] = {
         "safetensors,numpy",
         "pip install 'rlwire-ckpt-engine[filesystem]'",
     ),
-    "nccl": ("rlwire.ckpt_engine.backends._nccl:NcclEngine", "cuda", "needs a CUDA device"),
+    "nccl": ("rlwire.ckpt_engine.backends._broadcast:NcclEngine", "cuda", "needs a CUDA device"),
     "cuda_ipc": (
         "rlwire.ckpt_engine.backends._cuda_ipc:CudaIpcEngine",
         "cuda",
         "needs a CUDA device",
     ),
     "hccl": (
-        "rlwire.ckpt_engine.backends._hccl:HcclEngine",
+        "rlwire.ckpt_engine.backends._broadcast:HcclEngine",
         "torch_npu",
         "install torch_npu (Ascend's PyTorch adapter) matching your torch",
     ),
@@ -57,12 +58,31 @@ def backend_for_device(device_type: str) -> str:
         ) from None
 
 
+class _ClassOrInstance:
+    """A method that also works on the class, where it acts on the default registry.
+
+    Code written against verl calls ``CheckpointEngineRegistry.new(name, **kw)`` (its
+    registry is class-level); ours calls ``registry.new(...)``. Both reach one object.
+    """
+
+    def __init__(self, method: Callable) -> None:
+        self._method = method
+        functools.update_wrapper(self, method)
+
+    def __get__(self, instance: Any, owner: type) -> Callable:
+        return functools.partial(self._method, instance if instance is not None else registry)
+
+
 class CheckpointEngineRegistry:
     """Maps backend names to :class:`CheckpointEngine` classes.
 
     In-tree backends are registered by dotted path and imported on first use;
     third-party ones come from the entry-point group ``rlwire.ckpt_engine.backends``
     (``name = "package.module:Class"``), discovered lazily.
+
+    Every method works on an instance and on the class itself, where it acts on the
+    process-wide default :data:`registry` (as verl's class-level registry does):
+    ``CheckpointEngineRegistry.new("shm", ...)`` is ``registry.new("shm", ...)``.
     """
 
     def __init__(self) -> None:
@@ -71,6 +91,7 @@ class CheckpointEngineRegistry:
         self._lazy: dict[str, tuple[str, str | None, str | None]] = dict(_IN_TREE)
         self._entry_points_loaded = False
 
+    @_ClassOrInstance
     def register(self, name: str) -> Callable[[type[CheckpointEngine]], type[CheckpointEngine]]:
         """Class decorator registering a backend under ``name``.
 
@@ -110,12 +131,24 @@ class CheckpointEngineRegistry:
             return hint
         return None
 
+    @_ClassOrInstance
     def available(self) -> list[str]:
-        """Backend names that can be constructed here (optional dependencies present)."""
+        """Every registered backend name, buildable here or not (see :meth:`status`)."""
         self._load_entry_points()
-        names = set(self._classes) | {n for n in self._lazy if not self._missing_dependency(n)}
-        return sorted(names)
+        return sorted(set(self._classes) | set(self._lazy))
 
+    @_ClassOrInstance
+    def status(self) -> dict[str, str | None]:
+        """Per registered name: ``None`` if it can be built here, else why not and what to do."""
+        self._load_entry_points()
+        return {name: self._missing_dependency(name) for name in self.available()}
+
+    @_ClassOrInstance
+    def usable(self) -> list[str]:
+        """The registered names that can be built here (their optional dependencies present)."""
+        return [name for name, why in self.status().items() if why is None]
+
+    @_ClassOrInstance
     def get(self, name: str) -> type[CheckpointEngine]:
         """The class registered as ``name`` (importing it on first use).
 
@@ -129,9 +162,7 @@ class CheckpointEngineRegistry:
         if name not in self._lazy:
             missing = {n: self._missing_dependency(n) for n in self._lazy}
             hints = "; ".join(f"{n} ({h})" for n, h in sorted(missing.items()) if h)
-            message = (
-                f"unknown checkpoint engine {name!r}; available: {', '.join(self.available())}"
-            )
+            message = f"unknown checkpoint engine {name!r}; available: {', '.join(self.usable())}"
             if hints:
                 message += f"; unavailable here: {hints}"
             raise ValueError(message)
@@ -148,6 +179,7 @@ class CheckpointEngineRegistry:
             self._lazy.pop(name, None)
         return cls
 
+    @_ClassOrInstance
     def new(self, name: str, **kwargs: Any) -> CheckpointEngine:
         """Construct backend ``name`` with ``kwargs`` (common options plus backend ones)."""
         return self.get(name)(**kwargs)

@@ -29,15 +29,22 @@ __all__ = [
 
 logger = logging.getLogger("rlwire.megatron_ddp")
 
-_DTYPES: dict[str, torch.dtype] = {
+# Every spelling Megatron-LM's arguments and verl's precision parsing accept. "fp8" is
+# torch.uint8: the dtype Megatron maps fp8 optimizer states to.
+_DTYPES: dict[str | int, torch.dtype] = {
     "fp32": torch.float32,
     "float32": torch.float32,
+    "32": torch.float32,
+    32: torch.float32,
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
     "fp16": torch.float16,
     "float16": torch.float16,
+    "16": torch.float16,
+    16: torch.float16,
+    "fp8": torch.uint8,
 }
-_ACCEPTED = "torch.float32/bfloat16/float16 or " + ", ".join(repr(k) for k in _DTYPES)
+_ACCEPTED = "torch.float32/bfloat16/float16/uint8 or " + ", ".join(repr(k) for k in _DTYPES)
 
 # Megatron-Core's OptimizerConfig defaults for the fields this package reads.
 # A field missing from the caller's config takes the value here.
@@ -56,6 +63,8 @@ OPTIMIZER_DEFAULTS: dict[str, Any] = {
     # Not an OptimizerConfig field in megatron-core 0.16; Megatron passes it as
     # an argument to its Muon factory. Accepted here so callers can state it.
     "layer_wise_distributed_optimizer": False,
+    # verl's name for the same switch (its Megatron optimizer config).
+    "use_layer_wise_distributed_optimizer": False,
 }
 _DTYPE_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
 _LAYOUT_KEY = "use_layer_wise_param_layout"
@@ -71,6 +80,8 @@ def parse_dtype(value: Any, *, field: str) -> torch.dtype:
         return value
     if isinstance(value, str) and value.strip().lower() in _DTYPES:
         return _DTYPES[value.strip().lower()]
+    if isinstance(value, int) and not isinstance(value, bool) and value in _DTYPES:
+        return _DTYPES[value]
     raise ValueError(f"{field}: {value!r} is not an accepted dtype; accepted: {_ACCEPTED}")
 
 
@@ -95,7 +106,9 @@ def effective_optimizer_settings(
     """The optimizer fields this package reads, after merging overrides on top.
 
     Missing fields take Megatron-Core's defaults (:data:`OPTIMIZER_DEFAULTS`);
-    dtype fields are normalised to ``torch.dtype``.
+    dtype fields are normalised to ``torch.dtype`` (any spelling :func:`parse_dtype`
+    accepts) when the precision-aware optimizer is on, and are ``torch.float32``
+    otherwise, as Megatron uses them.
 
     Raises:
         ValueError: a dtype is not accepted, or ``optimizer_overrides`` names a
@@ -113,7 +126,12 @@ def effective_optimizer_settings(
             )
     merged = {**OPTIMIZER_DEFAULTS, **base, **overrides}
     for name in _DTYPE_FIELDS:
-        merged[name] = parse_dtype(merged[name], field=name)
+        # Only a precision-aware optimizer reads these (Megatron requires fp32 otherwise,
+        # and verl passes them on only then): elsewhere they are fp32, whatever was set.
+        if merged["use_precision_aware_optimizer"]:
+            merged[name] = parse_dtype(merged[name], field=name)
+        else:
+            merged[name] = torch.float32
     return merged
 
 
@@ -124,8 +142,9 @@ def is_muon_layer_wise(settings: Mapping[str, Any]) -> bool:
 
     - ``optimizer == "dist_muon"`` (Megatron-LM's name for Muon with its
       ``LayerWiseDistributedOptimizer``), or
-    - ``optimizer == "muon"`` and ``layer_wise_distributed_optimizer`` is True
-      (the argument of megatron-core's Muon factory), or
+    - ``optimizer == "muon"`` and ``layer_wise_distributed_optimizer`` (the
+      argument of megatron-core's Muon factory) or
+      ``use_layer_wise_distributed_optimizer`` (verl's field) is True, or
     - ``optimizer == "muon"`` and ``use_distributed_optimizer`` is True: Muon
       needs whole matrices, so Megatron distributes it layer-wise, never by
       element ranges.
@@ -135,6 +154,7 @@ def is_muon_layer_wise(settings: Mapping[str, Any]) -> bool:
         return True
     return name == "muon" and bool(
         settings.get("layer_wise_distributed_optimizer")
+        or settings.get("use_layer_wise_distributed_optimizer")
         or settings.get("use_distributed_optimizer")
     )
 

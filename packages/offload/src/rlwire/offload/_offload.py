@@ -101,6 +101,11 @@ def _check_one_device(tensors: Sequence[torch.Tensor], what: str) -> None:
         )
 
 
+def _check_empty_cache(empty_cache: object) -> None:
+    if not isinstance(empty_cache, bool):
+        raise ValueError(f"empty_cache: {empty_cache!r} is not allowed; use True or False")
+
+
 def _finish(transfer: Transfer) -> Transfer:
     return transfer.wait() if _debug() else transfer
 
@@ -113,6 +118,7 @@ def _offload(
     non_blocking: bool,
     what: str,
     include_host: bool,
+    empty_cache: bool,
 ) -> Transfer:
     if owner in _offloaded:
         return Transfer.completed(f"{what} (already offloaded)")
@@ -141,7 +147,14 @@ def _offload(
     start, end = _side_stream_copies(device, hosts, sources, non_blocking, record_sources=True)
     for slot, host in zip(moving, hosts, strict=True):
         slot.install(host)
-    return _finish(Transfer(nbytes, what=what, start=start, end=end))
+    on_done = None
+    if empty_cache:
+
+        def on_done() -> None:  # the copies are done: their source blocks are free now
+            with torch.cuda.device(device):
+                torch.cuda.empty_cache()
+
+    return _finish(Transfer(nbytes, what=what, start=start, end=end, on_done=on_done))
 
 
 def _load(
@@ -185,6 +198,7 @@ def offload_model(
     non_blocking: bool = True,
     grads: str = "drop",
     pool: PinnedPool | None = None,
+    empty_cache: bool = True,
     _include_host: bool = False,
 ) -> Transfer:
     """Move every parameter and buffer of ``model`` from the accelerator to pinned host memory.
@@ -206,6 +220,14 @@ def offload_model(
     Args:
         grads: ``"drop"`` frees gradients (also on a machine without an
             accelerator); ``"keep"`` moves them with the parameters.
+        empty_cache: once the copies have completed (when the returned
+            :class:`Transfer` is waited on, or first seen ``done()``), hand the
+            device memory they freed back to the driver with
+            ``torch.cuda.empty_cache()``, so that another process (a colocated
+            inference engine) can allocate it; verl's offload does the same. ``False``
+            keeps it in this process's caching allocator: the next load allocates
+            faster, but nobody else can use the memory meanwhile. Not done before
+            completion: the blocks are still in use by the copies then.
         _include_host: also move tensors that are already in host memory
             (host-to-host copy); used to exercise this path without an accelerator.
 
@@ -215,6 +237,7 @@ def offload_model(
     """
     if grads not in _GRAD_MODES:
         raise ValueError(f"grads: {grads!r} is not allowed; use one of {_GRAD_MODES}")
+    _check_empty_cache(empty_cache)
     from torch.nn.parallel import DistributedDataParallel
 
     if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
@@ -234,6 +257,7 @@ def offload_model(
         non_blocking=non_blocking,
         what="offload_model",
         include_host=_include_host,
+        empty_cache=empty_cache,
     )
 
 
@@ -256,13 +280,15 @@ def offload_optimizer(
     *,
     non_blocking: bool = True,
     pool: PinnedPool | None = None,
+    empty_cache: bool = True,
     _include_host: bool = False,
 ) -> Transfer:
     """Move every state tensor of ``optimizer`` (moments etc.) to pinned host memory.
 
-    Same contract as :func:`offload_model`. Tensors already on the host (Adam's
-    ``step`` counters by default) stay where they are.
+    Same contract as :func:`offload_model` (``empty_cache`` included). Tensors
+    already on the host (Adam's ``step`` counters by default) stay where they are.
     """
+    _check_empty_cache(empty_cache)
     slots = optimizer_slots(optimizer)
     _check_one_device([s.tensor for s in slots], "offload_optimizer")
     return _offload(
@@ -272,6 +298,7 @@ def offload_optimizer(
         non_blocking=non_blocking,
         what="offload_optimizer",
         include_host=_include_host,
+        empty_cache=empty_cache,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -49,6 +50,7 @@ class Transfer:
         start: torch.cuda.Event | None = None,
         end: torch.cuda.Event | None = None,
         host_seconds: float | None = None,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         self.nbytes = nbytes
         self._what = what
@@ -56,6 +58,9 @@ class Transfer:
         self._end = end
         self._host_seconds = host_seconds
         self._completed = end is None
+        self._on_done = on_done
+        if self._completed:
+            self._finished()
 
     @classmethod
     def completed(cls, what: str, nbytes: int = 0, seconds: float = 0.0) -> Transfer:
@@ -67,10 +72,17 @@ class Transfer:
         """The event recorded after the last copy (``None`` for synchronous work)."""
         return self._end
 
+    def _finished(self) -> None:
+        """Mark complete and run ``on_done`` once (it may free what the copy fenced)."""
+        self._completed = True
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            on_done()
+
     def done(self) -> bool:
         """Whether the copy has completed (non-blocking)."""
         if not self._completed and self._end is not None and self._end.query():
-            self._completed = True
+            self._finished()
         return self._completed
 
     def wait(self, timeout: float | None = DEFAULT_TIMEOUT_S) -> Transfer:
@@ -81,7 +93,7 @@ class Transfer:
         """
         if not self.done():
             wait_event(self._end, timeout, f"{self._what} ({self.nbytes} bytes)")
-            self._completed = True
+            self._finished()
         return self
 
     def wait_stream(self, stream: torch.cuda.Stream) -> None:

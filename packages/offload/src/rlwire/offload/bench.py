@@ -113,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         statistics.median(h for _, h in later),
     )
     stats = pool.stats()
+    # What another process could allocate: reserved memory with and without empty_cache.
+    memory = {}
+    for empty_cache in (False, True):
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        offload_model(model, pool=pool, empty_cache=empty_cache).wait()
+        memory[empty_cache] = (before, torch.cuda.memory_reserved(device))
+        load_model(model).wait()
 
     gb = nbytes / 1e9
     limit_d2h, limit_h2d = rows["raw pinned copy_ (limit)"]
@@ -133,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             f"| {gb / h2d:.1f} | {limit_h2d / h2d:.2f} | {base_h2d / h2d:.2f} |"
         )
     print(f"pool after {args.cycles + 1} cycles: {stats}")
+    for empty_cache, (before, after) in memory.items():
+        print(
+            f"device memory reserved by this process, offload_model(empty_cache={empty_cache}): "
+            f"{before / 2**30:.2f} GiB before, {after / 2**30:.2f} GiB after"
+        )
     return 0
 
 

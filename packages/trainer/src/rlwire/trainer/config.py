@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, parse_bucket_size
+
 __all__ = [
     "ActorConfig",
     "AlgorithmConfig",
@@ -275,14 +277,24 @@ class CheckpointEngineConfig:
     """A ``rlwire.ckpt_engine`` backend name, or ``auto``: ``gloo`` on CPUs, ``cuda_ipc``
     when every rollout worker shares actor rank 0's GPU, ``nccl`` when every member has a
     GPU of its own, else ``gloo``."""
-    bucket_size: str = "64MiB"
-    """Bytes per bucket (``rlwire.ckpt_engine.parse_bucket_size`` syntax)."""
-    timeout: float = 60.0
-    """Seconds any weight-sync wait may block before the run stops with an error."""
+    bucket_size: str | None = None
+    """Bytes per bucket (``rlwire.ckpt_engine.parse_bucket_size`` syntax: ``512MiB``,
+    ``2GB``, bytes, or ``auto``); None takes the library's default
+    (``rlwire.ckpt_engine.DEFAULT_BUCKET_SIZE``). Checked when the config is loaded."""
+    timeout: float = DEFAULT_TIMEOUT_S
+    """Seconds any weight-sync wait may block before the run stops with an error (the
+    library's default, ``rlwire.ckpt_engine.DEFAULT_TIMEOUT_S``)."""
     digest: bool = False
     """After every sync, hash the weights on the sending and on each receiving side
     (SHA-256 of the fp32 bytes; ``hf`` backend) and record both in the metrics. Costs
     one pass over the weights per side; for checking that updates really arrive."""
+
+    def __post_init__(self) -> None:
+        try:
+            parse_bucket_size(self.bucket_size)
+        except ValueError as err:  # "bucket_size: ... is not allowed; use ..."
+            raise ConfigError(f"ckpt_engine.{err}") from None
+        _check(self.timeout > 0, "ckpt_engine.timeout", self.timeout, "use seconds > 0")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -600,7 +612,7 @@ def describe_config() -> str:
             if dataclasses.is_dataclass(value):
                 nested.append((value, f"{prefix}{_key(f.name)}."))
                 continue
-            kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
+            kind = getattr(hints[f.name], "__name__", str(hints[f.name])).replace("|", "or")
             key, doc = f"{prefix}{_key(f.name)}", docs.get(f.name, "")
             rows.append(f"| `{key}` | {kind} | `{value!r}` | {doc} |")
         if rows:

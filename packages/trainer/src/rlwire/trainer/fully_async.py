@@ -237,6 +237,15 @@ class SampleQueue:
 
 
 # --- the driver's loop ----------------------------------------------------------------------
+def sync_due(step: int, trigger: int, steps: int) -> bool:
+    """Whether the weights go to the rollout workers after update ``step`` (0-based).
+
+    Every ``trigger``-th update of the run counted from its first step, so a resumed
+    run syncs at the same steps as one that never stopped; never after the last update.
+    """
+    return (step + 1) % trigger == 0 and step + 1 < steps
+
+
 def run_fully_async(job, bar) -> None:
     """Train on groups from the queue while the rollout workers keep generating."""
     import ray
@@ -309,7 +318,7 @@ def run_fully_async(job, bar) -> None:
             )
             t_update = time.perf_counter()
             synced: dict[str, Any] = {"weight_sync_gbps": 0.0, "pulls": []}
-            if (step + 1 - job.start_step) % trigger == 0 and step + 1 < config.trainer.steps:
+            if sync_due(step, trigger, config.trainer.steps):
                 synced = sync(step + 1)
                 held = step + 1
             t_sync = time.perf_counter()
