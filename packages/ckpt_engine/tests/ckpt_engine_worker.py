@@ -156,11 +156,25 @@ async def receiver(engine, scenario: str, rank: int, world_size: int, out: str) 
     torch.save(report, out)
 
 
+def _all_started(rendezvous: str, rank: int, world_size: int, timeout: float = 120) -> None:
+    """Wait until every member has imported torch: on a loaded machine the imports take
+    seconds and finish seconds apart, which the engine's timeout should not have to cover."""
+    open(os.path.join(rendezvous, f"started-{rank}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while not all(
+        os.path.exists(os.path.join(rendezvous, f"started-{r}")) for r in range(world_size)
+    ):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every member started within {timeout:g} s")
+        time.sleep(0.02)
+
+
 def main(
     backend: str, scenario: str, rank: int, world_size: int, rendezvous: str, out: str
 ) -> None:
     if backend == "nccl":  # one GPU per member (NCCL refuses two ranks on one device)
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    _all_started(rendezvous, rank, world_size)
     engine = _engine(backend, scenario, rank, rendezvous)
     meta = engine.prepare()
     meta_path = os.path.join(rendezvous, "meta.json")

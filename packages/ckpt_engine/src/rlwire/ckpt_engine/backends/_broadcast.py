@@ -139,7 +139,8 @@ class BroadcastEngine(StoreControlledEngine):
         def run() -> None:
             try:
                 self._broadcast(probe).wait()
-                self._module.current_stream(self.device).synchronize()
+                if self.device_type != "cpu":  # a CPU collective is done when wait() returns
+                    self._module.current_stream(self.device).synchronize()
             except BaseException as err:  # reported by the joining thread
                 failure.append(err)
 
