@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from rlwire.trainer.actor.megatron import MegatronActor
 from rlwire.trainer.config import load_config
-from rlwire.trainer.megatron_engine import MegatronActor
 from rlwire.trainer.tiny import build_tiny_model
 
 # (name, overrides, build the optimizer too)

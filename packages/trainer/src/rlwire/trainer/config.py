@@ -20,6 +20,9 @@ from typing import Any
 
 from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, parse_bucket_size
 
+from .actor.base import ACTOR_ENGINES, actor_engine_class
+from .rollout.base import ROLLOUT_ENGINES, rollout_engine_class
+
 __all__ = [
     "ActorConfig",
     "AlgorithmConfig",
@@ -163,8 +166,10 @@ class MegatronSection:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ActorConfig:
     strategy: str = "fsdp2"
-    """``fsdp2`` (``fully_shard``), ``fsdp`` (FSDP1) or ``megatron`` (Megatron-Core DDP and
-    optimizer; extra ``rlwire-trainer[megatron]``)."""
+    """The actor engine: ``fsdp2`` (``fully_shard``), ``fsdp`` (FSDP1), ``megatron``
+    (Megatron-Core DDP and optimizer; extra ``rlwire-trainer[megatron]``), or a dotted path
+    ``package.module:Class`` to a ``rlwire.trainer.actor.ActorEngine`` subclass (imported
+    when the config loads, and in every actor process)."""
     world_size: int = 1
     """Actor ranks (Ray actors forming a gloo/NCCL group)."""
     micro_batch_size: int = 8
@@ -178,7 +183,13 @@ class ActorConfig:
     megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
 
     def __post_init__(self) -> None:
-        _check_choice(self.strategy, "actor.strategy", ("fsdp2", "fsdp", "megatron"))
+        if ":" in self.strategy:  # a third party's engine: import it now, fail early
+            try:
+                actor_engine_class(self.strategy)
+            except (ImportError, ValueError) as err:
+                raise ConfigError(f"actor.strategy: cannot load {self.strategy!r}: {err}") from None
+        else:
+            _check_choice(self.strategy, "actor.strategy", tuple(ACTOR_ENGINES))
         _check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
         _check(
             self.micro_batch_size >= 1,
@@ -221,7 +232,9 @@ class VLLMSection:
 class RolloutConfig:
     backend: str = "hf"
     """Generation engine: ``hf`` (Hugging Face ``generate`` on a plain copy of the
-    policy) or ``vllm`` (a live ``vllm.LLM`` engine; extra ``rlwire-trainer[vllm]``)."""
+    policy), ``vllm`` (a live ``vllm.LLM`` engine; extra ``rlwire-trainer[vllm]``), or a
+    dotted path ``package.module:Class`` to a ``rlwire.trainer.rollout.RolloutEngine``
+    subclass (imported when the config loads, and in every rollout worker)."""
     num_workers: int = 1
     """Rollout workers (Ray actors), each with its own engine; all receive every weight
     update through the checkpoint engine."""
@@ -234,7 +247,13 @@ class RolloutConfig:
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
 
     def __post_init__(self) -> None:
-        _check_choice(self.backend, "rollout.backend", ("hf", "vllm"))
+        if ":" in self.backend:  # a third party's engine: import it now, fail early
+            try:
+                rollout_engine_class(self.backend)
+            except (ImportError, ValueError) as err:
+                raise ConfigError(f"rollout.backend: cannot load {self.backend!r}: {err}") from None
+        else:
+            _check_choice(self.backend, "rollout.backend", tuple(ROLLOUT_ENGINES))
         _check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
         _check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")
         _check(

@@ -19,6 +19,7 @@ import torch
 
 from .config import TrainerConfig, to_dict
 from .grpo import group_advantages
+from .rollout import rollout_engine_class
 
 __all__ = ["RunError", "engine_backend", "load_data", "load_reward", "resolve_model", "run"]
 
@@ -257,8 +258,10 @@ class _Job:
         self.world = world
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
         layout = gpu_layout(world, workers, cluster_gpus, config.trainer.mode)
-        # colocated vLLM on GPUs sleeps while the actor trains (no-op elsewhere: skip the calls)
-        self.rollout_sleeps = config.rollout.backend == "vllm" and layout is not None
+        # colocated on GPUs, an engine that can sleep frees its memory while the actor
+        # trains (nothing to free elsewhere: no calls)
+        engine = rollout_engine_class(config.rollout.backend)
+        self.rollout_sleeps = engine.can_sleep and layout is not None
         self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
         place = _placement(layout, config.ray.startup_timeout)
         Actor = ray.remote(num_cpus=1)(ActorWorker)
@@ -292,17 +295,14 @@ class _Job:
             raise RunError(f"ray: a worker failed to start: {_first_line(err)}") from None
         except ray.exceptions.RayTaskError as err:  # setup raised: the engine refused the config
             raise RunError(f"actor setup failed: {_first_line(_cause(err))}") from None
-        if config.actor.strategy == "megatron":  # check_consistency's warnings, once
-            info = ray.get(self.actors[0].megatron_info.remote())
-            log.info(
-                "megatron: DDP config %s, grad buffers %s, optimizer %s",
-                info["ddp_config"],
-                info["grad_buffer_dtypes"],
-                info["optimizer"],
-            )
-            for warning in info["warnings"]:
-                log.warning("megatron: %s", warning)
-                print(f"rlwire-train: warning: megatron: {warning}", file=sys.stderr)
+        described = ray.get(
+            self.actors[0].describe.remote(), timeout=config.ray.startup_timeout
+        )  # what the actor engine reports once (Megatron: its DDP config and warnings)
+        for line in described["info"]:
+            log.info("%s", line)
+        for warning in described["warnings"]:
+            log.warning("%s", warning)
+            print(f"rlwire-train: warning: {warning}", file=sys.stderr)
         self.start_step = 0
         if resume_from is not None:
             self.start_step = ray.get([a.load.remote(str(resume_from)) for a in self.actors])[0]
@@ -655,7 +655,7 @@ def _run_colocated(job: _Job, bar) -> None:
             ]
         )
         generated = collate(parts)
-        if job.rollout_sleeps:  # vLLM on CUDA frees its memory while the actor trains
+        if job.rollout_sleeps:  # colocated on GPUs: free the engine's memory for the update
             ray.get([r.sleep.remote() for r in job.rollouts])
         t_rollout = time.perf_counter()
         expanded = [p for p in prompts for _ in range(n)]

@@ -17,7 +17,7 @@ from rlwire.grad_sync import decide_policy, retained_grad_bytes, run_micro_batch
 from .grpo import aggregate, k3_kl, policy_loss
 from .rollout import Rollout, sequence_logprobs
 
-__all__ = ["compute_old_logprobs", "grpo_update"]
+__all__ = ["clip_and_step", "compute_old_logprobs", "grpo_update"]
 
 
 @torch.no_grad()
@@ -42,7 +42,7 @@ def compute_old_logprobs(
 
 def grpo_update(
     model,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     rollout: Rollout,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -62,9 +62,9 @@ def grpo_update(
     Each micro-batch's loss is scaled by its share of the batch so that the
     accumulated gradient equals the full-batch gradient. With ``ref_logprobs``
     and ``kl_coef > 0`` the k3 KL to the reference policy is added to the loss.
-    ``optimizer_step`` replaces the default clip-step-zero sequence for engines that own
-    it (Megatron: finish the grad sync, step with clipping inside, clear the buffers); it
-    returns the gradient norm.
+    ``optimizer_step`` replaces the default clip-step-zero sequence
+    (:func:`clip_and_step`) with an actor engine's own
+    (:meth:`rlwire.trainer.actor.ActorEngine.optimizer_step`); it returns the gradient norm.
     Returns metrics: ``policy_loss``, ``clip_fraction``, ``entropy``, ``kl_ref``
     (0 without a reference), ``grad_norm``, ``retained_grad_bytes`` (the most
     held between micro-batches) and ``grad_sync_policy``.
@@ -104,7 +104,7 @@ def grpo_update(
     if optimizer_step is not None:
         grad_norm = optimizer_step()
     else:
-        grad_norm = _clip_and_step(model, optimizer, grad_clip)
+        grad_norm = clip_and_step(model, optimizer, grad_clip)
     return {
         "policy_loss": sum(r[0] for r in results),
         "clip_fraction": sum(r[1] for r in results),
@@ -116,17 +116,15 @@ def grpo_update(
     }
 
 
-def _clip_and_step(model, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
-    """Clip to ``grad_clip`` (0: no clipping) by the norm of the whole gradient, step, zero."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+def clip_and_step(model, optimizer: torch.optim.Optimizer, grad_clip: float) -> float:
+    """Clip to ``grad_clip`` (0: no clipping) by the norm of the whole gradient, step, zero.
 
+    For plain modules and FSDP2 (whose ``DTensor`` gradients reduce their norm over the
+    mesh); engines whose gradients are local shards (FSDP1) bring their own step.
+    """
     max_norm = grad_clip if grad_clip > 0 else math.inf  # inf: the norm, grads unchanged
-    if isinstance(model, FullyShardedDataParallel):
-        # FSDP1's .grad are plain local shards: only its own method reduces over ranks.
-        grad_norm = model.clip_grad_norm_(max_norm)
-    else:  # plain tensors, or FSDP2's DTensors (whose norm is reduced over the mesh)
-        clip_params = [p for p in model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(clip_params, max_norm)
+    clip_params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(clip_params, max_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm)

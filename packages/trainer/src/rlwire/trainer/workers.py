@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
+from .actor import ActorEngine, actor_engine_class
 from .config import TrainerConfig
+from .rollout import rollout_engine_class
 
 __all__ = ["ActorWorker", "RolloutWorker"]
 
@@ -29,13 +31,6 @@ def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _load_model(path: str, dtype: str, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    return model.to(device)
 
 
 def _host() -> str:
@@ -54,8 +49,9 @@ def _seed_everything(seed: int) -> None:
 
 
 class ActorWorker:
-    """One training rank: the policy under FSDP2, FSDP1 or Megatron DDP, its optimizer, GRPO
-    updates, and (with ``algorithm.kl_coef > 0``) a frozen reference policy."""
+    """One training rank: an actor engine (``actor.strategy``: FSDP2, FSDP1, Megatron DDP or
+    a third party's) behind :class:`rlwire.trainer.actor.ActorEngine`, GRPO updates, weight
+    export through the checkpoint engine, and checkpoints."""
 
     def __init__(self, config: TrainerConfig, model_path: str, rank: int) -> None:
         torch.set_num_threads(1)
@@ -63,11 +59,8 @@ class ActorWorker:
         self.model_path = model_path
         self.rank = rank
         self.device = _device()
-        self.model = None
-        self.optimizer = None
+        self.actor: ActorEngine | None = None
         self.engine = None
-        self.megatron = None
-        self.reference = None
 
     # --- setup ---------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -89,67 +82,17 @@ class ActorWorker:
             backend, rank=self.rank, world_size=cfg.actor.world_size, timeout=_TIMEOUT
         )
         _seed_everything(cfg.trainer.seed)
-        model = _load_model(self.model_path, cfg.model.dtype, self.device)
-        model.gradient_checkpointing_disable()
-        if cfg.actor.strategy == "megatron":
-            from .megatron_engine import MegatronActor
-
-            self.megatron = MegatronActor(cfg, model, self.device)
-            self.model, self.optimizer = self.megatron.model, self.megatron.optimizer
-        else:
-            self.model = self._wrap(model)
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
-                lr=cfg.actor.optim.lr,
-                weight_decay=cfg.actor.optim.weight_decay,
-            )
-        if cfg.algorithm.kl_coef > 0:  # the frozen reference policy: the initial weights
-            reference = _load_model(self.model_path, cfg.model.dtype, self.device)
-            reference.requires_grad_(False)
-            self.reference = (
-                reference if cfg.actor.strategy == "megatron" else self._wrap(reference)
-            ).eval()
+        engine_class = actor_engine_class(cfg.actor.strategy)
+        self.actor = engine_class(cfg, self.model_path, self.device)
 
     def gpu_ids(self) -> list:
         import ray
 
         return ray.get_gpu_ids()
 
-    def megatron_info(self) -> dict[str, Any]:
-        """The DDP config the Megatron engine built, its buffers' dtypes and its warnings."""
-        import dataclasses
-
-        ddp = self.megatron.ddp_config
-        return {
-            "ddp_config": {f.name: getattr(ddp, f.name) for f in dataclasses.fields(ddp)},
-            "grad_buffer_dtypes": [str(d) for d in self.megatron.grad_buffer_dtypes()],
-            "optimizer": type(self.megatron.optimizer).__name__,
-            "warnings": list(self.megatron.warnings),
-        }
-
-    def _wrap(self, model):
-        cfg = self.config.actor
-        layers = list(model.model.layers)
-        if cfg.strategy == "fsdp2":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            mp = (
-                MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                if cfg.mixed_precision
-                else MixedPrecisionPolicy()
-            )
-            for layer in layers:
-                fully_shard(layer, mp_policy=mp)
-            return fully_shard(model, mp_policy=mp)
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import MixedPrecision
-
-        mp = (
-            MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if cfg.mixed_precision
-            else None
-        )
-        return FSDP(model, device_id=self.device, mixed_precision=mp, use_orig_params=True)
+    def describe(self) -> dict[str, list[str]]:
+        """What the actor engine wants logged once at start (info lines and warnings)."""
+        return self.actor.describe()
 
     # --- a training step -----------------------------------------------------------------
     def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -157,9 +100,9 @@ class ActorWorker:
         from .rollout import Rollout
         from .step import compute_old_logprobs, grpo_update
 
-        cfg = self.config
+        cfg, actor = self.config, self.actor
         if cfg.actor.offload:
-            self._reload()
+            actor.reload()
         rollout = Rollout(
             *(
                 batch[k].to(self.device)
@@ -169,24 +112,24 @@ class ActorWorker:
         )
         advantages = batch["advantages"].to(self.device)
         temperature = cfg.rollout.temperature
-        self.model.train()
+        actor.model.train()
         old = compute_old_logprobs(
-            self.model,
+            actor.model,
             rollout,
             micro_batch_size=cfg.actor.micro_batch_size,
             temperature=temperature,
         )
         ref = None
-        if self.reference is not None:
+        if actor.reference is not None:
             ref = compute_old_logprobs(
-                self.reference,
+                actor.reference,
                 rollout,
                 micro_batch_size=cfg.actor.micro_batch_size,
                 temperature=temperature,
             )
         metrics = grpo_update(
-            self.model,
-            self.optimizer,
+            actor.model,
+            None,
             rollout,
             old,
             advantages,
@@ -194,23 +137,19 @@ class ActorWorker:
             temperature=temperature,
             clip_ratio=cfg.algorithm.clip_ratio,
             loss_agg=cfg.algorithm.loss_agg,
-            grad_clip=cfg.actor.optim.grad_clip,
             grad_sync={
                 "policy": cfg.actor.grad_sync.policy,
                 "memory_budget_bytes": cfg.actor.grad_sync.memory_budget_bytes,
             },
             ref_logprobs=ref,
             kl_coef=cfg.algorithm.kl_coef,
-            optimizer_step=self.megatron.step if self.megatron else None,
+            optimizer_step=actor.optimizer_step,
         )
         mask = rollout.response_mask.float()
         metrics["kl_rollout"] = float(((rollout.logprobs - old) * mask).sum() / mask.sum())
         if cfg.actor.offload:
-            self._offload()
+            actor.offload()
         return metrics
-
-    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
-        return self.megatron._inner_optimizers() if self.megatron else [self.optimizer]
 
     @contextlib.contextmanager
     def _resident(self, *, optimizer: bool):
@@ -219,35 +158,11 @@ class ActorWorker:
         if not self.config.actor.offload:
             yield
             return
-        self._reload(optimizer=optimizer, reference=False)
+        self.actor.reload(optimizer=optimizer, reference=False)
         try:
             yield
         finally:
-            self._offload()
-
-    def _offload(self) -> None:
-        from rlwire.offload import offload_model, offload_optimizer
-
-        if self.megatron:  # parameters are views into Megatron's buffers: its own offload
-            self.megatron.offload()
-        else:
-            offload_model(self.model).wait()
-        for optimizer in self._inner_optimizers():
-            offload_optimizer(optimizer).wait()
-        if self.reference is not None:
-            offload_model(self.reference).wait()
-
-    def _reload(self, *, optimizer: bool = True, reference: bool = True) -> None:
-        from rlwire.offload import load_model, load_optimizer
-
-        if self.megatron:
-            self.megatron.reload()
-        else:
-            load_model(self.model)
-        for inner in self._inner_optimizers() if optimizer else []:
-            load_optimizer(inner)
-        if reference and self.reference is not None:
-            load_model(self.reference)
+            self.actor.offload()
 
     # --- weights to the rollout worker -----------------------------------------------------
     def engine_prepare(self, backend: str) -> dict:
@@ -286,11 +201,8 @@ class ActorWorker:
         Tensors go where the engine's buckets live: the device for the CUDA backends
         (``nccl``, ``cuda_ipc``), the host for the others."""
         target = getattr(self.engine, "device", None) or torch.device("cpu")
-        state = self.megatron.hf_state_dict() if self.megatron else self.model.state_dict()
-        for name, value in state.items():
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            yield name.removeprefix("_fsdp_wrapped_module."), value.detach().to(target)
+        for name, value in self.actor.named_weights():
+            yield name, value.to(target)
 
     def push_weights(self, version: int) -> dict[str, Any]:
         """Send the full weights as ``version`` (rank 0; the others join the gathers)."""
@@ -318,13 +230,9 @@ class ActorWorker:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         with self._resident(optimizer=True):
-            if self.megatron:
-                state = self.megatron.state()
-            else:
-                state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
             torch.save(
                 {
-                    **state,
+                    **self.actor.state(),
                     "step": step,
                     "rng": torch.get_rng_state(),
                     "py_rng": random.getstate(),
@@ -334,58 +242,10 @@ class ActorWorker:
 
     def load(self, directory: str) -> int:
         state = torch.load(Path(directory) / f"actor_rank{self.rank}.pt", weights_only=False)
-        if self.megatron:
-            self.megatron.load_state(state)
-        else:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        self.actor.load_state(state)
         torch.set_rng_state(state["rng"])
         random.setstate(state["py_rng"])
         return int(state["step"])
-
-
-class HFEngine:
-    """The ``hf`` rollout backend: a plain Hugging Face copy of the policy."""
-
-    def __init__(self, config: TrainerConfig, model_path: str, device: torch.device) -> None:
-        from transformers import AutoTokenizer
-
-        self.config = config
-        self.model = _load_model(model_path, config.model.dtype, device).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-
-    async def apply(self, engine) -> int:
-        from rlwire.ckpt_engine import apply_to_module
-
-        return await apply_to_module(self.model, engine)
-
-    def digest(self) -> str | None:
-        from .rollout import weights_digest
-
-        return weights_digest(self.model.state_dict().items())
-
-    def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
-        from .rollout import hf_generate
-
-        cfg = self.config.rollout
-        r = hf_generate(
-            self.model,
-            self.tokenizer,
-            prompts,
-            n=cfg.n,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            seed=seed,
-        )
-        return {
-            "prompt_ids": r.prompt_ids.cpu(),
-            "prompt_mask": r.prompt_mask.cpu(),
-            "response_ids": r.response_ids.cpu(),
-            "response_mask": r.response_mask.cpu(),
-            "logprobs": r.logprobs.cpu(),
-            "texts": r.texts,
-            "pad_id": self.tokenizer.pad_token_id,
-        }
 
 
 class RolloutWorker:
@@ -403,13 +263,9 @@ class RolloutWorker:
         self.config = config
         self.index = index
         self.device = _device()
-        if config.rollout.backend == "vllm":
-            from .vllm_rollout import VLLMEngine
-
-            # several engines on one GPU split rollout.vllm.gpu_memory_utilization
-            self.backend = VLLMEngine(config, model_path, gpu_share=gpu_share)
-        else:
-            self.backend = HFEngine(config, model_path, self.device)
+        engine_class = rollout_engine_class(config.rollout.backend)
+        # several engines on one GPU split their share (vLLM: gpu_memory_utilization)
+        self.backend = engine_class(config, model_path, self.device, gpu_share=gpu_share)
         self.engine = None
         self.version = -1
 
@@ -438,13 +294,12 @@ class RolloutWorker:
         return {"version": self.version, "digest": digest}
 
     def sleep(self) -> None:
-        """Colocated on CUDA with vLLM: free the engine's memory while the actor trains."""
-        if hasattr(self.backend, "sleep"):
-            self.backend.sleep()
+        """Colocated on GPUs, for engines that ``can_sleep``: free device memory while the
+        actor trains (the driver asks only then)."""
+        self.backend.sleep()
 
     def wake_up(self) -> None:
-        if hasattr(self.backend, "wake_up"):
-            self.backend.wake_up()
+        self.backend.wake_up()
 
     def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
         out = self.backend.generate(prompts, seed)

@@ -32,7 +32,10 @@ from unittest import mock
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["MegatronActor", "cpu_shim", "megatron_configs", "optimizer_settings"]
+from ..modeling import load_hf_model
+from .base import ActorEngine
+
+__all__ = ["MegatronActor", "MegatronEngine", "cpu_shim", "megatron_configs", "optimizer_settings"]
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -224,3 +227,63 @@ class MegatronActor:
     def reload(self) -> None:
         if self.device.type == "cuda" and hasattr(self.model, "restore_grad_buffers"):
             self.model.restore_grad_buffers()
+
+
+class MegatronEngine(ActorEngine):
+    """``actor.strategy=megatron``: :class:`MegatronActor` behind the actor-engine seam."""
+
+    name = "megatron"
+
+    def __init__(self, config, model_path: str, device: torch.device) -> None:
+        super().__init__(config, model_path, device)
+        model = load_hf_model(model_path, config.model.dtype, device)
+        model.gradient_checkpointing_disable()
+        self.megatron = MegatronActor(config, model, device)
+        self.model, self.optimizer = self.megatron.model, self.megatron.optimizer
+        if config.algorithm.kl_coef > 0:  # the frozen reference policy: the initial weights
+            reference = load_hf_model(model_path, config.model.dtype, device)
+            reference.requires_grad_(False)
+            self.reference = reference.eval()
+
+    def optimizer_step(self) -> float:
+        return self.megatron.step()
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, value in self.megatron.hf_state_dict().items():
+            yield name, value.detach()
+
+    def offload(self) -> None:
+        from rlwire.offload import offload_model, offload_optimizer
+
+        self.megatron.offload()  # parameters are views into Megatron's buffers: its own
+        for optimizer in self.megatron._inner_optimizers():
+            offload_optimizer(optimizer).wait()
+        if self.reference is not None:
+            offload_model(self.reference).wait()
+
+    def reload(self, *, optimizer: bool = True, reference: bool = True) -> None:
+        from rlwire.offload import load_model, load_optimizer
+
+        self.megatron.reload()
+        for inner in self.megatron._inner_optimizers() if optimizer else []:
+            load_optimizer(inner)
+        if reference and self.reference is not None:
+            load_model(self.reference)
+
+    def state(self) -> dict[str, Any]:
+        return self.megatron.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.megatron.load_state(state)
+
+    def describe(self) -> dict[str, list[str]]:
+        ddp = self.megatron.ddp_config
+        fields = {f.name: getattr(ddp, f.name) for f in dataclasses.fields(ddp)}
+        buffers = [str(d) for d in self.megatron.grad_buffer_dtypes()]
+        optimizer = type(self.megatron.optimizer).__name__
+        return {
+            "info": [
+                f"megatron: DDP config {fields}, grad buffers {buffers}, optimizer {optimizer}"
+            ],
+            "warnings": [f"megatron: {warning}" for warning in self.megatron.warnings],
+        }

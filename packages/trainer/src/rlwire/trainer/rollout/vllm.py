@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .base import RolloutEngine
+
 __all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension"]
 
 INSTALL_HINT = (
@@ -45,10 +47,16 @@ class WeightReloadExtension:
 _CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
 
 
-class VLLMEngine:
-    """Generation with ``vllm.LLM``; the same interface as the ``hf`` backend."""
+class VLLMEngine(RolloutEngine):
+    """``rollout.backend=vllm``: generation with ``vllm.LLM``; sleeps on CUDA when colocated."""
 
-    def __init__(self, config, model_path: str, *, gpu_share: float = 1.0) -> None:
+    name = "vllm"
+    can_sleep = True
+
+    def __init__(
+        self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
+    ) -> None:
+        super().__init__(config, model_path, device, gpu_share=gpu_share)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")

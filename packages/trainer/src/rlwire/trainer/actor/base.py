@@ -1,0 +1,95 @@
+"""The actor-engine seam: what a training rank needs from FSDP, Megatron or a third party.
+
+An :class:`ActorEngine` owns the policy model (wrapped for data parallelism), its
+optimizer and, with ``algorithm.kl_coef > 0``, the frozen reference policy, on one rank
+of the actor group (``torch.distributed`` is initialised before it is built). The
+worker (:class:`rlwire.trainer.workers.ActorWorker`) runs the GRPO loss through
+``model``; everything that differs between wrappers is a method here.
+
+Engines are chosen by ``actor.strategy``: a name from :data:`ACTOR_ENGINES` or a dotted
+path ``package.module:Class`` to a subclass, imported in every actor process.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from ..modeling import load_hf_model
+from ..plugins import load_class
+
+__all__ = ["ACTOR_ENGINES", "ActorEngine", "actor_engine_class", "load_hf_model"]
+
+# name -> "module:Class", imported on first use (Megatron's import is slow and optional).
+ACTOR_ENGINES: dict[str, str] = {
+    "fsdp2": "rlwire.trainer.actor.fsdp:FSDP2Engine",
+    "fsdp": "rlwire.trainer.actor.fsdp:FSDP1Engine",
+    "megatron": "rlwire.trainer.actor.megatron:MegatronEngine",
+}
+
+
+class ActorEngine(abc.ABC):
+    """One data-parallel rank's policy, optimizer and reference policy.
+
+    Args:
+        config: the whole :class:`rlwire.trainer.config.TrainerConfig`.
+        model_path: a Hugging Face model directory.
+        device: this rank's device (the group is already initialised).
+
+    Attributes:
+        model: the wrapped policy, called as ``model(input_ids=..., attention_mask=...)``.
+        reference: the frozen reference policy (wrapped alike) or ``None``.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config, model_path: str, device: torch.device) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.device = device
+        self.model: torch.nn.Module
+        self.reference: torch.nn.Module | None = None
+
+    # --- training ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def optimizer_step(self) -> float:
+        """Reduce what backward accumulated, clip to ``actor.optim.grad_clip``, step, zero
+        the gradients; return the norm of the whole (all-rank) gradient before clipping."""
+
+    # --- weights to the rollout engines ----------------------------------------------
+    @abc.abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(Hugging Face name, full tensor)`` for every parameter and buffer. A collective:
+        every rank of the group iterates it to the end (gathers run inside)."""
+
+    # --- between phases -----------------------------------------------------------------
+    @abc.abstractmethod
+    def offload(self) -> None:
+        """Move the model, optimizer state and reference to the host (``actor.offload``)."""
+
+    @abc.abstractmethod
+    def reload(self, *, optimizer: bool = True, reference: bool = True) -> None:
+        """Bring back what :meth:`offload` moved (optionally without optimizer/reference)."""
+
+    # --- checkpoints -------------------------------------------------------------------
+    @abc.abstractmethod
+    def state(self) -> dict[str, Any]:
+        """This rank's model and optimizer state, for ``torch.save``."""
+
+    @abc.abstractmethod
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state` returned."""
+
+    # --- for the log -----------------------------------------------------------------
+    def describe(self) -> dict[str, list[str]]:
+        """What the driver logs once at start: ``{"info": [...], "warnings": [...]}``."""
+        return {"info": [], "warnings": []}
+
+
+def actor_engine_class(strategy: str) -> type[ActorEngine]:
+    """The engine class for ``actor.strategy``: a name from :data:`ACTOR_ENGINES` or a
+    dotted path ``package.module:Class`` (see :func:`rlwire.trainer.plugins.load_class`)."""
+    return load_class("actor.strategy", strategy, ACTOR_ENGINES, ActorEngine)

@@ -1,0 +1,120 @@
+"""FSDP2 (``fully_shard``) and FSDP1 (``FullyShardedDataParallel``) actor engines.
+
+Both shard every decoder layer and the root, train with AdamW, optionally in mixed
+precision (bf16 compute, fp32 reduce), and offload through :mod:`rlwire.offload`.
+They differ in wrapping and in how the gradient norm is taken: FSDP2's gradients are
+``DTensor``s whose norm reduces over the mesh; FSDP1's are local shards that only its
+own ``clip_grad_norm_`` reduces over the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..modeling import load_hf_model
+from ..step import clip_and_step
+from .base import ActorEngine
+
+__all__ = ["FSDP1Engine", "FSDP2Engine"]
+
+
+class _FSDPEngine(ActorEngine):
+    """What FSDP2 and FSDP1 share: build, AdamW, reference, weights, offload, state."""
+
+    def __init__(self, config, model_path: str, device: torch.device) -> None:
+        super().__init__(config, model_path, device)
+        model = load_hf_model(model_path, config.model.dtype, device)
+        model.gradient_checkpointing_disable()
+        self.model = self._wrap(model)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=config.actor.optim.lr,
+            weight_decay=config.actor.optim.weight_decay,
+        )
+        if config.algorithm.kl_coef > 0:  # the frozen reference policy: the initial weights
+            reference = load_hf_model(model_path, config.model.dtype, device)
+            reference.requires_grad_(False)
+            self.reference = self._wrap(reference).eval()
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> float:
+        return clip_and_step(self.model, self.optimizer, self.config.actor.optim.grad_clip)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, value in self.model.state_dict().items():
+            if hasattr(value, "full_tensor"):  # FSDP2: gather the shards (a collective)
+                value = value.full_tensor()
+            yield name.removeprefix("_fsdp_wrapped_module."), value.detach()
+
+    def offload(self) -> None:
+        from rlwire.offload import offload_model, offload_optimizer
+
+        offload_model(self.model).wait()
+        offload_optimizer(self.optimizer).wait()
+        if self.reference is not None:
+            offload_model(self.reference).wait()
+
+    def reload(self, *, optimizer: bool = True, reference: bool = True) -> None:
+        from rlwire.offload import load_model, load_optimizer
+
+        load_model(self.model)
+        if optimizer:
+            load_optimizer(self.optimizer)
+        if reference and self.reference is not None:
+            load_model(self.reference)
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class FSDP2Engine(_FSDPEngine):
+    """``actor.strategy=fsdp2``: ``fully_shard`` on every decoder layer and the root."""
+
+    name = "fsdp2"
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.config.actor.mixed_precision
+            else MixedPrecisionPolicy()
+        )
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        return fully_shard(model, mp_policy=mp)
+
+
+class FSDP1Engine(_FSDPEngine):
+    """``actor.strategy=fsdp``: ``FullyShardedDataParallel`` with original parameters."""
+
+    name = "fsdp"
+
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision
+
+        mp = (
+            MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.config.actor.mixed_precision
+            else None
+        )
+        return FSDP(model, device_id=self.device, mixed_precision=mp, use_orig_params=True)
+
+    def optimizer_step(self) -> float:
+        # FSDP1's .grad are plain local shards: only its own method reduces over the ranks.
+        grad_clip = self.config.actor.optim.grad_clip
+        grad_norm = self.model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)

@@ -1,0 +1,33 @@
+"""Rollout engines (``hf``, ``vllm``; one module each, one seam) and what they hand back.
+
+Add an engine by subclassing :class:`RolloutEngine` in a module of its own and naming it
+in :data:`ROLLOUT_ENGINES`, or, outside this package, with
+``rollout.backend=pkg.module:Class``.
+"""
+
+from __future__ import annotations
+
+from .base import ROLLOUT_ENGINES, RolloutEngine, rollout_engine_class
+from .common import (
+    Rollout,
+    WeightsDigest,
+    collate,
+    sequence_logprobs,
+    split_groups,
+    weights_digest,
+)
+from .hf import HFEngine, hf_generate
+
+__all__ = [
+    "ROLLOUT_ENGINES",
+    "HFEngine",
+    "Rollout",
+    "RolloutEngine",
+    "WeightsDigest",
+    "collate",
+    "hf_generate",
+    "rollout_engine_class",
+    "sequence_logprobs",
+    "split_groups",
+    "weights_digest",
+]

@@ -1,0 +1,77 @@
+"""The rollout-engine seam: what a rollout worker needs from ``hf``, ``vllm`` or a third party.
+
+A :class:`RolloutEngine` holds a copy of the policy in a rollout worker's process: it
+samples responses with the log-probability of every sampled token under the sampling
+distribution (the behaviour policy), applies weight updates that arrive through a
+checkpoint engine, and hashes its weights for checks. Freeing device memory between
+phases is a declared capability (:attr:`RolloutEngine.can_sleep`), not a method probed
+for.
+
+Engines are chosen by ``rollout.backend``: a name from :data:`ROLLOUT_ENGINES` or a
+dotted path ``package.module:Class`` to a subclass, imported in every rollout worker.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import torch
+
+from ..plugins import load_class
+
+__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "rollout_engine_class"]
+
+ROLLOUT_ENGINES: dict[str, str] = {
+    "hf": "rlwire.trainer.rollout.hf:HFEngine",
+    "vllm": "rlwire.trainer.rollout.vllm:VLLMEngine",
+}
+
+
+class RolloutEngine(abc.ABC):
+    """A generation backend in one rollout worker.
+
+    Args:
+        config: the whole :class:`rlwire.trainer.config.TrainerConfig`.
+        model_path: a Hugging Face model directory (the initial weights).
+        device: this worker's device.
+        gpu_share: the fraction of its GPU this engine may use (several engines can share one).
+    """
+
+    name: ClassVar[str] = ""
+    can_sleep: ClassVar[bool] = False
+    """Whether :meth:`sleep` frees device memory while the actor trains; the driver asks
+    for it only then, and only colocated on GPUs."""
+
+    def __init__(
+        self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
+    ) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
+        """``rollout.n`` samples per prompt (consecutive): host tensors ``prompt_ids``,
+        ``prompt_mask`` (``(B, P)``, left-padded), ``response_ids``, ``response_mask``,
+        ``logprobs`` (``(B, T)``; behaviour log-probs, temperature applied), plus ``texts``
+        and ``pad_id``."""
+
+    @abc.abstractmethod
+    async def apply(self, engine) -> int:
+        """Receive one update from the checkpoint ``engine`` into the weights; its version."""
+
+    @abc.abstractmethod
+    def digest(self) -> str | None:
+        """A digest of the weights held now (``rlwire.trainer.rollout.weights_digest``)."""
+
+    def sleep(self) -> None:
+        """Free device memory until :meth:`wake_up` (only called when :attr:`can_sleep`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
+
+    def wake_up(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
+
+
+def rollout_engine_class(backend: str) -> type[RolloutEngine]:
+    """The engine class for ``rollout.backend``: a name from :data:`ROLLOUT_ENGINES` or a
+    dotted path ``package.module:Class`` (see :func:`rlwire.trainer.plugins.load_class`)."""
+    return load_class("rollout.backend", backend, ROLLOUT_ENGINES, RolloutEngine)

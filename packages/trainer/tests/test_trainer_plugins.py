@@ -1,0 +1,105 @@
+"""Third-party engines by dotted path: an actor engine and a rollout engine from a module
+outside the package, loaded by ``actor.strategy=`` and ``rollout.backend=``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainer_cli import train_cli  # noqa: E402
+
+from rlwire.trainer.config import ConfigError, load_config  # noqa: E402
+
+PLUGIN = textwrap.dedent(
+    """
+    import os
+
+    from rlwire.trainer.actor.fsdp import FSDP2Engine
+    from rlwire.trainer.rollout.hf import HFEngine
+
+
+    def count(what):  # every worker is a process of its own: count in a file
+        with open(os.environ["RLWIRE_PLUGIN_COUNTS"], "a") as f:
+            f.write(what + "\\n")
+
+
+    class CountingActor(FSDP2Engine):
+        def optimizer_step(self):
+            count("actor.optimizer_step")
+            return super().optimizer_step()
+
+        def named_weights(self):
+            count("actor.named_weights")
+            yield from super().named_weights()
+
+
+    class CountingRollout(HFEngine):
+        def generate(self, prompts, seed):
+            count("rollout.generate")
+            return super().generate(prompts, seed)
+
+        async def apply(self, engine):
+            count("rollout.apply")
+            return await super().apply(engine)
+
+
+    class NotAnEngine:
+        pass
+    """
+)
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "plugin"
+    folder.mkdir()
+    (folder / "my_engines.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(folder))
+    return folder
+
+
+def test_third_party_engines_run_two_steps(plugin, tmp_path, monkeypatch):
+    counts = tmp_path / "counts.txt"
+    # The workers of the embedded cluster inherit the command's environment.
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(plugin), os.environ.get("PYTHONPATH", "")])
+    )
+    monkeypatch.setenv("RLWIRE_PLUGIN_COUNTS", str(counts))
+    records, _ = train_cli(
+        tmp_path / "run",
+        "actor.strategy=my_engines:CountingActor",
+        "rollout.backend=my_engines:CountingRollout",
+        "trainer.steps=2",
+        "ckpt_engine.digest=true",
+    )
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:  # the third-party rollout engine holds what the actor engine sent
+        assert r["weight_digest_rollout"] == [r["weight_digest_actor"]]
+    assert Counter(counts.read_text().split()) == {
+        "actor.optimizer_step": 2,  # one update per step
+        "actor.named_weights": 3,  # the first sync, then one after each step
+        "rollout.apply": 3,
+        "rollout.generate": 2,
+    }
+
+
+def test_bad_dotted_paths_are_refused_when_the_config_loads(plugin):
+    with pytest.raises(ConfigError, match=r"^actor.strategy: cannot load 'my_engines:Nope': "):
+        load_config(overrides=["actor.strategy=my_engines:Nope"])
+    with pytest.raises(
+        ConfigError, match=r"my_engines:NotAnEngine is not a RolloutEngine subclass$"
+    ):
+        load_config(overrides=["rollout.backend=my_engines:NotAnEngine"])
+    with pytest.raises(ConfigError, match=r"cannot load 'no_such_module:X': No module named"):
+        load_config(overrides=["actor.strategy=no_such_module:X"])
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["actor.strategy=fsdp3"])
+    assert str(err.value) == (
+        "actor.strategy: 'fsdp3' is not allowed; use 'fsdp2', 'fsdp' or 'megatron'"
+    )
