@@ -20,8 +20,8 @@ START_TIMEOUT = 120.0
 _HEAD = textwrap.dedent(
     f"""
     import logging, sys
-    from rlwire.trainer.driver import _ray_environment
-    _ray_environment()
+    from rlwire.trainer.cluster import ray_environment
+    ray_environment()
     import ray
     context = ray.init(num_cpus={CPUS}, include_dashboard=False, logging_level=logging.ERROR)
     print(context.address_info["gcs_address"], flush=True)

@@ -14,7 +14,7 @@ import torch
 from trainer_cli import metrics, train_cli
 
 from rlwire.trainer.config import AsyncConfig, load_config
-from rlwire.trainer.fully_async import SampleQueue, max_stale_groups
+from rlwire.trainer.sample_queue import SampleQueue, max_stale_groups
 
 
 def _batches(step: int) -> list[tuple[str, str]]:
@@ -166,7 +166,7 @@ def test_async_section_keys_and_verl_alias():
 def test_gpu_layout_and_the_auto_checkpoint_engine(
     world, workers, gpus, mode, actors, rollouts, backend
 ):
-    from rlwire.trainer.driver import engine_backend, gpu_layout
+    from rlwire.trainer.cluster import engine_backend, gpu_layout
 
     layout = gpu_layout(world, workers, gpus, mode)
     if actors is None:
@@ -184,7 +184,8 @@ def test_gpu_layout_and_the_auto_checkpoint_engine(
 
 
 def test_fewer_gpus_than_actor_ranks_is_refused():
-    from rlwire.trainer.driver import RunError, gpu_layout
+    from rlwire.trainer.cluster import gpu_layout
+    from rlwire.trainer.errors import RunError
 
     with pytest.raises(RunError, match=r"^actor.world_size: 4 actor ranks need 4 GPUs \(NCCL"):
         gpu_layout(4, 1, 2, "colocated")

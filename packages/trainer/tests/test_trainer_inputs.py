@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rlwire.trainer.config import load_config
-from rlwire.trainer.driver import RunError, _rewards, load_data, load_reward, resolve_model
+from rlwire.trainer.errors import RunError
+from rlwire.trainer.inputs import load_data, load_reward, resolve_model, score
 
 
 def test_missing_model_directory(tmp_path):
@@ -56,8 +57,8 @@ def test_reward_from_file_and_import_errors(tmp_path):
         load_reward(load_config(overrides=["reward.function=justaname"]))
     broken = load_reward(load_config(overrides=[f"reward.function={f}:broken"]))
     with pytest.raises(RunError, match=r"returned \(1,\) values for 3 responses"):
-        _rewards(broken, ["p"] * 3, ["x"] * 3, ["a"] * 3)
-    assert torch.equal(_rewards(fn, ["p"], ["abc"], ["a"]), torch.tensor([3.0]))
+        score(broken, ["p"] * 3, ["x"] * 3, ["a"] * 3)
+    assert torch.equal(score(fn, ["p"], ["abc"], ["a"]), torch.tensor([3.0]))
 
 
 def test_parquet_data_and_a_row_missing_a_column_named(tmp_path):

@@ -20,9 +20,9 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def ray_local():
     pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
-    from rlwire.trainer.driver import _ray_environment
+    from rlwire.trainer.cluster import ray_environment
 
-    _ray_environment()
+    ray_environment()
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

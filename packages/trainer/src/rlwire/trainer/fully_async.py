@@ -1,242 +1,20 @@
-"""Fully-async mode: the sample queue between rollout workers and the trainer, with verl's
-staleness control.
-
-Units are prompt *groups* (one prompt with its ``rollout.n`` samples), because GRPO
-needs whole groups. With ``R`` groups per update (``data.train_batch_size``),
-``T = trigger_parameter_sync_step`` and ``S = staleness_threshold``:
-
-- a rollout worker asks :meth:`SampleQueue.next_task` what to do: generate a chunk of
-  groups, receive a weight update, wait (paused), or stop;
-- every group it starts counts toward ``stale``; workers pause while
-  ``stale >= R x T x (1 + S)`` (verl's ``max_required_samples``). After a weight sync
-  ``stale`` restarts from the groups still queued (now generated with old weights);
-- the trainer takes the ``R`` oldest groups per update with :meth:`SampleQueue.get`;
-  a group whose version lags the trainer's by more than ``max_version_lag`` is dropped
-  (and frees its place under the bound);
-- :meth:`SampleQueue.request_sync` makes every worker finish its chunk and join the
-  checkpoint engine's receive; once every worker reports the new version
-  (:meth:`SampleQueue.worker_synced`) generation resumes.
-
-Every wait is bounded: ``next_task`` answers ``wait`` after ``poll`` seconds so a worker
-never blocks on the queue indefinitely, and ``get`` gives up after its timeout.
-:class:`SampleQueue` is plain asyncio; the driver runs it as an async Ray actor.
-"""
+"""Fully-async mode: rollout workers keep generating into a :class:`SampleQueue` while the
+actor trains; weights go to them every ``async.trigger_parameter_sync_step`` updates."""
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import math
 import time
-from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SampleQueue", "max_stale_groups"]
+from .cluster import Watch
+from .errors import RunError
+from .job import Job
+from .rollout import collate
+from .sample_queue import SampleQueue
+
+__all__ = ["run_fully_async", "sync_due"]
 
 
-def max_stale_groups(groups_per_step: int, trigger_sync: int, staleness_threshold: float) -> int:
-    """verl's ``max_required_samples``: ``int(R x T x (1 + S))`` groups."""
-    return int(groups_per_step * trigger_sync * (1 + staleness_threshold))
-
-
-class SampleQueue:
-    """The bounded, versioned queue of prompt groups (see the module docstring)."""
-
-    def __init__(
-        self,
-        *,
-        batches: Callable[[int], list[tuple[str, str]]],
-        groups_per_step: int,
-        trigger_sync: int,
-        staleness_threshold: float,
-        max_version_lag: int,
-        num_workers: int,
-        start_version: int,
-        seed: int,
-        poll: float = 1.0,
-    ) -> None:
-        self.batches = batches
-        self.required = groups_per_step
-        self.bound = max_stale_groups(groups_per_step, trigger_sync, staleness_threshold)
-        self.max_lag = max_version_lag
-        self.chunk = max(1, math.ceil(groups_per_step / num_workers))
-        self.seed = seed
-        self.poll = poll
-        self.queue: collections.deque[dict] = collections.deque()
-        self.cond = asyncio.Condition()
-        self.version = start_version  # of the weights the workers were last synced to
-        self.stale = 0
-        self.in_flight = 0
-        self.next_group = start_version * groups_per_step  # the data position follows the step
-        self.sync_to: int | None = start_version  # workers start by receiving the weights
-        self.worker_versions = [-1] * num_workers
-        self.sync_info: list[dict] = [{} for _ in range(num_workers)]
-        self.receiving: set[int] = set()
-        self.stopping = False
-        self.dropped = 0
-        self.generated = 0
-        self.paused_s = [0.0] * num_workers
-
-    # --- the rollout workers' side -------------------------------------------------------
-    def _may_generate(self) -> bool:
-        return self.sync_to is None and self.stale < self.bound
-
-    async def next_task(self, worker: int) -> dict[str, Any]:
-        """What ``worker`` does next: ``generate``, ``sync``, ``wait`` or ``stop``.
-
-        Answers within ``poll`` seconds; time spent held back by the staleness bound
-        counts as this worker's paused time.
-        """
-        async with self.cond:
-            start = time.perf_counter()
-            paused = 0.0
-            try:
-                while True:
-                    if self.stopping:
-                        return {"kind": "stop"}
-                    if self.sync_to is not None and self.worker_versions[worker] != self.sync_to:
-                        self.receiving.add(worker)
-                        self.cond.notify_all()
-                        return {"kind": "sync", "version": self.sync_to}
-                    if self._may_generate():
-                        break
-                    left = self.poll - (time.perf_counter() - start)
-                    waited = time.perf_counter()
-                    held_by_bound = self.sync_to is None  # waiting for a sync is not a pause
-                    woke = left > 0 and await self._wait(None, left)
-                    if held_by_bound:
-                        paused += time.perf_counter() - waited
-                    if not woke:
-                        return {"kind": "wait"}
-            finally:
-                self.paused_s[worker] += paused
-            count = min(self.chunk, self.bound - self.stale)
-            first = self.next_group
-            self.next_group += count
-            self.stale += count
-            self.in_flight += count
-            items = [self._group(first + i) for i in range(count)]
-            return {
-                "kind": "generate",
-                "first": first,
-                "prompts": [p for p, _ in items],
-                "answers": [a for _, a in items],
-                "seed": self.seed * 7919 + first,
-            }
-
-    def _group(self, index: int) -> tuple[str, str]:
-        step, position = divmod(index, self.required)
-        return self.batches(step)[position]
-
-    async def put(self, worker: int, version: int, groups: list[dict]) -> None:
-        """Finished groups of one chunk, generated with weights ``version``."""
-        async with self.cond:
-            for group in groups:
-                group["version"] = version
-                group["worker"] = worker
-                self.queue.append(group)
-            self.in_flight -= len(groups)
-            self.generated += len(groups)
-            self.cond.notify_all()
-
-    async def worker_synced(self, worker: int, info: dict) -> None:
-        """``worker`` applied an update (``info``: its version and digest); once every
-        worker holds the requested version, generation resumes."""
-        async with self.cond:
-            self.worker_versions[worker] = info["version"]
-            self.sync_info[worker] = info
-            self.receiving.discard(worker)
-            if self.sync_to is not None and all(v == self.sync_to for v in self.worker_versions):
-                self.version, self.sync_to = self.sync_to, None
-                self._drop_lagging(self.version)
-                self.stale = len(self.queue) + self.in_flight
-            self.cond.notify_all()
-
-    # --- the trainer's side ----------------------------------------------------------------
-    def _drop_lagging(self, trainer_version: int) -> int:
-        kept = [g for g in self.queue if trainer_version - g["version"] <= self.max_lag]
-        dropped = len(self.queue) - len(kept)
-        self.queue = collections.deque(kept)
-        self.dropped += dropped
-        self.stale -= dropped  # dropped groups free their place under the bound
-        if dropped:
-            self.cond.notify_all()  # ... which may let a paused worker go on
-        return dropped
-
-    async def get(self, count: int, trainer_version: int, timeout: float) -> dict[str, Any]:
-        """The ``count`` oldest groups usable by the update of weights ``trainer_version``.
-
-        Returns ``{"groups", "dropped", "wait_s"}`` or ``{"timeout": True}`` after
-        ``timeout`` seconds (the caller decides how to fail).
-        """
-        start = time.perf_counter()
-        dropped = 0
-        async with self.cond:
-            while True:
-                dropped += self._drop_lagging(trainer_version)
-                if len(self.queue) >= count:
-                    break
-                left = timeout - (time.perf_counter() - start)
-                if left <= 0:
-                    return {"timeout": True, "queued": len(self.queue), "dropped": dropped}
-                await self._wait(None, min(left, self.poll))
-            groups = [self.queue.popleft() for _ in range(count)]
-        return {"groups": groups, "dropped": dropped, "wait_s": time.perf_counter() - start}
-
-    async def request_sync(self, version: int) -> None:
-        """Workers finish their chunk, then receive weights ``version``."""
-        async with self.cond:
-            self.sync_to = version
-            self.cond.notify_all()
-
-    async def _wait(self, predicate: Callable[[], bool] | None, timeout: float) -> bool:
-        """Wait (lock held) until ``predicate()``, or any notification when it is None;
-        False on timeout."""
-        waiting = self.cond.wait() if predicate is None else self.cond.wait_for(predicate)
-        try:
-            await asyncio.wait_for(waiting, timeout)
-        except TimeoutError:
-            return False
-        return True
-
-    async def wait_receiving(self, timeout: float) -> bool:
-        """True once every worker has entered the receive of the requested sync (or holds
-        its version already)."""
-
-        def ready() -> bool:
-            return all(
-                w in self.receiving or v == self.sync_to for w, v in enumerate(self.worker_versions)
-            )
-
-        async with self.cond:
-            return await self._wait(ready, timeout)
-
-    async def wait_synced(self, version: int, timeout: float) -> list[dict] | None:
-        """Each worker's sync info once all hold weights ``version``; None on timeout."""
-        async with self.cond:
-            done = await self._wait(
-                lambda: self.sync_to is None and self.version == version, timeout
-            )
-            return list(self.sync_info) if done else None
-
-    async def stop(self) -> None:
-        async with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-
-    async def stats(self) -> dict[str, Any]:
-        """Cumulative counters: paused seconds per worker, dropped and generated groups."""
-        return {
-            "paused_s": list(self.paused_s),
-            "dropped": self.dropped,
-            "generated": self.generated,
-            "queued": len(self.queue),
-            "stale": self.stale,
-            "bound": self.bound,
-        }
-
-
-# --- the driver's loop ----------------------------------------------------------------------
 def sync_due(step: int, trigger: int, steps: int) -> bool:
     """Whether the weights go to the rollout workers after update ``step`` (0-based).
 
@@ -246,12 +24,9 @@ def sync_due(step: int, trigger: int, steps: int) -> bool:
     return (step + 1) % trigger == 0 and step + 1 < steps
 
 
-def run_fully_async(job, bar) -> None:
+def run_fully_async(job: Job, bar) -> None:
     """Train on groups from the queue while the rollout workers keep generating."""
     import ray
-
-    from .driver import RunError, _Watch
-    from .rollout import collate
 
     config = job.config
     cfg = config.async_
@@ -269,13 +44,13 @@ def run_fully_async(job, bar) -> None:
         seed=config.trainer.seed,
     )
     loops = [r.run.remote(queue) for r in job.rollouts]
-    watch = _Watch(loops)
+    watch = Watch(loops)
     wait_s = cfg.sample_timeout
     sync_s = config.ckpt_engine.timeout + 30
 
     def sync(version: int, *, request: bool = True) -> dict[str, Any]:
         if request:
-            ray.get(queue.request_sync.remote(version))
+            watch.get(queue.request_sync.remote(version), timeout=wait_s, what="weight sync")
         if not watch.get(
             queue.wait_receiving.remote(wait_s), timeout=wait_s + 30, what="weight sync"
         ):
@@ -322,7 +97,7 @@ def run_fully_async(job, bar) -> None:
                 synced = sync(step + 1)
                 held = step + 1
             t_sync = time.perf_counter()
-            stats = ray.get(queue.stats.remote())
+            stats = watch.get(queue.stats.remote(), timeout=wait_s, what="sample queue")
             paused = sum(stats["paused_s"])
             record = {
                 **job.step_record(
@@ -342,7 +117,7 @@ def run_fully_async(job, bar) -> None:
             job.record(record, bar)
             bar.update(1)
             job.save_if_due(step + 1)
-        ray.get(queue.stop.remote())
+        ray.get(queue.stop.remote(), timeout=wait_s)
         watch.loops = []  # their ends are expected now
         ray.get(loops, timeout=wait_s)
     finally:

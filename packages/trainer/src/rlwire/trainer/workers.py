@@ -20,7 +20,8 @@ import torch
 
 from .actor import ActorEngine, actor_engine_class
 from .config import TrainerConfig
-from .rollout import rollout_engine_class
+from .rollout import Rollout, WeightsDigest, rollout_engine_class, split_groups
+from .step import compute_old_logprobs, grpo_update
 
 __all__ = ["ActorWorker", "RolloutWorker"]
 
@@ -97,9 +98,6 @@ class ActorWorker:
     # --- a training step -----------------------------------------------------------------
     def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Old log-probs (forward only), then one GRPO update over micro-batches."""
-        from .rollout import Rollout
-        from .step import compute_old_logprobs, grpo_update
-
         cfg, actor = self.config, self.actor
         if cfg.actor.offload:
             actor.reload()
@@ -206,8 +204,6 @@ class ActorWorker:
 
     def push_weights(self, version: int) -> dict[str, Any]:
         """Send the full weights as ``version`` (rank 0; the others join the gathers)."""
-        from .rollout import WeightsDigest
-
         wanted = self.config.ckpt_engine.digest and self.rank == 0  # only rank 0 reports
         digest = WeightsDigest() if wanted else None
 
@@ -309,8 +305,6 @@ class RolloutWorker:
     def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
         """The fully-async loop: generate, sync or wait as the queue says, until ``stop``."""
         import ray
-
-        from .rollout import split_groups
 
         chunks = 0
         while True:

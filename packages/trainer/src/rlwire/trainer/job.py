@@ -1,0 +1,238 @@
+"""One job: the Ray workers, scoring and updates, metrics, saves, weight syncs.
+
+Both modes (:mod:`rlwire.trainer.colocated`, :mod:`rlwire.trainer.fully_async`) run
+their loop on a :class:`Job`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from .cluster import Watch, cause, engine_backend, first_line, gpu_layout, placement
+from .errors import RunError
+from .grpo import group_advantages
+from .inputs import score
+from .rollout import rollout_engine_class
+from .workers import ActorWorker, RolloutWorker
+
+__all__ = ["Job"]
+
+log = logging.getLogger("rlwire.trainer")
+
+
+class Job:
+    """What both modes share: the Ray workers, the metrics file, scoring, updates, saves."""
+
+    def __init__(self, config, run_dir, model_path, batches, reward_fn, resume_from) -> None:
+        import ray
+
+        self.config, self.run_dir = config, run_dir
+        self.batches, self.reward_fn = batches, reward_fn
+        world, workers = config.actor.world_size, config.rollout.num_workers
+        self.world = world
+        cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+        layout = gpu_layout(world, workers, cluster_gpus, config.trainer.mode)
+        # colocated on GPUs, an engine that can sleep frees its memory while the actor
+        # trains (nothing to free elsewhere: no calls)
+        engine = rollout_engine_class(config.rollout.backend)
+        self.rollout_sleeps = engine.can_sleep and layout is not None
+        self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
+        place = placement(layout, config.ray.startup_timeout)
+        Actor = ray.remote(num_cpus=1)(ActorWorker)
+        Rollout = ray.remote(num_cpus=1)(RolloutWorker)
+        self.actors = [
+            Actor.options(**place("actor", r)).remote(config, model_path, r) for r in range(world)
+        ]
+        self.rollouts = [
+            Rollout.options(
+                name=f"rollout-{i}", namespace=self.namespace, **place("rollout", i)
+            ).remote(config, model_path, i, layout.rollout_share(i) if layout else 1.0)
+            for i in range(workers)
+        ]
+        gpus = f", sharing {layout.gpus} GPU(s)" if layout else ""
+        try:
+            master = ray.get(self.actors[0].address.remote(), timeout=config.ray.startup_timeout)
+            ready = [r.ready.remote() for r in self.rollouts]
+            if layout is not None:  # on GPUs the rollout engines measure free memory first
+                ray.get(ready, timeout=config.ray.startup_timeout)
+            ray.get(
+                [*[a.setup.remote(master) for a in self.actors], *ready],
+                timeout=config.ray.startup_timeout,
+            )
+        except ray.exceptions.GetTimeoutError:
+            raise RunError(
+                f"ray: the {world} actor ranks and {workers} rollout worker(s) (1 CPU each"
+                f"{gpus}) did not start within {config.ray.startup_timeout:g} s; the cluster "
+                f"has {ray.cluster_resources()}"
+            ) from None
+        except ray.exceptions.RayActorError as err:
+            raise RunError(f"ray: a worker failed to start: {first_line(err)}") from None
+        except ray.exceptions.RayTaskError as err:  # setup raised: the engine refused the config
+            raise RunError(f"actor setup failed: {first_line(cause(err))}") from None
+        # Every later call to a worker: bounded, and a dead worker stops the run at once.
+        self.watch = Watch([])
+        self.task_timeout = config.ray.task_timeout
+        described = self.watch.get(  # what the actor engine reports once (Megatron: DDP)
+            self.actors[0].describe.remote(), timeout=config.ray.startup_timeout, what="setup"
+        )
+        for line in described["info"]:
+            log.info("%s", line)
+        for warning in described["warnings"]:
+            log.warning("%s", warning)
+            print(f"rlwire-train: warning: {warning}", file=sys.stderr)
+        self.start_step = 0
+        if resume_from is not None:
+            loads = [a.load.remote(str(resume_from)) for a in self.actors]
+            self.start_step = self.call(loads, "loading the checkpoint")[0]
+            log.info("resumed from %s at step %d", resume_from, self.start_step)
+        # The checkpoint engine: actor rank 0 sends, rollout worker i receives as rank 1 + i.
+        if layout is not None:  # bundle indices, and the GPU ids Ray gave each process
+            ids = self.watch.get(
+                [w.gpu_ids.remote() for w in [*self.actors, *self.rollouts]],
+                timeout=config.ray.startup_timeout,
+                what="setup",
+            )
+            log.info(
+                "GPUs: actor ranks on bundles %s (Ray GPU ids %s), rollout workers on %s (%s)",
+                layout.actors,
+                ids[:world],
+                layout.rollouts,
+                ids[world:],
+            )
+        backend = engine_backend(config.ckpt_engine.backend, layout)
+        self.engine_backend = backend
+        log.info("checkpoint engine: %s", backend)
+        metadata = self.watch.get(
+            self.actors[0].engine_prepare.remote(backend),
+            timeout=config.ray.startup_timeout,
+            what="checkpoint engine setup",
+        )
+        size = 1 + workers
+        self.watch.get(
+            [
+                *[r.engine_init.remote(backend, size, metadata) for r in self.rollouts],
+                *[a.engine_init.remote(backend, size, metadata) for a in self.actors],
+            ],
+            timeout=config.ray.startup_timeout + config.ckpt_engine.timeout,
+            what="checkpoint engine setup",
+        )
+        self.metrics_path = run_dir / "metrics.jsonl"
+        if self.start_step == 0 and self.metrics_path.exists():
+            self.metrics_path.unlink()
+
+    def call(self, refs, what: str):
+        """Wait for calls to the workers, bounded by ``ray.task_timeout``; a failed or dead
+        worker stops the run at once with one line naming the call."""
+        return self.watch.get(refs, timeout=self.task_timeout, what=what)
+
+    def close(self) -> None:
+        """End every worker process now, without interpreter finalization.
+
+        ``ray.kill`` exits the process at once. A normal exit would finalize the
+        interpreter while the process group's gloo worker threads may still be dropping
+        Python references, which aborts the process ("terminate called without an active
+        exception"). Everything the run produced is written by the time this is called.
+        """
+        import ray
+
+        for worker in [*self.actors, *self.rollouts]:
+            ray.kill(worker, no_restart=True)
+
+    def update(self, generated: dict, prompts: list[str], answers: list[str]) -> dict[str, Any]:
+        """Score, compute advantages and run one update on every actor rank (one step)."""
+
+        n = self.config.rollout.n
+        texts = generated.pop("texts")
+        rewards = score(self.reward_fn, prompts, texts, answers)
+        advantages = group_advantages(rewards, n, norm_by_std=self.config.algorithm.norm_adv_by_std)
+        total = rewards.numel()
+        share = total // self.world
+        tensors = {k: v for k, v in generated.items() if isinstance(v, torch.Tensor)}
+        tensors["advantages"] = advantages
+        shards = [
+            {k: v[r * share : (r + 1) * share] for k, v in tensors.items()}
+            for r in range(self.world)
+        ]
+        results = self.call(
+            [a.train.remote(s) for a, s in zip(self.actors, shards, strict=True)], "update"
+        )
+        tokens = int(generated["response_mask"].sum())
+        return {
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.std().item(),
+            "response_length": tokens / total,
+            **{
+                k: sum(r[k] for r in results) / self.world
+                for k in (
+                    "policy_loss",
+                    "clip_fraction",
+                    "entropy",
+                    "kl_ref",
+                    "grad_norm",
+                    "kl_rollout",
+                )
+            },
+            "retained_grad_bytes": max(r["retained_grad_bytes"] for r in results),
+            "grad_sync_policy": results[0]["grad_sync_policy"],
+            "_tokens": tokens,
+        }
+
+    @staticmethod
+    def step_record(
+        step: int,
+        result: dict[str, Any],
+        times: tuple[float, float, float, float],
+        synced: dict[str, Any],
+        *,
+        samples: int,
+        version: int,
+        lags: list[int],
+    ) -> dict[str, Any]:
+        """The metrics both modes record: ``times`` are the step's start, samples ready,
+        update done and sync done; ``lags`` the version lag of each prompt group."""
+        t0, t_samples, t_update, t_sync = times
+        tokens = result.pop("_tokens")
+        return {
+            "step": step + 1,
+            **result,
+            "time_rollout_s": t_samples - t0,
+            "time_update_s": t_update - t_samples,
+            "time_weight_sync_s": t_sync - t_update,
+            "weight_sync_gbps": synced["weight_sync_gbps"],
+            "tokens_per_s": tokens / (t_sync - t0),
+            "samples_per_s": samples / (t_sync - t0),
+            "weight_version": version,
+            "version_lag_mean": sum(lags) / len(lags),
+            "version_lag_max": max(lags),
+            **(_digests(synced, synced["pulls"]) if synced["pulls"] else {}),
+        }
+
+    def record(self, record: dict[str, Any], bar) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        log.info("step %d %s", record["step"], json.dumps(record))
+        bar.set_postfix(reward=f"{record['reward_mean']:.3f}")
+
+    def save_if_due(self, done: int) -> None:
+
+        every, last = self.config.trainer.save_every, self.config.trainer.steps
+        if (every and done % every == 0) or done == last:
+            target = self.run_dir / "checkpoints" / f"step_{done}"
+            self.call([a.save.remote(str(target), done) for a in self.actors], "saving")
+            (target / "COMPLETE").write_text(str(done))
+
+
+def _digests(push: dict, pulls: list[dict]) -> dict[str, Any]:
+    if push.get("digest") is None:
+        return {}
+    return {
+        "weight_digest_actor": push["digest"],
+        "weight_digest_rollout": [p["digest"] for p in pulls],
+    }

@@ -1,0 +1,239 @@
+"""Fully-async mode: the sample queue between rollout workers and the trainer, with verl's
+staleness control.
+
+Units are prompt *groups* (one prompt with its ``rollout.n`` samples), because GRPO
+needs whole groups. With ``R`` groups per update (``data.train_batch_size``),
+``T = trigger_parameter_sync_step`` and ``S = staleness_threshold``:
+
+- a rollout worker asks :meth:`SampleQueue.next_task` what to do: generate a chunk of
+  groups, receive a weight update, wait (paused), or stop;
+- every group it starts counts toward ``stale``; workers pause while
+  ``stale >= R x T x (1 + S)`` (verl's ``max_required_samples``). After a weight sync
+  ``stale`` restarts from the groups still queued (now generated with old weights);
+- the trainer takes the ``R`` oldest groups per update with :meth:`SampleQueue.get`;
+  a group whose version lags the trainer's by more than ``max_version_lag`` is dropped
+  (and frees its place under the bound);
+- :meth:`SampleQueue.request_sync` makes every worker finish its chunk and join the
+  checkpoint engine's receive; once every worker reports the new version
+  (:meth:`SampleQueue.worker_synced`) generation resumes.
+
+Every wait is bounded: ``next_task`` answers ``wait`` after ``poll`` seconds so a worker
+never blocks on the queue indefinitely, and ``get`` gives up after its timeout.
+:class:`SampleQueue` is plain asyncio; the driver runs it as an async Ray actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["SampleQueue", "max_stale_groups"]
+
+
+def max_stale_groups(groups_per_step: int, trigger_sync: int, staleness_threshold: float) -> int:
+    """verl's ``max_required_samples``: ``int(R x T x (1 + S))`` groups."""
+    return int(groups_per_step * trigger_sync * (1 + staleness_threshold))
+
+
+class SampleQueue:
+    """The bounded, versioned queue of prompt groups (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        batches: Callable[[int], list[tuple[str, str]]],
+        groups_per_step: int,
+        trigger_sync: int,
+        staleness_threshold: float,
+        max_version_lag: int,
+        num_workers: int,
+        start_version: int,
+        seed: int,
+        poll: float = 1.0,
+    ) -> None:
+        self.batches = batches
+        self.required = groups_per_step
+        self.bound = max_stale_groups(groups_per_step, trigger_sync, staleness_threshold)
+        self.max_lag = max_version_lag
+        self.chunk = max(1, math.ceil(groups_per_step / num_workers))
+        self.seed = seed
+        self.poll = poll
+        self.queue: collections.deque[dict] = collections.deque()
+        self.cond = asyncio.Condition()
+        self.version = start_version  # of the weights the workers were last synced to
+        self.stale = 0
+        self.in_flight = 0
+        self.next_group = start_version * groups_per_step  # the data position follows the step
+        self.sync_to: int | None = start_version  # workers start by receiving the weights
+        self.worker_versions = [-1] * num_workers
+        self.sync_info: list[dict] = [{} for _ in range(num_workers)]
+        self.receiving: set[int] = set()
+        self.stopping = False
+        self.dropped = 0
+        self.generated = 0
+        self.paused_s = [0.0] * num_workers
+
+    # --- the rollout workers' side -------------------------------------------------------
+    def _may_generate(self) -> bool:
+        return self.sync_to is None and self.stale < self.bound
+
+    async def next_task(self, worker: int) -> dict[str, Any]:
+        """What ``worker`` does next: ``generate``, ``sync``, ``wait`` or ``stop``.
+
+        Answers within ``poll`` seconds; time spent held back by the staleness bound
+        counts as this worker's paused time.
+        """
+        async with self.cond:
+            start = time.perf_counter()
+            paused = 0.0
+            try:
+                while True:
+                    if self.stopping:
+                        return {"kind": "stop"}
+                    if self.sync_to is not None and self.worker_versions[worker] != self.sync_to:
+                        self.receiving.add(worker)
+                        self.cond.notify_all()
+                        return {"kind": "sync", "version": self.sync_to}
+                    if self._may_generate():
+                        break
+                    left = self.poll - (time.perf_counter() - start)
+                    waited = time.perf_counter()
+                    held_by_bound = self.sync_to is None  # waiting for a sync is not a pause
+                    woke = left > 0 and await self._wait(None, left)
+                    if held_by_bound:
+                        paused += time.perf_counter() - waited
+                    if not woke:
+                        return {"kind": "wait"}
+            finally:
+                self.paused_s[worker] += paused
+            count = min(self.chunk, self.bound - self.stale)
+            first = self.next_group
+            self.next_group += count
+            self.stale += count
+            self.in_flight += count
+            items = [self._group(first + i) for i in range(count)]
+            return {
+                "kind": "generate",
+                "first": first,
+                "prompts": [p for p, _ in items],
+                "answers": [a for _, a in items],
+                "seed": self.seed * 7919 + first,
+            }
+
+    def _group(self, index: int) -> tuple[str, str]:
+        step, position = divmod(index, self.required)
+        return self.batches(step)[position]
+
+    async def put(self, worker: int, version: int, groups: list[dict]) -> None:
+        """Finished groups of one chunk, generated with weights ``version``."""
+        async with self.cond:
+            for group in groups:
+                group["version"] = version
+                group["worker"] = worker
+                self.queue.append(group)
+            self.in_flight -= len(groups)
+            self.generated += len(groups)
+            self.cond.notify_all()
+
+    async def worker_synced(self, worker: int, info: dict) -> None:
+        """``worker`` applied an update (``info``: its version and digest); once every
+        worker holds the requested version, generation resumes."""
+        async with self.cond:
+            self.worker_versions[worker] = info["version"]
+            self.sync_info[worker] = info
+            self.receiving.discard(worker)
+            if self.sync_to is not None and all(v == self.sync_to for v in self.worker_versions):
+                self.version, self.sync_to = self.sync_to, None
+                self._drop_lagging(self.version)
+                self.stale = len(self.queue) + self.in_flight
+            self.cond.notify_all()
+
+    # --- the trainer's side ----------------------------------------------------------------
+    def _drop_lagging(self, trainer_version: int) -> int:
+        kept = [g for g in self.queue if trainer_version - g["version"] <= self.max_lag]
+        dropped = len(self.queue) - len(kept)
+        self.queue = collections.deque(kept)
+        self.dropped += dropped
+        self.stale -= dropped  # dropped groups free their place under the bound
+        if dropped:
+            self.cond.notify_all()  # ... which may let a paused worker go on
+        return dropped
+
+    async def get(self, count: int, trainer_version: int, timeout: float) -> dict[str, Any]:
+        """The ``count`` oldest groups usable by the update of weights ``trainer_version``.
+
+        Returns ``{"groups", "dropped", "wait_s"}`` or ``{"timeout": True}`` after
+        ``timeout`` seconds (the caller decides how to fail).
+        """
+        start = time.perf_counter()
+        dropped = 0
+        async with self.cond:
+            while True:
+                dropped += self._drop_lagging(trainer_version)
+                if len(self.queue) >= count:
+                    break
+                left = timeout - (time.perf_counter() - start)
+                if left <= 0:
+                    return {"timeout": True, "queued": len(self.queue), "dropped": dropped}
+                await self._wait(None, min(left, self.poll))
+            groups = [self.queue.popleft() for _ in range(count)]
+        return {"groups": groups, "dropped": dropped, "wait_s": time.perf_counter() - start}
+
+    async def request_sync(self, version: int) -> None:
+        """Workers finish their chunk, then receive weights ``version``."""
+        async with self.cond:
+            self.sync_to = version
+            self.cond.notify_all()
+
+    async def _wait(self, predicate: Callable[[], bool] | None, timeout: float) -> bool:
+        """Wait (lock held) until ``predicate()``, or any notification when it is None;
+        False on timeout."""
+        waiting = self.cond.wait() if predicate is None else self.cond.wait_for(predicate)
+        try:
+            await asyncio.wait_for(waiting, timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def wait_receiving(self, timeout: float) -> bool:
+        """True once every worker has entered the receive of the requested sync (or holds
+        its version already)."""
+
+        def ready() -> bool:
+            return all(
+                w in self.receiving or v == self.sync_to for w, v in enumerate(self.worker_versions)
+            )
+
+        async with self.cond:
+            return await self._wait(ready, timeout)
+
+    async def wait_synced(self, version: int, timeout: float) -> list[dict] | None:
+        """Each worker's sync info once all hold weights ``version``; None on timeout."""
+        async with self.cond:
+            done = await self._wait(
+                lambda: self.sync_to is None and self.version == version, timeout
+            )
+            return list(self.sync_info) if done else None
+
+    async def stop(self) -> None:
+        async with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+    async def stats(self) -> dict[str, Any]:
+        """Cumulative counters: paused seconds per worker, dropped and generated groups."""
+        return {
+            "paused_s": list(self.paused_s),
+            "dropped": self.dropped,
+            "generated": self.generated,
+            "queued": len(self.queue),
+            "stale": self.stale,
+            "bound": self.bound,
+        }
+
+
+# --- the driver's loop ----------------------------------------------------------------------

@@ -1,0 +1,392 @@
+"""The sections of the trainer's configuration: typed, documented dataclasses, each
+validating its own values (``ConfigError`` names the key, the value and what is allowed).
+:mod:`rlwire.trainer.config` assembles them and reads files and overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, parse_bucket_size
+
+from .actor.base import ACTOR_ENGINES, actor_engine_class
+from .rollout.base import ROLLOUT_ENGINES, rollout_engine_class
+
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "AsyncConfig",
+    "CheckpointEngineConfig",
+    "ConfigError",
+    "DataConfig",
+    "GradSyncSection",
+    "MegatronSection",
+    "ModelConfig",
+    "OptimConfig",
+    "RayConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainerSection",
+    "VLLMSection",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is not allowed; the message names the key."""
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {value!r} is not allowed; {allowed}")
+
+
+def _check_choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
+    """``value`` must be one of ``choices`` (the message lists them: "use 'a', 'b' or 'c'")."""
+    quoted = [repr(c) for c in choices]
+    listed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    _check(value in choices, key, value, f"use {listed}")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str = "tiny"
+    """A local Hugging Face model directory, or ``tiny``: a small Qwen2-architecture
+    model with random weights and a matching tokenizer, built locally (no
+    download) and cached under the output directory."""
+    dtype: str = "float32"
+    """Parameter dtype of the actor and of the rollout copy it updates: ``float32`` or
+    ``bfloat16``."""
+
+    def __post_init__(self) -> None:
+        _check_choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: str = "builtin:repeat"
+    """``builtin:repeat`` (the built-in verifiable task: answer a letter with that
+    letter, partial credit per character) or a JSONL/Parquet file."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt in a user file."""
+    answer_key: str = "answer"
+    """Column holding the ground truth in a user file."""
+    train_batch_size: int = 8
+    """Prompts per step (each sampled ``rollout.n`` times)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.train_batch_size >= 1,
+            "data.train_batch_size",
+            self.train_batch_size,
+            "use an int >= 1",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    function: str = "builtin"
+    """``builtin`` (the task's own partial-credit reward), ``module.path:function``
+    or ``file.py:function``; called as ``f(prompts, responses, answers) -> list[float]``."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 3e-3
+    """AdamW learning rate (suits the built-in tiny model; real models want ~1e-6)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "actor.optim.lr", self.lr, "use a float > 0")
+        _check(self.grad_clip >= 0, "actor.optim.grad_clip", self.grad_clip, "use a float >= 0")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GradSyncSection:
+    policy: str = "defer"
+    """``defer`` (one reduction per step, unsharded grads held between
+    micro-batches), ``every`` (reduce each micro-batch) or ``auto``; see
+    ``rlwire.grad_sync``. verl's ``actor.fsdp.use_no_sync_for_gradient_accumulation``
+    (True → defer, False → every) is accepted as an alias."""
+    memory_budget_bytes: int | None = None
+    """Budget for ``auto`` (None: half the free device memory; defer on CPU)."""
+
+    def __post_init__(self) -> None:
+        _check_choice(self.policy, "actor.grad_sync.policy", ("defer", "every", "auto"))
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class MegatronSection:
+    use_distributed_optimizer: bool = True
+    """Megatron's distributed optimizer: optimizer state and fp32 main parameters sharded
+    over the data-parallel ranks (works on gloo/CPU too)."""
+    optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Megatron ``OptimizerConfig`` fields beyond ``actor.optim`` (which gives ``lr``,
+    ``weight_decay`` and ``clip_grad``), e.g. ``use_precision_aware_optimizer``,
+    ``main_grads_dtype``; dtypes as strings (``bf16``, ``fp32``)."""
+    override_optimizer_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``OptimizerConfig`` fields applied last (verl's ``override_optimizer_config``)."""
+    override_ddp_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``DistributedDataParallelConfig`` fields; they win over the gradient dtype
+    ``rlwire.megatron_ddp`` derives from the optimizer (e.g. ``grad_reduce_in_fp32``,
+    ``bucket_size``, ``overlap_grad_reduce``)."""
+    tensor_model_parallel_size: int = 1
+    """Only 1: this engine is data parallel (TP needs Megatron's own model code)."""
+    pipeline_model_parallel_size: int = 1
+    """Only 1: this engine is data parallel (PP needs Megatron's own model code)."""
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            _check(
+                getattr(self, key) == 1,
+                f"actor.megatron.{key}",
+                getattr(self, key),
+                "the Megatron engine is data parallel only (tensor and pipeline parallelism "
+                "are out of scope); use 1 and scale with actor.world_size",
+            )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ActorConfig:
+    strategy: str = "fsdp2"
+    """The actor engine: ``fsdp2`` (``fully_shard``), ``fsdp`` (FSDP1), ``megatron``
+    (Megatron-Core DDP and optimizer; extra ``rlwire-trainer[megatron]``), or a dotted path
+    ``package.module:Class`` to a ``rlwire.trainer.actor.ActorEngine`` subclass (imported
+    when the config loads, and in every actor process)."""
+    world_size: int = 1
+    """Actor ranks (Ray actors forming a gloo/NCCL group)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank."""
+    mixed_precision: bool = False
+    """bf16 compute with fp32 gradient reduction (FSDP MixedPrecisionPolicy)."""
+    offload: bool = False
+    """Move parameters and optimizer state to host between phases (``rlwire.offload``)."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    grad_sync: GradSyncSection = dataclasses.field(default_factory=GradSyncSection)
+    megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
+
+    def __post_init__(self) -> None:
+        if ":" in self.strategy:  # a third party's engine: import it now, fail early
+            try:
+                actor_engine_class(self.strategy)
+            except (ImportError, ValueError) as err:
+                raise ConfigError(f"actor.strategy: cannot load {self.strategy!r}: {err}") from None
+        else:
+            _check_choice(self.strategy, "actor.strategy", tuple(ACTOR_ENGINES))
+        _check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
+        _check(
+            self.micro_batch_size >= 1,
+            "actor.micro_batch_size",
+            self.micro_batch_size,
+            "use an int >= 1",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class VLLMSection:
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache size of each vLLM engine in bytes. None: on GPUs sized from
+    ``gpu_memory_utilization``; on CPUs 64 MiB (enough for the tiny job; sizing from
+    memory would claim most of the machine)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the GPU's memory vLLM may use (weights and KV cache; vLLM checks at start
+    that this much is free), split evenly between the rollout workers on one GPU."""
+    max_model_len: int | None = None
+    """Longest prompt + response (None: the model's own limit)."""
+    enforce_eager: bool = True
+    """No CUDA graphs / compilation: fast start, slower decoding on GPUs."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "rollout.vllm.kv_cache_memory_bytes",
+            self.kv_cache_memory_bytes,
+            "use an int > 0 or null",
+        )
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            "rollout.vllm.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "use a float in (0, 1]",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    backend: str = "hf"
+    """Generation engine: ``hf`` (Hugging Face ``generate`` on a plain copy of the
+    policy), ``vllm`` (a live ``vllm.LLM`` engine; extra ``rlwire-trainer[vllm]``), or a
+    dotted path ``package.module:Class`` to a ``rlwire.trainer.rollout.RolloutEngine``
+    subclass (imported when the config loads, and in every rollout worker)."""
+    num_workers: int = 1
+    """Rollout workers (Ray actors), each with its own engine; all receive every weight
+    update through the checkpoint engine."""
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    max_new_tokens: int = 8
+    """Tokens generated per sample."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+    vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
+
+    def __post_init__(self) -> None:
+        if ":" in self.backend:  # a third party's engine: import it now, fail early
+            try:
+                rollout_engine_class(self.backend)
+            except (ImportError, ValueError) as err:
+                raise ConfigError(f"rollout.backend: cannot load {self.backend!r}: {err}") from None
+        else:
+            _check_choice(self.backend, "rollout.backend", tuple(ROLLOUT_ENGINES))
+        _check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
+        _check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")
+        _check(
+            self.max_new_tokens >= 1,
+            "rollout.max_new_tokens",
+            self.max_new_tokens,
+            "use an int >= 1",
+        )
+        _check(self.temperature > 0, "rollout.temperature", self.temperature, "use a float > 0")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    clip_ratio: float = 0.2
+    """PPO clip range epsilon: ratios outside [1 - eps, 1 + eps] stop contributing."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to a frozen reference policy (the initial weights);
+    0 turns the reference model off (not loaded, no extra forward pass)."""
+    loss_agg: str = "token-mean"
+    """``token-mean`` (every token of the batch weighs the same) or
+    ``seq-mean-token-mean`` (mean over each sequence, then over sequences)."""
+    norm_adv_by_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO);
+    False keeps the plain centred reward (Dr. GRPO)."""
+
+    def __post_init__(self) -> None:
+        _check(
+            0 < self.clip_ratio < 1,
+            "algorithm.clip_ratio",
+            self.clip_ratio,
+            "use a float in (0, 1)",
+        )
+        _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "use a float >= 0")
+        _check_choice(self.loss_agg, "algorithm.loss_agg", ("token-mean", "seq-mean-token-mean"))
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CheckpointEngineConfig:
+    backend: str = "auto"
+    """A ``rlwire.ckpt_engine`` backend name, or ``auto``: ``gloo`` on CPUs, ``cuda_ipc``
+    when every rollout worker shares actor rank 0's GPU, ``nccl`` when every member has a
+    GPU of its own, else ``gloo``."""
+    bucket_size: str | None = None
+    """Bytes per bucket (``rlwire.ckpt_engine.parse_bucket_size`` syntax: ``512MiB``,
+    ``2GB``, bytes, or ``auto``); None takes the library's default
+    (``rlwire.ckpt_engine.DEFAULT_BUCKET_SIZE``). Checked when the config is loaded."""
+    timeout: float = DEFAULT_TIMEOUT_S
+    """Seconds any weight-sync wait may block before the run stops with an error (the
+    library's default, ``rlwire.ckpt_engine.DEFAULT_TIMEOUT_S``)."""
+    digest: bool = False
+    """After every sync, hash the weights on the sending and on each receiving side
+    (SHA-256 of the fp32 bytes; ``hf`` backend) and record both in the metrics. Costs
+    one pass over the weights per side; for checking that updates really arrive."""
+
+    def __post_init__(self) -> None:
+        try:
+            parse_bucket_size(self.bucket_size)
+        except ValueError as err:  # "bucket_size: ... is not allowed; use ..."
+            raise ConfigError(f"ckpt_engine.{err}") from None
+        _check(self.timeout > 0, "ckpt_engine.timeout", self.timeout, "use seconds > 0")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class AsyncConfig:
+    staleness_threshold: float = 1.0
+    """verl's bound on stale samples (``trainer.mode=fully_async``): rollout workers pause
+    once ``R x T x (1 + staleness_threshold)`` prompt groups were started since the last
+    weight sync (counting those still queued at it), where ``R`` is
+    ``data.train_batch_size`` and ``T`` is ``trigger_parameter_sync_step``. 0 makes every
+    update wait for fresh samples."""
+    trigger_parameter_sync_step: int = 1
+    """Push weights to the rollout workers after every this many updates."""
+    max_version_lag: int | None = None
+    """Groups generated more than this many versions before the weights being updated
+    are dropped (counted as ``dropped_samples``). None: ``T x (1 + ceil(S)) - 1``, the
+    most the bound above allows, so nothing is dropped in a steady run."""
+    sample_timeout: float = 600.0
+    """Seconds the trainer may wait for one step's samples before the run stops."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.staleness_threshold >= 0,
+            "async.staleness_threshold",
+            self.staleness_threshold,
+            "use a float >= 0",
+        )
+        _check(
+            self.trigger_parameter_sync_step >= 1,
+            "async.trigger_parameter_sync_step",
+            self.trigger_parameter_sync_step,
+            "use an int >= 1",
+        )
+        _check(
+            self.max_version_lag is None or self.max_version_lag >= 0,
+            "async.max_version_lag",
+            self.max_version_lag,
+            "use an int >= 0 or null",
+        )
+        _check(self.sample_timeout > 0, "async.sample_timeout", self.sample_timeout, "use > 0")
+
+    def version_lag_bound(self) -> int:
+        """The largest version lag a consumed group may have."""
+        if self.max_version_lag is not None:
+            return self.max_version_lag
+        t = self.trigger_parameter_sync_step
+        return t * (1 + math.ceil(self.staleness_threshold)) - 1
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainerSection:
+    mode: str = "colocated"
+    """``colocated`` (generate, then update, then sync: every sample is on-policy) or
+    ``fully_async`` (rollout workers generate continuously into a bounded queue while
+    the actor trains; see the ``async`` section)."""
+    steps: int = 100
+    """Optimizer steps to run (the embedded job: about a minute on 2 CPU cores)."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    output_dir: str = "runs/default"
+    """Run directory: config, metrics.jsonl, plot, log, checkpoints."""
+    save_every: int = 25
+    """Checkpoint every this many steps (0: only at the end)."""
+    resume: str = "auto"
+    """``auto`` (latest checkpoint in output_dir, if any), ``never``, or a checkpoint path."""
+
+    def __post_init__(self) -> None:
+        _check_choice(self.mode, "trainer.mode", ("colocated", "fully_async"))
+        _check(self.steps >= 1, "trainer.steps", self.steps, "use an int >= 1")
+        _check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RayConfig:
+    address: str | None = None
+    """An existing cluster (``ray://...`` or ``host:port``); None: ``RAY_ADDRESS`` or local."""
+    num_cpus: int | None = None
+    """CPUs of the embedded local cluster (None: all, and at least one per worker)."""
+    num_gpus: int | None = None
+    """GPUs of the embedded local cluster (None: Ray detects them)."""
+    startup_timeout: float = 120.0
+    """Seconds for the workers to be scheduled and start before the run stops."""
+    task_timeout: float = 3600.0
+    """Seconds any one call to the workers may take (a generation, an update, a save)
+    before the run stops with an error naming it. Weight syncs are bounded by
+    ``ckpt_engine.timeout`` per wait instead (a large model may take longer in all)."""
+
+    def __post_init__(self) -> None:
+        for key in ("startup_timeout", "task_timeout"):
+            value = getattr(self, key)
+            _check(value > 0, f"ray.{key}", value, "use seconds > 0")
