@@ -429,3 +429,22 @@ def test_apply_to_module_lists_unknown_and_missing_names():
         "apply_to_module: update does not match the module; unknown names: "
         "['head.w']; missing names: ['lin.bias', 'steps']"
     )
+
+
+def test_capabilities_are_known_without_building_the_backend():
+    from rlwire.ckpt_engine import BackendCapabilities
+
+    cap = {name: registry.capabilities(name) for name in registry.available()}
+    assert cap["shm"] == BackendCapabilities(device_type="cpu", uses_store=True, zero_copy=True)
+    assert cap["gloo"] == BackendCapabilities(device_type="cpu", uses_store=True, zero_copy=False)
+    assert (
+        cap["naive"]
+        == cap["filesystem"]
+        == BackendCapabilities(device_type="cpu", uses_store=False, zero_copy=False)
+    )
+    # Known here even where they cannot be built (no CUDA, no torch_npu on this machine).
+    assert cap["nccl"] == cap["cuda_ipc"] == BackendCapabilities("cuda", True, False)
+    assert cap["hccl"] == BackendCapabilities("npu", True, False)
+    assert CheckpointEngineRegistry.capabilities("shm") == cap["shm"]  # verl-style, on the class
+    with pytest.raises(ValueError, match="^unknown checkpoint engine 'pigeon'"):
+        registry.capabilities("pigeon")

@@ -54,7 +54,9 @@ def test_unknown_key_lists_valid_keys_and_closest_match():
         ),
         (
             "actor.grad_sync.policy=sometimes",
-            "actor.grad_sync.policy: 'sometimes' is not allowed; use 'defer', 'every' or 'auto'",
+            # rlwire.grad_sync's own check (the trainer embeds its GradSyncConfig)
+            "actor.grad_sync.policy: 'sometimes' is not a gradient-sync policy; "
+            "allowed: 'defer', 'every', 'auto'",
         ),
         ("actor.offload=yes please", "actor.offload: 'yes please' is not a bool"),
         ("actor=3", "actor: expected a section (mapping), got 3"),

@@ -11,11 +11,17 @@ from __future__ import annotations
 from ._apply import apply_to_module
 from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
 from ._errors import CheckpointEngineError, CheckpointEngineTimeout
-from ._registry import CheckpointEngineRegistry, backend_for_device, registry
+from ._registry import (
+    BackendCapabilities,
+    CheckpointEngineRegistry,
+    backend_for_device,
+    registry,
+)
 from ._sizes import DEFAULT_BUCKET_SIZE, parse_bucket_size
 
 __all__ = [
     "DEFAULT_BUCKET_SIZE",
+    "BackendCapabilities",
     "DEFAULT_TIMEOUT_S",
     "CheckpointEngine",
     "CheckpointEngineError",

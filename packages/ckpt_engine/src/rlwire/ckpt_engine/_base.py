@@ -72,6 +72,15 @@ class CheckpointEngine(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+    # Capabilities, read by callers without building an engine (registry.capabilities):
+    device_type: ClassVar[str] = "cpu"
+    """Where buckets live, so where ``send_weights`` wants its tensors: ``cpu``, ``cuda``
+    or ``npu``."""
+    uses_store: ClassVar[bool] = False
+    """Receivers connect to a TCP store on the master: pass a ``host`` they can reach."""
+    zero_copy: ClassVar[bool] = False
+    """``share_weights`` moves the sender's tensors into shared memory once; later updates
+    send them without packing and receivers read them in place."""
 
     def __init__(
         self,

@@ -62,6 +62,8 @@ class StoreControlledEngine(BucketedEngine):
         host: address receivers use to reach the master's store.
     """
 
+    uses_store = True
+
     def __init__(self, *, host: str = "127.0.0.1", **kwargs) -> None:
         super().__init__(**kwargs)
         self.host = host

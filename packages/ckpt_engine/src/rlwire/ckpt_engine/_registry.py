@@ -8,11 +8,18 @@ import importlib.metadata
 import importlib.util
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ._base import CheckpointEngine
 
-__all__ = ["ENTRY_POINT_GROUP", "CheckpointEngineRegistry", "backend_for_device", "registry"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "BackendCapabilities",
+    "CheckpointEngineRegistry",
+    "backend_for_device",
+    "registry",
+]
 
 ENTRY_POINT_GROUP = "rlwire.ckpt_engine.backends"
 
@@ -56,6 +63,18 @@ def backend_for_device(device_type: str) -> str:
         raise ValueError(
             f"device_type: {device_type!r} has no default backend; known: {known}"
         ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCapabilities:
+    """What a backend offers, known without building it (see :class:`CheckpointEngine`)."""
+
+    device_type: str
+    """Where its buckets live: ``cpu``, ``cuda`` or ``npu``."""
+    uses_store: bool
+    """Receivers connect to a TCP store on the master (give the master a reachable ``host``)."""
+    zero_copy: bool
+    """It offers ``share_weights`` (the sender's tensors in shared memory, read in place)."""
 
 
 class _ClassOrInstance:
@@ -178,6 +197,26 @@ class CheckpointEngineRegistry:
             self._classes[name] = cls
             self._lazy.pop(name, None)
         return cls
+
+    @_ClassOrInstance
+    def capabilities(self, name: str) -> BackendCapabilities:
+        """What backend ``name`` offers, also where it cannot be built (no CUDA here, say).
+
+        Raises:
+            ValueError: unknown name (as :meth:`get`).
+            ImportError: its module needs a package that is missing.
+        """
+        self._load_entry_points()
+        if name in self._classes:
+            cls = self._classes[name]
+        elif name in self._lazy:
+            module_name, _, attr = self._lazy[name][0].partition(":")
+            cls = getattr(importlib.import_module(module_name), attr)
+        else:
+            return self.capabilities(self.get(name).name)  # raises the unknown-name error
+        return BackendCapabilities(
+            device_type=cls.device_type, uses_store=cls.uses_store, zero_copy=cls.zero_copy
+        )
 
     @_ClassOrInstance
     def new(self, name: str, **kwargs: Any) -> CheckpointEngine:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import enum
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -25,7 +26,6 @@ from .sections import (
     CheckpointEngineConfig,
     ConfigError,
     DataConfig,
-    GradSyncSection,
     MegatronSection,
     ModelConfig,
     OptimConfig,
@@ -44,7 +44,6 @@ __all__ = [
     "CheckpointEngineConfig",
     "ConfigError",
     "DataConfig",
-    "GradSyncSection",
     "MegatronSection",
     "ModelConfig",
     "OptimConfig",
@@ -104,12 +103,16 @@ def _key(field_name: str) -> str:
 PREFIX_ALIAS = ("async_training.", "async.")
 
 
+def _plain(value: Any) -> Any:
+    """A value as YAML and JSON write it: enums (a library's policy) by their value."""
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def to_dict(config: Any) -> dict:
     """A nested plain dict of a config (for YAML, JSON and ``--print-config``)."""
-    return {
-        _key(f.name): (to_dict(v) if dataclasses.is_dataclass(v := getattr(config, f.name)) else v)
-        for f in dataclasses.fields(config)
-    }
+    return {_key(f.name): _plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
 
 
 def _parse_scalar(text: str) -> Any:
@@ -188,6 +191,10 @@ def _merge(cls: type, base: Any, updates: Mapping[str, Any], prefix: str) -> Any
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:
+        # A library's config names its own fields ("GradSyncConfig.policy: ..."): ours.
+        message = str(err).replace(f"{cls.__name__}.", prefix)
+        if message != str(err):
+            raise ConfigError(message) from None
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {err}") from err
 
 
@@ -296,7 +303,7 @@ def describe_config() -> str:
                 continue
             kind = getattr(hints[f.name], "__name__", str(hints[f.name])).replace("|", "or")
             key, doc = f"{prefix}{_key(f.name)}", docs.get(f.name, "")
-            rows.append(f"| `{key}` | {kind} | `{value!r}` | {doc} |")
+            rows.append(f"| `{key}` | {kind} | `{_plain(value)!r}` | {doc} |")
         if rows:
             lines.append(f"\n### `{prefix.rstrip('.')}`\n")
             lines.append("| key | type | default | meaning |\n|---|---|---|---|")

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, parse_bucket_size
+from rlwire.grad_sync import GradSyncConfig
 
 from .actor.base import ACTOR_ENGINES, actor_engine_class
 from .rollout.base import ROLLOUT_ENGINES, rollout_engine_class
@@ -20,7 +21,6 @@ __all__ = [
     "CheckpointEngineConfig",
     "ConfigError",
     "DataConfig",
-    "GradSyncSection",
     "MegatronSection",
     "ModelConfig",
     "OptimConfig",
@@ -105,20 +105,6 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class GradSyncSection:
-    policy: str = "defer"
-    """``defer`` (one reduction per step, unsharded grads held between
-    micro-batches), ``every`` (reduce each micro-batch) or ``auto``; see
-    ``rlwire.grad_sync``. verl's ``actor.fsdp.use_no_sync_for_gradient_accumulation``
-    (True → defer, False → every) is accepted as an alias."""
-    memory_budget_bytes: int | None = None
-    """Budget for ``auto`` (None: half the free device memory; defer on CPU)."""
-
-    def __post_init__(self) -> None:
-        _check_choice(self.policy, "actor.grad_sync.policy", ("defer", "every", "auto"))
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
 class MegatronSection:
     use_distributed_optimizer: bool = True
     """Megatron's distributed optimizer: optimizer state and fp32 main parameters sharded
@@ -153,7 +139,7 @@ class MegatronSection:
 class ActorConfig:
     strategy: str = "fsdp2"
     """The actor engine: ``fsdp2`` (``fully_shard``), ``fsdp`` (FSDP1), ``megatron``
-    (Megatron-Core DDP and optimizer; extra ``rlwire-trainer[megatron]``), or a dotted path
+    (Megatron-Core DDP and optimizer, through ``rlwire-megatron-ddp``), or a dotted path
     ``package.module:Class`` to a ``rlwire.trainer.actor.ActorEngine`` subclass (imported
     when the config loads, and in every actor process)."""
     world_size: int = 1
@@ -165,7 +151,11 @@ class ActorConfig:
     offload: bool = False
     """Move parameters and optimizer state to host between phases (``rlwire.offload``)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    grad_sync: GradSyncSection = dataclasses.field(default_factory=GradSyncSection)
+    grad_sync: GradSyncConfig = dataclasses.field(default_factory=GradSyncConfig)
+    """``rlwire.grad_sync``'s own config (``policy``: ``defer``, ``every`` or ``auto``;
+    ``memory_budget_bytes`` for ``auto``). verl's
+    ``actor.fsdp.use_no_sync_for_gradient_accumulation`` (True → defer, False → every) is
+    accepted as an alias."""
     megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
 
     def __post_init__(self) -> None:

@@ -135,10 +135,7 @@ class ActorWorker:
             temperature=temperature,
             clip_ratio=cfg.algorithm.clip_ratio,
             loss_agg=cfg.algorithm.loss_agg,
-            grad_sync={
-                "policy": cfg.actor.grad_sync.policy,
-                "memory_budget_bytes": cfg.actor.grad_sync.memory_budget_bytes,
-            },
+            grad_sync=cfg.actor.grad_sync,
             ref_logprobs=ref,
             kl_coef=cfg.algorithm.kl_coef,
             optimizer_step=actor.optimizer_step,
@@ -168,8 +165,8 @@ class ActorWorker:
 
         if self.rank != 0:
             return {}
-        # Backends whose receivers reach the master's store: at this node's address.
-        where = {"host": _host()} if backend in ("gloo", "nccl", "shm", "cuda_ipc") else {}
+        # Receivers of a store-controlled backend reach the master's store at this node.
+        where = {"host": _host()} if registry.capabilities(backend).uses_store else {}
         self.engine = registry.new(
             backend,
             is_master=True,

@@ -71,6 +71,7 @@ class CudaIpcEngine(StoreControlledEngine):
     """
 
     name = "cuda_ipc"
+    device_type = "cuda"
 
     def __init__(self, *, device: torch.device | str | None = None, **kwargs) -> None:
         self.device = cuda_device(device, "cuda_ipc")

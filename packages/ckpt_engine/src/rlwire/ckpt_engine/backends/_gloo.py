@@ -28,6 +28,7 @@ class GlooEngine(BucketedEngine):
     """
 
     name = "gloo"
+    uses_store = True
 
     def __init__(self, *, host: str = "127.0.0.1", **kwargs) -> None:
         super().__init__(**kwargs)

@@ -40,6 +40,7 @@ class ShmEngine(StoreControlledEngine):
     """
 
     name = "shm"
+    zero_copy = True
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
