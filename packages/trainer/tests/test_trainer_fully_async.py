@@ -68,7 +68,10 @@ async def _simulate(
     for step in range(steps):
         got = await queue.get(required, step, timeout=5)
         assert "groups" in got, got
-        consumed += [(step, g["version"], g["prompt"]) for g in got["groups"]]
+        consumed += [
+            (step, version, g["prompt"])
+            for version, g in zip(got["versions"], got["groups"], strict=True)
+        ]
         await asyncio.sleep(rng.uniform(0.001, 0.01))  # the update
         if (step + 1) % trigger == 0:
             await queue.request_sync(step + 1)

@@ -43,20 +43,32 @@ def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy(ray_cluster, tmp_pat
     assert records[0]["weight_digest_actor"] != records[1]["weight_digest_actor"]
 
 
-def test_ray_places_actor_ranks_on_distinct_gpus_and_workers_beside_them(tmp_path):
+def test_two_nodes_place_ranks_on_their_gpus_and_nodes_at_node_addresses(tmp_path):
+    """Two simulated nodes (``ray.cluster_utils.Cluster``) with one logical GPU each: the
+    processes compute on the CPU here, but the placement is Ray's own, asked for as on GPUs."""
     import ast
     import re
 
-    # Ray's logical GPUs (the processes still compute on the CPU here): the placement is
-    # Ray's own, one bundle per GPU, asked for as it would be on a GPU machine.
-    train_cli(
-        tmp_path / "gpus",
-        "ray.num_gpus=2",
-        "actor.world_size=2",
-        "rollout.num_workers=2",
-        "ckpt_engine.backend=gloo",
-        "trainer.steps=1",
-    )
+    from ray.cluster_utils import Cluster
+
+    from rlwire.trainer.cluster import ray_environment
+
+    ray_environment()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1})
+    try:
+        cluster.add_node(num_cpus=2, num_gpus=1)
+        cluster.wait_for_nodes()
+        train_cli(
+            tmp_path / "gpus",
+            "actor.world_size=2",
+            "rollout.num_workers=2",
+            "ckpt_engine.backend=gloo",
+            "trainer.steps=1",
+            cluster=cluster.address,
+        )
+        node_ips = {node.node_ip_address for node in cluster.list_all_nodes()}
+    finally:
+        cluster.shutdown()
     log = (tmp_path / "gpus" / "train.log").read_text()
     found = re.search(
         r"GPUs: actor ranks on bundles \[0, 1\] \(Ray GPU ids (\[.*?\]\])\), "
@@ -66,5 +78,15 @@ def test_ray_places_actor_ranks_on_distinct_gpus_and_workers_beside_them(tmp_pat
     assert found, log[-2000:]
     actors, rollouts = ast.literal_eval(found[1]), ast.literal_eval(found[2])
     assert len(actors) == 2 and all(len(ids) == 1 for ids in actors)
-    assert actors[0] != actors[1]  # NCCL: one GPU per actor rank
     assert rollouts == actors  # rollout worker i shares actor rank i's GPU (colocated)
+    # One bundle (a whole GPU) per node: the ranks on different nodes, each rollout
+    # worker on its actor rank's node.
+    nodes = re.search(r"nodes: actor ranks on (\[.*?\]), rollout workers on (\[.*?\])", log)
+    assert nodes, log[-2000:]
+    actor_nodes, rollout_nodes = ast.literal_eval(nodes[1]), ast.literal_eval(nodes[2])
+    assert len(set(actor_nodes)) == 2 and rollout_nodes == actor_nodes
+    # Several nodes: every address handed out is the node's, never loopback.
+    store = re.search(r"actor group store at ([\d.]+):\d+", log)
+    engine = re.search(r"checkpoint engine master at ([\d.]+):\d+", log)
+    assert store and engine, log[-2000:]
+    assert store[1] in node_ips and engine[1] in node_ips and "127.0.0.1" not in node_ips

@@ -6,7 +6,7 @@ import time
 
 from .config import TrainerConfig
 from .job import Job
-from .rollout import collate
+from .rollout import Rollout
 
 __all__ = ["run_colocated"]
 
@@ -42,14 +42,15 @@ def run_colocated(job: Job, bar) -> None:
             ],
             "generation",
         )
-        generated = collate(parts)
+        batch = Rollout.concat(parts)
+        batch.prompts = [p for p in prompts for _ in range(n)]
+        batch.answers = [a for _, a in data for _ in range(n)]
         if job.rollout_sleeps:  # colocated on GPUs: free the engine's memory for the update
             job.call(
                 [r.sleep.remote() for r in job.rollouts], "putting the rollout engines to sleep"
             )
         t_rollout = time.perf_counter()
-        expanded = [p for p in prompts for _ in range(n)]
-        result = job.update(generated, expanded, [a for _, a in data for _ in range(n)])
+        result = job.update(batch)
         t_update = time.perf_counter()
         synced = sync(step + 1)
         t_sync = time.perf_counter()

@@ -9,7 +9,7 @@ from typing import Any
 from .cluster import Watch
 from .errors import RunError
 from .job import Job
-from .rollout import collate
+from .rollout import Rollout
 from .sample_queue import SampleQueue
 
 __all__ = ["run_fully_async", "sync_due"]
@@ -83,14 +83,10 @@ def run_fully_async(job: Job, bar) -> None:
                     f"{wait_s:g} s (async.sample_timeout; {got['queued']} queued)"
                 )
             groups = got["groups"]
-            lags = [step - g["version"] for g in groups]
-            generated = collate(groups)
+            lags = [step - version for version in got["versions"]]
+            batch = Rollout.concat(groups)
             t_samples = time.perf_counter()
-            result = job.update(
-                generated,
-                [g["prompt"] for g in groups for _ in range(n)],
-                [g["answer"] for g in groups for _ in range(n)],
-            )
+            result = job.update(batch)
             t_update = time.perf_counter()
             synced: dict[str, Any] = {"weight_sync_gbps": 0.0, "pulls": []}
             if sync_due(step, trigger, config.trainer.steps):

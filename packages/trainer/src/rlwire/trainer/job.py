@@ -6,6 +6,7 @@ their loop on a :class:`Job`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -13,13 +14,11 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 from .cluster import Watch, cause, engine_backend, first_line, gpu_layout, placement
 from .errors import RunError
 from .grpo import group_advantages
 from .inputs import score
-from .rollout import rollout_engine_class
+from .rollout import Rollout, rollout_engine_class
 from .workers import ActorWorker, RolloutWorker
 
 __all__ = ["Job"]
@@ -106,6 +105,18 @@ class Job:
                 layout.rollouts,
                 ids[world:],
             )
+        nodes = self.watch.get(
+            [w.node.remote() for w in [*self.actors, *self.rollouts]],
+            timeout=config.ray.startup_timeout,
+            what="setup",
+        )
+        names = {node: f"node {i}" for i, node in enumerate(dict.fromkeys(nodes))}
+        log.info(
+            "nodes: actor ranks on %s, rollout workers on %s; actor group store at %s:%d",
+            [names[n] for n in nodes[:world]],
+            [names[n] for n in nodes[world:]],
+            *master,
+        )
         backend = engine_backend(config.ckpt_engine.backend, layout)
         self.engine_backend = backend
         log.info("checkpoint engine: %s", backend)
@@ -114,6 +125,8 @@ class Job:
             timeout=config.ray.startup_timeout,
             what="checkpoint engine setup",
         )
+        if "host" in metadata:  # store-controlled backends: where receivers connect
+            log.info("checkpoint engine master at %s:%d", metadata["host"], metadata["port"])
         size = 1 + workers
         self.watch.get(
             [
@@ -145,25 +158,23 @@ class Job:
         for worker in [*self.actors, *self.rollouts]:
             ray.kill(worker, no_restart=True)
 
-    def update(self, generated: dict, prompts: list[str], answers: list[str]) -> dict[str, Any]:
-        """Score, compute advantages and run one update on every actor rank (one step)."""
-
+    def update(self, batch: Rollout) -> dict[str, Any]:
+        """Score ``batch`` (with its ``prompts`` and ``answers``), compute advantages and run
+        one update on every actor rank, each on its shard (one step)."""
         n = self.config.rollout.n
-        texts = generated.pop("texts")
-        rewards = score(self.reward_fn, prompts, texts, answers)
-        advantages = group_advantages(rewards, n, norm_by_std=self.config.algorithm.norm_adv_by_std)
-        total = rewards.numel()
-        share = total // self.world
-        tensors = {k: v for k, v in generated.items() if isinstance(v, torch.Tensor)}
-        tensors["advantages"] = advantages
-        shards = [
-            {k: v[r * share : (r + 1) * share] for k, v in tensors.items()}
-            for r in range(self.world)
-        ]
+        rewards = score(self.reward_fn, batch.prompts, batch.texts, batch.answers)
+        batch.rewards = rewards
+        batch.advantages = group_advantages(
+            rewards, n, norm_by_std=self.config.algorithm.norm_adv_by_std
+        )
+        total = len(batch)
+        # The actors need tensors only: the strings stay here.
+        tensors = dataclasses.replace(batch, texts=[], prompts=[], answers=[])
+        shards = [tensors.shard(r, self.world) for r in range(self.world)]
         results = self.call(
             [a.train.remote(s) for a, s in zip(self.actors, shards, strict=True)], "update"
         )
-        tokens = int(generated["response_mask"].sum())
+        tokens = int(batch.response_mask.sum())
         return {
             "reward_mean": rewards.mean().item(),
             "reward_std": rewards.std().item(),

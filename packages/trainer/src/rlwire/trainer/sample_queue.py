@@ -26,12 +26,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["SampleQueue", "max_stale_groups"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Queued:
+    """A group in the queue: the weight version and worker that generated it."""
+
+    version: int
+    worker: int
+    group: Any
 
 
 def max_stale_groups(groups_per_step: int, trigger_sync: int, staleness_threshold: float) -> int:
@@ -62,7 +72,7 @@ class SampleQueue:
         self.chunk = max(1, math.ceil(groups_per_step / num_workers))
         self.seed = seed
         self.poll = poll
-        self.queue: collections.deque[dict] = collections.deque()
+        self.queue: collections.deque[_Queued] = collections.deque()
         self.cond = asyncio.Condition()
         self.version = start_version  # of the weights the workers were last synced to
         self.stale = 0
@@ -128,13 +138,12 @@ class SampleQueue:
         step, position = divmod(index, self.required)
         return self.batches(step)[position]
 
-    async def put(self, worker: int, version: int, groups: list[dict]) -> None:
-        """Finished groups of one chunk, generated with weights ``version``."""
+    async def put(self, worker: int, version: int, groups: list) -> None:
+        """Finished groups of one chunk (opaque to the queue), generated with weights
+        ``version`` by ``worker``."""
         async with self.cond:
             for group in groups:
-                group["version"] = version
-                group["worker"] = worker
-                self.queue.append(group)
+                self.queue.append(_Queued(version, worker, group))
             self.in_flight -= len(groups)
             self.generated += len(groups)
             self.cond.notify_all()
@@ -154,7 +163,7 @@ class SampleQueue:
 
     # --- the trainer's side ----------------------------------------------------------------
     def _drop_lagging(self, trainer_version: int) -> int:
-        kept = [g for g in self.queue if trainer_version - g["version"] <= self.max_lag]
+        kept = [g for g in self.queue if trainer_version - g.version <= self.max_lag]
         dropped = len(self.queue) - len(kept)
         self.queue = collections.deque(kept)
         self.dropped += dropped
@@ -166,7 +175,8 @@ class SampleQueue:
     async def get(self, count: int, trainer_version: int, timeout: float) -> dict[str, Any]:
         """The ``count`` oldest groups usable by the update of weights ``trainer_version``.
 
-        Returns ``{"groups", "dropped", "wait_s"}`` or ``{"timeout": True}`` after
+        Returns ``{"groups", "versions", "dropped", "wait_s"}`` (``versions``: the weight
+        version each group was generated with) or ``{"timeout": True}`` after
         ``timeout`` seconds (the caller decides how to fail).
         """
         start = time.perf_counter()
@@ -180,8 +190,13 @@ class SampleQueue:
                 if left <= 0:
                     return {"timeout": True, "queued": len(self.queue), "dropped": dropped}
                 await self._wait(None, min(left, self.poll))
-            groups = [self.queue.popleft() for _ in range(count)]
-        return {"groups": groups, "dropped": dropped, "wait_s": time.perf_counter() - start}
+            taken = [self.queue.popleft() for _ in range(count)]
+        return {
+            "groups": [q.group for q in taken],
+            "versions": [q.version for q in taken],
+            "dropped": dropped,
+            "wait_s": time.perf_counter() - start,
+        }
 
     async def request_sync(self, version: int) -> None:
         """Workers finish their chunk, then receive weights ``version``."""

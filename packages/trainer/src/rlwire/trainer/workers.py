@@ -20,7 +20,7 @@ import torch
 
 from .actor import ActorEngine, actor_engine_class
 from .config import TrainerConfig
-from .rollout import Rollout, WeightsDigest, rollout_engine_class, split_groups
+from .rollout import Rollout, WeightsDigest, rollout_engine_class
 from .step import compute_old_logprobs, grpo_update
 
 __all__ = ["ActorWorker", "RolloutWorker"]
@@ -91,24 +91,25 @@ class ActorWorker:
 
         return ray.get_gpu_ids()
 
+    def node(self) -> str:
+        """The Ray node this worker runs on (its id)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def describe(self) -> dict[str, list[str]]:
         """What the actor engine wants logged once at start (info lines and warnings)."""
         return self.actor.describe()
 
     # --- a training step -----------------------------------------------------------------
-    def train(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Old log-probs (forward only), then one GRPO update over micro-batches."""
+    def train(self, batch: Rollout) -> dict[str, float]:
+        """Old log-probs (forward only), then one GRPO update over micro-batches of this
+        rank's shard of the batch (with its ``advantages``)."""
         cfg, actor = self.config, self.actor
         if cfg.actor.offload:
             actor.reload()
-        rollout = Rollout(
-            *(
-                batch[k].to(self.device)
-                for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs")
-            ),
-            [],
-        )
-        advantages = batch["advantages"].to(self.device)
+        rollout = batch.to(self.device)
+        advantages = rollout.advantages
         temperature = cfg.rollout.temperature
         actor.model.train()
         old = compute_old_logprobs(
@@ -266,6 +267,7 @@ class RolloutWorker:
         return True
 
     gpu_ids = ActorWorker.gpu_ids
+    node = ActorWorker.node
 
     def engine_init(self, backend: str, world_size: int, metadata: dict) -> None:
         from rlwire.ckpt_engine import registry
@@ -294,9 +296,9 @@ class RolloutWorker:
     def wake_up(self) -> None:
         self.backend.wake_up()
 
-    def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
+    def generate(self, prompts: list[str], seed: int) -> Rollout:
         out = self.backend.generate(prompts, seed)
-        out["version"] = self.version
+        out.versions = torch.full((len(out),), self.version, dtype=torch.int64)
         return out
 
     def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
@@ -315,8 +317,9 @@ class RolloutWorker:
                 ray.get(queue.worker_synced.remote(self.index, info), timeout=poll_timeout)
                 continue
             out = self.generate(task["prompts"], task["seed"])
-            groups = split_groups(out, self.config.rollout.n)
+            n = self.config.rollout.n
+            groups = out.groups(n)
             for group, prompt, answer in zip(groups, task["prompts"], task["answers"], strict=True):
-                group["prompt"], group["answer"] = prompt, answer
+                group.prompts, group.answers = [prompt] * n, [answer] * n
             ray.get(queue.put.remote(self.index, self.version, groups), timeout=poll_timeout)
             chunks += 1

@@ -11,9 +11,7 @@ from .base import ROLLOUT_ENGINES, RolloutEngine, rollout_engine_class
 from .common import (
     Rollout,
     WeightsDigest,
-    collate,
     sequence_logprobs,
-    split_groups,
     weights_digest,
 )
 from .hf import HFEngine, hf_generate
@@ -24,10 +22,8 @@ __all__ = [
     "Rollout",
     "RolloutEngine",
     "WeightsDigest",
-    "collate",
     "hf_generate",
     "rollout_engine_class",
     "sequence_logprobs",
-    "split_groups",
     "weights_digest",
 ]

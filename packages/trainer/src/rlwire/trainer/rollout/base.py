@@ -14,11 +14,12 @@ dotted path ``package.module:Class`` to a subclass, imported in every rollout wo
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from ..plugins import load_class
+from .common import Rollout
 
 __all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "rollout_engine_class"]
 
@@ -49,11 +50,10 @@ class RolloutEngine(abc.ABC):
         self.config = config
 
     @abc.abstractmethod
-    def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
-        """``rollout.n`` samples per prompt (consecutive): host tensors ``prompt_ids``,
-        ``prompt_mask`` (``(B, P)``, left-padded), ``response_ids``, ``response_mask``,
-        ``logprobs`` (``(B, T)``; behaviour log-probs, temperature applied), plus ``texts``
-        and ``pad_id``."""
+    def generate(self, prompts: list[str], seed: int) -> Rollout:
+        """``rollout.n`` samples per prompt (consecutive) as a :class:`Rollout` of host
+        tensors: token ids, masks, behaviour log-probs (temperature applied), texts and
+        ``pad_id`` (the worker stamps ``versions``)."""
 
     @abc.abstractmethod
     async def apply(self, engine) -> int:

@@ -13,15 +13,28 @@ import torch
 __all__ = [
     "Rollout",
     "WeightsDigest",
-    "collate",
     "sequence_logprobs",
-    "split_groups",
     "weights_digest",
 ]
 
 
+def _padded(t: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+    missing = width - t.shape[1]
+    if missing == 0:
+        return t
+    return torch.nn.functional.pad(t, (missing, 0) if left else (0, missing), value=value)
+
+
 @dataclasses.dataclass(slots=True)
 class Rollout:
+    """The one batch type between processes: rollout workers -> driver -> actor ranks.
+
+    ``B`` samples; the ``n`` samples of a prompt are consecutive (a *group*). Rollout
+    engines fill the token fields; the rollout worker stamps ``versions``; the driver
+    adds ``prompts``/``answers`` (or the fully-async worker does, per group), then
+    ``rewards`` and ``advantages`` before sharding it over the actor ranks.
+    """
+
     prompt_ids: torch.Tensor
     """``(B, P)`` int64, left-padded."""
     prompt_mask: torch.Tensor
@@ -32,9 +45,105 @@ class Rollout:
     """``(B, T)`` int64, 1 up to and including the first end-of-sequence token."""
     logprobs: torch.Tensor
     """``(B, T)`` float32 log-probability of each sampled token under the sampling
-    distribution (temperature applied), as the rollout engine saw it."""
+    distribution (temperature applied), as the rollout engine saw it: the behaviour policy."""
     texts: list[str]
-    """Decoded responses (special tokens skipped)."""
+    """Decoded responses (special tokens skipped), ``B`` of them."""
+    pad_id: int = 0
+    """The token the id tensors are padded with."""
+    versions: torch.Tensor | None = None
+    """``(B,)`` int64: the weight version that generated each sample."""
+    prompts: list[str] = dataclasses.field(default_factory=list)
+    """The prompt of each sample (``B``), for the reward."""
+    answers: list[str] = dataclasses.field(default_factory=list)
+    """The reference answer of each sample (``B``), for the reward."""
+    rewards: torch.Tensor | None = None
+    """``(B,)`` float32, once scored."""
+    advantages: torch.Tensor | None = None
+    """``(B,)`` float32, once scored (group-normalised rewards)."""
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def version(self) -> int:
+        """The oldest weight version among the samples."""
+        return int(self.versions.min())
+
+    @classmethod
+    def concat(cls, parts: list[Rollout]) -> Rollout:
+        """One batch of ``parts`` in order: prompts left-padded and responses right-padded
+        to the widest part (padding masked out, log-probs 0); optional fields are kept
+        when every part has them."""
+        pad = parts[0].pad_id
+        width_p = max(p.prompt_ids.shape[1] for p in parts)
+        width_r = max(p.response_ids.shape[1] for p in parts)
+
+        def joined(field: str) -> torch.Tensor | None:
+            values = [getattr(p, field) for p in parts]
+            return torch.cat(values) if all(v is not None for v in values) else None
+
+        return cls(
+            torch.cat([_padded(p.prompt_ids, width_p, pad, True) for p in parts]),
+            torch.cat([_padded(p.prompt_mask, width_p, 0, True) for p in parts]),
+            torch.cat([_padded(p.response_ids, width_r, pad, False) for p in parts]),
+            torch.cat([_padded(p.response_mask, width_r, 0, False) for p in parts]),
+            torch.cat([_padded(p.logprobs, width_r, 0.0, False) for p in parts]),
+            [t for p in parts for t in p.texts],
+            pad_id=pad,
+            versions=joined("versions"),
+            prompts=[x for p in parts for x in p.prompts],
+            answers=[x for p in parts for x in p.answers],
+            rewards=joined("rewards"),
+            advantages=joined("advantages"),
+        )
+
+    def _slice(self, rows: slice) -> Rollout:
+        def cut(value):
+            return None if value is None else value[rows]
+
+        return Rollout(
+            self.prompt_ids[rows],
+            self.prompt_mask[rows],
+            self.response_ids[rows],
+            self.response_mask[rows],
+            self.logprobs[rows],
+            self.texts[rows],
+            pad_id=self.pad_id,
+            versions=cut(self.versions),
+            prompts=self.prompts[rows],
+            answers=self.answers[rows],
+            rewards=cut(self.rewards),
+            advantages=cut(self.advantages),
+        )
+
+    def groups(self, n: int) -> list[Rollout]:
+        """The consecutive groups of ``n`` samples (one prompt each)."""
+        if len(self) % n:
+            raise ValueError(f"{len(self)} samples do not split into groups of {n}")
+        return [self._slice(slice(i, i + n)) for i in range(0, len(self), n)]
+
+    def shard(self, rank: int, world_size: int) -> Rollout:
+        """Actor rank ``rank``'s contiguous, equal share of the batch."""
+        share = len(self) // world_size
+        return self._slice(slice(rank * share, (rank + 1) * share))
+
+    def to(self, device: torch.device | str) -> Rollout:
+        """The same batch with every tensor on ``device``."""
+
+        def moved(value):
+            return None if value is None else value.to(device)
+
+        return dataclasses.replace(
+            self,
+            prompt_ids=self.prompt_ids.to(device),
+            prompt_mask=self.prompt_mask.to(device),
+            response_ids=self.response_ids.to(device),
+            response_mask=self.response_mask.to(device),
+            logprobs=self.logprobs.to(device),
+            versions=moved(self.versions),
+            rewards=moved(self.rewards),
+            advantages=moved(self.advantages),
+        )
 
 
 def sequence_logprobs(
@@ -66,43 +175,6 @@ def sequence_logprobs(
 
 
 _SEQUENCE_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs")
-
-
-def split_groups(batch: dict, n: int) -> list[dict]:
-    """A generated batch (``prompts x n`` rows, see :func:`collate`) as one dict per prompt."""
-    rows = batch["response_ids"].shape[0]
-    groups = []
-    for start in range(0, rows, n):
-        group = {k: batch[k][start : start + n] for k in _SEQUENCE_KEYS}
-        group["texts"] = batch["texts"][start : start + n]
-        group["pad_id"] = batch["pad_id"]
-        groups.append(group)
-    return groups
-
-
-def collate(parts: list[dict]) -> dict:
-    """Concatenate generated batches: prompts left-padded and responses right-padded to
-    the widest part (padding masked out, log-probs 0), texts joined."""
-    pad = parts[0]["pad_id"]
-    width_p = max(p["prompt_ids"].shape[1] for p in parts)
-    width_r = max(p["response_ids"].shape[1] for p in parts)
-
-    def padded(t: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
-        missing = width - t.shape[1]
-        if missing == 0:
-            return t
-        return torch.nn.functional.pad(t, (missing, 0) if left else (0, missing), value=value)
-
-    out = {
-        "prompt_ids": torch.cat([padded(p["prompt_ids"], width_p, pad, True) for p in parts]),
-        "prompt_mask": torch.cat([padded(p["prompt_mask"], width_p, 0, True) for p in parts]),
-        "response_ids": torch.cat([padded(p["response_ids"], width_r, pad, False) for p in parts]),
-        "response_mask": torch.cat([padded(p["response_mask"], width_r, 0, False) for p in parts]),
-        "logprobs": torch.cat([padded(p["logprobs"], width_r, 0.0, False) for p in parts]),
-        "texts": [t for p in parts for t in p["texts"]],
-        "pad_id": pad,
-    }
-    return out
 
 
 class WeightsDigest:

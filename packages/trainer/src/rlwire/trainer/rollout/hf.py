@@ -6,8 +6,6 @@ consecutive), ``P`` prompt tokens (left-padded), ``T`` response tokens.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..modeling import load_hf_model
@@ -65,7 +63,7 @@ def hf_generate(
         response_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True
     )
     tensors = (prompt_ids, prompt_mask, response_ids, mask, logprobs.squeeze(-1) * mask)
-    return Rollout(*(t.cpu() for t in tensors), texts)
+    return Rollout(*(t.cpu() for t in tensors), texts, pad_id=tokenizer.pad_token_id)
 
 
 class HFEngine(RolloutEngine):
@@ -90,9 +88,9 @@ class HFEngine(RolloutEngine):
     def digest(self) -> str | None:
         return weights_digest(self.model.state_dict().items())
 
-    def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
+    def generate(self, prompts: list[str], seed: int) -> Rollout:
         cfg = self.config.rollout
-        r = hf_generate(
+        return hf_generate(
             self.model,
             self.tokenizer,
             prompts,
@@ -101,12 +99,3 @@ class HFEngine(RolloutEngine):
             temperature=cfg.temperature,
             seed=seed,
         )
-        return {
-            "prompt_ids": r.prompt_ids.cpu(),
-            "prompt_mask": r.prompt_mask.cpu(),
-            "response_ids": r.response_ids.cpu(),
-            "response_mask": r.response_mask.cpu(),
-            "logprobs": r.logprobs.cpu(),
-            "texts": r.texts,
-            "pad_id": self.tokenizer.pad_token_id,
-        }

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .base import RolloutEngine
+from .common import Rollout
 
 __all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension"]
 
@@ -115,7 +116,7 @@ class VLLMEngine(RolloutEngine):
         if self.sleep_mode:
             self.llm.wake_up()
 
-    def generate(self, prompts: list[str], seed: int) -> dict[str, Any]:
+    def generate(self, prompts: list[str], seed: int) -> Rollout:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -159,12 +160,6 @@ class VLLMEngine(RolloutEngine):
         texts = tok.batch_decode(
             response_ids * response_mask + pad * (1 - response_mask), skip_special_tokens=True
         )
-        return {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "response_ids": response_ids,
-            "response_mask": response_mask,
-            "logprobs": logprobs,
-            "texts": texts,
-            "pad_id": pad,
-        }
+        return Rollout(
+            prompt_ids, prompt_mask, response_ids, response_mask, logprobs, texts, pad_id=pad
+        )

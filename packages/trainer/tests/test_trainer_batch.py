@@ -1,0 +1,63 @@
+"""The one batch type (``Rollout``): concatenation, groups, shards, devices."""
+
+from __future__ import annotations
+
+import torch
+
+from rlwire.trainer.rollout import Rollout
+
+
+def _part(rows: int, width_p: int, width_r: int, version: int, start: int) -> Rollout:
+    ids = torch.arange(start, start + rows * width_p).reshape(rows, width_p)
+    resp = torch.arange(start, start + rows * width_r).reshape(rows, width_r) + 1000
+    return Rollout(
+        ids,
+        torch.ones_like(ids),
+        resp,
+        torch.ones_like(resp),
+        torch.full((rows, width_r), -0.5),
+        [f"t{start + i}" for i in range(rows)],
+        pad_id=7,
+        versions=torch.full((rows,), version),
+        prompts=[f"p{start + i}" for i in range(rows)],
+        answers=[f"a{start + i}" for i in range(rows)],
+    )
+
+
+def test_concat_pads_prompts_left_and_responses_right_and_keeps_everything_in_order():
+    a, b = _part(2, 3, 2, version=4, start=0), _part(2, 1, 4, version=5, start=100)
+    batch = Rollout.concat([a, b])
+    assert len(batch) == 4 and batch.pad_id == 7
+    assert batch.prompt_ids[2].tolist() == [7, 7, 100] and batch.prompt_mask[2].tolist() == [
+        0,
+        0,
+        1,
+    ]
+    assert batch.response_ids[0].tolist() == [1000, 1001, 7, 7]
+    assert batch.response_mask[0].tolist() == [1, 1, 0, 0]
+    assert batch.logprobs[0].tolist() == [-0.5, -0.5, 0.0, 0.0]
+    assert batch.versions.tolist() == [4, 4, 5, 5] and batch.version == 4
+    assert batch.texts == ["t0", "t1", "t100", "t101"]
+    assert batch.prompts == ["p0", "p1", "p100", "p101"] and batch.answers[3] == "a101"
+    assert batch.rewards is None  # not every part was scored
+
+
+def test_groups_shards_and_device_moves_keep_rows_together():
+    batch = Rollout.concat([_part(4, 2, 3, version=1, start=0)])
+    batch.rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    first, second = batch.groups(2)
+    assert first.texts == ["t0", "t1"] and second.prompts == ["p2", "p3"]
+    assert second.rewards.tolist() == [0.5, 0.25]
+    shard = batch.shard(1, 2)
+    assert shard.advantages.tolist() == [0.5, -0.5]
+    torch.testing.assert_close(shard.response_ids, batch.response_ids[2:], atol=0, rtol=0)
+    assert Rollout.concat([first, second]).advantages.tolist() == batch.advantages.tolist()
+    moved = batch.to("meta")
+    assert moved.advantages.device.type == "meta" and moved.texts == batch.texts
+    try:
+        batch.groups(3)
+    except ValueError as err:
+        assert str(err) == "4 samples do not split into groups of 3"
+    else:
+        raise AssertionError("4 samples split into groups of 3")
