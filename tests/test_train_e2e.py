@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,29 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlwire.trainer.metrics import StepMetrics
+
+# The schema both modes write (rlwire.trainer.metrics.StepMetrics): a colocated run without
+# digests writes exactly its required fields (``tokens`` only feeds the rates).
 METRIC_KEYS = {
-    "step",
-    "reward_mean",
-    "reward_std",
-    "response_length",
-    "policy_loss",
-    "clip_fraction",
-    "entropy",
-    "kl_ref",
-    "grad_norm",
-    "kl_rollout",
-    "retained_grad_bytes",
-    "grad_sync_policy",
-    "time_rollout_s",
-    "time_update_s",
-    "time_weight_sync_s",
-    "weight_sync_gbps",
-    "tokens_per_s",
-    "samples_per_s",
-    "weight_version",
-    "version_lag_mean",
-    "version_lag_max",
-}
+    f.name for f in dataclasses.fields(StepMetrics) if f.default is dataclasses.MISSING
+} - {"tokens"}
 
 
 def _train(*overrides: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -59,7 +44,7 @@ def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
     records = _metrics(run)
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
-        assert set(r) == METRIC_KEYS
+        assert set(r) == METRIC_KEYS and {"kl_ref", "grad_norm", "weight_version"} <= set(r)
         assert r["grad_sync_policy"] == "defer" and r["retained_grad_bytes"] > 0
         assert 0.0 <= r["reward_mean"] <= 1.0
     # step 1 trains the initial weights: KL to the reference is 0; after an update it is not

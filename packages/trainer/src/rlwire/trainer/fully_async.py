@@ -95,20 +95,18 @@ def run_fully_async(job: Job, bar) -> None:
             t_sync = time.perf_counter()
             stats = watch.get(queue.stats.remote(), timeout=wait_s, what="sample queue")
             paused = sum(stats["paused_s"])
-            record = {
-                **job.step_record(
-                    step,
-                    result,
-                    (t0, t_samples, t_update, t_sync),
-                    synced,
-                    samples=len(groups) * n,
-                    version=held,
-                    lags=lags,
-                ),
-                "dropped_samples": got["dropped"] * n,
-                "wait_for_samples_s": got["wait_s"],
-                "rollout_paused_s": paused - paused_before,
-            }
+            record = job.step_record(
+                step,
+                result,
+                (t0, t_samples, t_update, t_sync),
+                synced,
+                samples=len(groups) * n,
+                version=held,
+                lags=lags,
+                dropped_samples=got["dropped"] * n,
+                wait_for_samples_s=got["wait_s"],
+                rollout_paused_s=paused - paused_before,
+            )
             paused_before = paused
             job.record(record, bar)
             bar.update(1)

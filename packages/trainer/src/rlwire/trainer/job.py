@@ -18,10 +18,14 @@ from .cluster import Watch, cause, engine_backend, first_line, gpu_layout, place
 from .errors import RunError
 from .grpo import group_advantages
 from .inputs import score
+from .metrics import StepMetrics, UpdateMetrics
 from .rollout import Rollout, rollout_engine_class
 from .workers import ActorWorker, RolloutWorker
 
 __all__ = ["Job"]
+
+# What the actor ranks report and the step records as their mean.
+_MEAN_OVER_RANKS = ("policy_loss", "clip_fraction", "entropy", "kl_ref", "grad_norm", "kl_rollout")
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -158,7 +162,7 @@ class Job:
         for worker in [*self.actors, *self.rollouts]:
             ray.kill(worker, no_restart=True)
 
-    def update(self, batch: Rollout) -> dict[str, Any]:
+    def update(self, batch: Rollout) -> UpdateMetrics:
         """Score ``batch`` (with its ``prompts`` and ``answers``), compute advantages and run
         one update on every actor rank, each on its shard (one step)."""
         n = self.config.rollout.n
@@ -175,61 +179,55 @@ class Job:
             [a.train.remote(s) for a, s in zip(self.actors, shards, strict=True)], "update"
         )
         tokens = int(batch.response_mask.sum())
-        return {
-            "reward_mean": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
-            "response_length": tokens / total,
-            **{
-                k: sum(r[k] for r in results) / self.world
-                for k in (
-                    "policy_loss",
-                    "clip_fraction",
-                    "entropy",
-                    "kl_ref",
-                    "grad_norm",
-                    "kl_rollout",
-                )
-            },
-            "retained_grad_bytes": max(r["retained_grad_bytes"] for r in results),
-            "grad_sync_policy": results[0]["grad_sync_policy"],
-            "_tokens": tokens,
-        }
+        mean = {k: sum(r[k] for r in results) / self.world for k in _MEAN_OVER_RANKS}
+        return UpdateMetrics(
+            reward_mean=rewards.mean().item(),
+            reward_std=rewards.std().item(),
+            response_length=tokens / total,
+            **mean,
+            retained_grad_bytes=max(r["retained_grad_bytes"] for r in results),
+            grad_sync_policy=results[0]["grad_sync_policy"],
+            tokens=tokens,
+        )
 
     @staticmethod
     def step_record(
         step: int,
-        result: dict[str, Any],
+        result: UpdateMetrics,
         times: tuple[float, float, float, float],
         synced: dict[str, Any],
         *,
         samples: int,
         version: int,
         lags: list[int],
-    ) -> dict[str, Any]:
+        **extra: Any,
+    ) -> StepMetrics:
         """The metrics both modes record: ``times`` are the step's start, samples ready,
-        update done and sync done; ``lags`` the version lag of each prompt group."""
+        update done and sync done; ``lags`` the version lag of each prompt group;
+        ``extra`` the mode's own optional fields."""
         t0, t_samples, t_update, t_sync = times
-        tokens = result.pop("_tokens")
-        return {
-            "step": step + 1,
-            **result,
-            "time_rollout_s": t_samples - t0,
-            "time_update_s": t_update - t_samples,
-            "time_weight_sync_s": t_sync - t_update,
-            "weight_sync_gbps": synced["weight_sync_gbps"],
-            "tokens_per_s": tokens / (t_sync - t0),
-            "samples_per_s": samples / (t_sync - t0),
-            "weight_version": version,
-            "version_lag_mean": sum(lags) / len(lags),
-            "version_lag_max": max(lags),
+        return StepMetrics(
+            step=step + 1,
+            **{f.name: getattr(result, f.name) for f in dataclasses.fields(UpdateMetrics)},
+            time_rollout_s=t_samples - t0,
+            time_update_s=t_update - t_samples,
+            time_weight_sync_s=t_sync - t_update,
+            weight_sync_gbps=synced["weight_sync_gbps"],
+            tokens_per_s=result.tokens / (t_sync - t0),
+            samples_per_s=samples / (t_sync - t0),
+            weight_version=version,
+            version_lag_mean=sum(lags) / len(lags),
+            version_lag_max=max(lags),
             **(_digests(synced, synced["pulls"]) if synced["pulls"] else {}),
-        }
+            **extra,
+        )
 
-    def record(self, record: dict[str, Any], bar) -> None:
+    def record(self, metrics: StepMetrics, bar) -> None:
+        line = json.dumps(metrics.to_json())
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        log.info("step %d %s", record["step"], json.dumps(record))
-        bar.set_postfix(reward=f"{record['reward_mean']:.3f}")
+            f.write(line + "\n")
+        log.info("step %d %s", metrics.step, line)
+        bar.set_postfix(reward=f"{metrics.reward_mean:.3f}")
 
     def save_if_due(self, done: int) -> None:
 

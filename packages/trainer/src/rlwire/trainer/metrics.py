@@ -1,0 +1,65 @@
+"""The schema of one line of ``metrics.jsonl``: what both modes record for every step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["StepMetrics", "UpdateMetrics"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class UpdateMetrics:
+    """What one update reports: the scores of its batch and the actor ranks' losses."""
+
+    reward_mean: float
+    reward_std: float
+    response_length: float
+    """Mean response tokens per sample."""
+    policy_loss: float
+    clip_fraction: float
+    entropy: float
+    kl_ref: float
+    """k3 KL to the reference policy (0 without one)."""
+    grad_norm: float
+    kl_rollout: float
+    """Mean of behaviour log-prob minus the actor's recomputed log-prob."""
+    retained_grad_bytes: int
+    grad_sync_policy: str
+    tokens: int
+    """Response tokens in the batch (not recorded; rates are computed from it)."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class StepMetrics(UpdateMetrics):
+    """One step: the update's metrics, times and rates, and weight versions. Optional
+    fields are written only when they apply (``None`` is left out of the file)."""
+
+    step: int
+    time_rollout_s: float
+    time_update_s: float
+    time_weight_sync_s: float
+    weight_sync_gbps: float
+    tokens_per_s: float
+    samples_per_s: float
+    weight_version: int
+    version_lag_mean: float
+    version_lag_max: int
+    dropped_samples: int | None = None
+    """Fully async only: samples dropped for lagging more than ``async.max_version_lag``."""
+    wait_for_samples_s: float | None = None
+    """Fully async only: how long the update waited for enough prompt groups."""
+    rollout_paused_s: float | None = None
+    """Fully async only: rollout worker time spent paused by the staleness bound."""
+    weight_digest_actor: str | None = None
+    """With ``ckpt_engine.digest`` on a sync step: the weights sent."""
+    weight_digest_rollout: list[str] | None = None
+    """With ``ckpt_engine.digest`` on a sync step: each rollout worker's weights."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The line written to ``metrics.jsonl`` (step first, no ``None``, no ``tokens``)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.pop("tokens")
+        line = {"step": values.pop("step")}
+        line.update({k: v for k, v in values.items() if v is not None})
+        return line
