@@ -48,13 +48,14 @@ class Job:
         self.rollout_sleeps = engine.can_sleep and layout is not None
         self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
         place = placement(layout, config.ray.startup_timeout)
-        Actor = ray.remote(num_cpus=1)(ActorWorker)
-        Rollout = ray.remote(num_cpus=1)(RolloutWorker)
+        actor_class = ray.remote(num_cpus=1)(ActorWorker)
+        rollout_class = ray.remote(num_cpus=1)(RolloutWorker)
         self.actors = [
-            Actor.options(**place("actor", r)).remote(config, model_path, r) for r in range(world)
+            actor_class.options(**place("actor", r)).remote(config, model_path, r)
+            for r in range(world)
         ]
         self.rollouts = [
-            Rollout.options(
+            rollout_class.options(
                 name=f"rollout-{i}", namespace=self.namespace, **place("rollout", i)
             ).remote(config, model_path, i, layout.rollout_share(i) if layout else 1.0)
             for i in range(workers)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, parse_bucket_size
@@ -46,6 +47,17 @@ def _check_choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
     quoted = [repr(c) for c in choices]
     listed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
     _check(value in choices, key, value, f"use {listed}")
+
+
+def _check_engine(value: str, key: str, known: dict, load: Callable[[str], type]) -> None:
+    """An engine name from ``known``, or a dotted path imported now so a bad one fails early."""
+    if ":" not in value:
+        _check_choice(value, key, tuple(known))
+        return
+    try:
+        load(value)
+    except (ImportError, ValueError) as err:
+        raise ConfigError(f"{key}: cannot load {value!r}: {err}") from None
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -159,13 +171,7 @@ class ActorConfig:
     megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
 
     def __post_init__(self) -> None:
-        if ":" in self.strategy:  # a third party's engine: import it now, fail early
-            try:
-                actor_engine_class(self.strategy)
-            except (ImportError, ValueError) as err:
-                raise ConfigError(f"actor.strategy: cannot load {self.strategy!r}: {err}") from None
-        else:
-            _check_choice(self.strategy, "actor.strategy", tuple(ACTOR_ENGINES))
+        _check_engine(self.strategy, "actor.strategy", ACTOR_ENGINES, actor_engine_class)
         _check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
         _check(
             self.micro_batch_size >= 1,
@@ -223,13 +229,7 @@ class RolloutConfig:
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
 
     def __post_init__(self) -> None:
-        if ":" in self.backend:  # a third party's engine: import it now, fail early
-            try:
-                rollout_engine_class(self.backend)
-            except (ImportError, ValueError) as err:
-                raise ConfigError(f"rollout.backend: cannot load {self.backend!r}: {err}") from None
-        else:
-            _check_choice(self.backend, "rollout.backend", tuple(ROLLOUT_ENGINES))
+        _check_engine(self.backend, "rollout.backend", ROLLOUT_ENGINES, rollout_engine_class)
         _check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
         _check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")
         _check(
