@@ -61,23 +61,23 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
     def max_error(model, out) -> float:
         reference = sequence_logprobs(
             model,
-            out["prompt_ids"],
-            out["prompt_mask"],
-            out["response_ids"],
+            out.prompt_ids,
+            out.prompt_mask,
+            out.response_ids,
             temperature=temperature,
         )
-        mask = out["response_mask"].bool()
-        return float((reference - out["logprobs"])[mask].abs().max())
+        mask = out.response_mask.bool()
+        return float((reference - out.logprobs)[mask].abs().max())
 
     actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     before = ray.get(worker.generate.remote(prompts, 123), timeout=300)
-    assert before["response_ids"].shape[0] == len(prompts) * 4
-    assert before["response_mask"].sum() > 0
+    assert before.response_ids.shape[0] == len(prompts) * 4
+    assert before.response_mask.sum() > 0
     with torch.no_grad():
         assert max_error(actor, before) < TOLERANCE
         # same seed, same weights: the same samples
         again = ray.get(worker.generate.remote(prompts, 123), timeout=300)
-        assert torch.equal(again["response_ids"], before["response_ids"])
+        assert torch.equal(again.response_ids, before.response_ids)
 
         # a weight update through the checkpoint engine into the live engine
         updated = {name: value * 1.1 for name, value in actor.state_dict().items()}
