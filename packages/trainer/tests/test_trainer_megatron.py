@@ -144,3 +144,26 @@ def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(
         assert state["step"] == 3
         steps = {float(s["step"]) for o in state["optimizer"] for s in o["state"].values()}
         assert steps == {3.0}  # AdamW's own step count continued through the resume
+
+
+def test_an_engine_refusing_its_config_at_setup_stops_the_run_with_one_line(ray_cluster, tmp_path):
+    # Found only inside an actor rank, by Megatron-Core itself: the run still ends with one
+    # error line and exit code 2, no traceback.
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlwire.trainer.cli",
+        "--no-progress",
+        f"trainer.output_dir={tmp_path / 'run'}",
+        f"ray.address={ray_cluster}",
+        "actor.strategy=megatron",
+        "actor.megatron.optimizer.use_precision_aware_optimizer=true",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("rlwire-train: error: ")
+    assert (
+        "actor setup failed: actor.megatron: Megatron-Core rejects this optimizer "
+        "configuration (the precision-aware optimizer needs Transformer Engine"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr
