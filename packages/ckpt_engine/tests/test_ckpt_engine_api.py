@@ -94,6 +94,16 @@ def test_backend_with_missing_dependency_names_what_to_install():
         HcclEngine(is_master=True)
 
 
+def test_broadcast_engine_refuses_an_unknown_collective_backend():
+    from rlwire.ckpt_engine.backends._broadcast import BroadcastEngine
+
+    with pytest.raises(
+        CheckpointEngineError,
+        match=r"^collective_backend: 'mpi' is not supported; use 'nccl', 'hccl', 'gloo'$",
+    ):
+        BroadcastEngine(device_type="cpu", collective_backend="mpi", is_master=True)
+
+
 def test_duplicate_registration_raises():
     reg = CheckpointEngineRegistry()
 

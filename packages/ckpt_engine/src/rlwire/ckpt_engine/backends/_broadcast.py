@@ -24,6 +24,9 @@ from .._wire import BucketMeta
 __all__ = ["BroadcastEngine", "HcclEngine", "NcclEngine"]
 
 
+_COLLECTIVES = ("nccl", "hccl", "gloo")
+
+
 class _CpuMarker:
     """A completion marker on the CPU: a CPU collective's ``wait()`` returns when it is done."""
 
@@ -45,9 +48,7 @@ def _new_group(backend: str, store, rank: int, world_size: int, timeout: float):
         )
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout))
-    raise CheckpointEngineError(
-        f"collective_backend: {backend!r} is not supported; use 'nccl', 'hccl' or 'gloo'"
-    )
+    raise AssertionError(backend)  # checked when the engine is built
 
 
 class BroadcastEngine(StoreControlledEngine):
@@ -83,6 +84,11 @@ class BroadcastEngine(StoreControlledEngine):
     ) -> None:
         self.device_type = device_type or type(self).device_type
         self.collective_backend = collective_backend or type(self).collective_backend
+        if self.collective_backend not in _COLLECTIVES:
+            raise CheckpointEngineError(
+                f"collective_backend: {self.collective_backend!r} is not supported; "
+                f"use {', '.join(repr(c) for c in _COLLECTIVES)}"
+            )
         self.device = accelerator_device(device, self.device_type, self.name)
         super().__init__(**kwargs)
         self._pg = None
