@@ -49,8 +49,8 @@ PLUGIN = textwrap.dedent(
             return await super().apply(engine)
 
 
-    class NotAnEngine:
-        pass
+    class NotAnEngine:  # importable, but not a RolloutEngine: the config must refuse it
+        name = "not-an-engine"
     """
 )
 

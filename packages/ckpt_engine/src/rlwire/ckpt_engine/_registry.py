@@ -207,13 +207,13 @@ class CheckpointEngineRegistry:
             ImportError: its module needs a package that is missing.
         """
         self._load_entry_points()
+        if name not in self._classes and name not in self._lazy:
+            self.get(name)  # raises the unknown-name error, listing what exists
         if name in self._classes:
             cls = self._classes[name]
-        elif name in self._lazy:
+        else:  # not imported yet: its module, without the dependency check of get()
             module_name, _, attr = self._lazy[name][0].partition(":")
             cls = getattr(importlib.import_module(module_name), attr)
-        else:
-            return self.capabilities(self.get(name).name)  # raises the unknown-name error
         return BackendCapabilities(
             device_type=cls.device_type, uses_store=cls.uses_store, zero_copy=cls.zero_copy
         )

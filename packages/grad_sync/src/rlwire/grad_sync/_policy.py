@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -88,10 +89,8 @@ def _field(config: Any, name: str) -> Any:
     raises ``AttributeError``.
     """
     if isinstance(config, Mapping):
-        try:
+        with contextlib.suppress(KeyError, AttributeError):
             return config[name]
-        except (KeyError, AttributeError):
-            pass
     try:
         return getattr(config, name)
     except (AttributeError, KeyError):  # attribute-style mappings raise KeyError

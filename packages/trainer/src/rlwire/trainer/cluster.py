@@ -191,6 +191,10 @@ def cause(err: BaseException) -> BaseException:
     return cause if isinstance(cause, BaseException) else err
 
 
+# Fetching a result ray.wait reported ready only moves it to this process: seconds at most.
+_READY_GET_S = 60.0
+
+
 class Watch:
     """Waits on Ray futures (bounded unless ``timeout`` is None) that fail at once when one
     of them fails or a rollout worker's loop ends."""
@@ -215,7 +219,7 @@ class Watch:
                     self.failed(ref)
                 pending.remove(ref)
                 try:  # the first failure stops the wait (its peers would only time out)
-                    values[ref] = ray.get(ref)
+                    values[ref] = ray.get(ref, timeout=_READY_GET_S)
                 except Exception as err:
                     reason = cause(err)
                     raise RunError(
@@ -228,7 +232,7 @@ class Watch:
 
         worker = self.loops.index(ref)
         try:
-            ray.get(ref)
+            ray.get(ref, timeout=_READY_GET_S)  # ready: ray.wait returned it
         except Exception as err:  # the worker's own error, or Ray's ActorDiedError
             raise RunError(
                 f"rollout worker {worker} stopped: {type(err).__name__}: {first_line(err)}; "

@@ -26,37 +26,16 @@ from .sections import (
     CheckpointEngineConfig,
     ConfigError,
     DataConfig,
-    MegatronSection,
     ModelConfig,
-    OptimConfig,
     RayConfig,
     RewardConfig,
     RolloutConfig,
     TrainerSection,
-    VLLMSection,
     _check,
 )
 
-__all__ = [
-    "ActorConfig",
-    "AlgorithmConfig",
-    "AsyncConfig",
-    "CheckpointEngineConfig",
-    "ConfigError",
-    "DataConfig",
-    "MegatronSection",
-    "ModelConfig",
-    "OptimConfig",
-    "RayConfig",
-    "RewardConfig",
-    "RolloutConfig",
-    "TrainerConfig",
-    "TrainerSection",
-    "VLLMSection",
-    "describe_config",
-    "load_config",
-    "to_dict",
-]
+# The sections themselves are public in rlwire.trainer.sections.
+__all__ = ["ConfigError", "TrainerConfig", "describe_config", "load_config", "to_dict"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

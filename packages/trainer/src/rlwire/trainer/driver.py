@@ -11,6 +11,7 @@ from .cluster import init_ray, ray_environment
 from .colocated import run_colocated
 from .config import TrainerConfig, to_dict
 from .errors import RunError
+from .fully_async import run_fully_async
 from .inputs import latest_checkpoint, load_data, load_reward, resolve_model
 from .job import Job
 
@@ -67,8 +68,6 @@ def _train(config, run_dir, model_path, batches, reward_fn, resume_from, progres
     )
     try:
         if config.trainer.mode == "fully_async":
-            from .fully_async import run_fully_async
-
             run_fully_async(job, bar)
         else:
             run_colocated(job, bar)

@@ -289,8 +289,8 @@ class RolloutWorker:
         return {"version": self.version, "digest": digest}
 
     def sleep(self) -> None:
-        """Colocated on GPUs, for engines that ``can_sleep``: free device memory while the
-        actor trains (the driver asks only then)."""
+        """Colocated on GPUs, for a :class:`~rlwire.trainer.rollout.SleepingRolloutEngine`:
+        free device memory while the actor trains (the driver asks only then)."""
         self.backend.sleep()
 
     def wake_up(self) -> None:

@@ -9,6 +9,7 @@ own ``clip_grad_norm_`` reduces over the ranks.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -40,8 +41,9 @@ class _FSDPEngine(ActorEngine):
             reference.requires_grad_(False)
             self.reference = self._wrap(reference).eval()
 
+    @abc.abstractmethod
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        raise NotImplementedError
+        """``model`` sharded over the actor group (the subclass's wrapper)."""
 
     def optimizer_step(self) -> float:
         return clip_and_step(self.model, self.optimizer, self.config.actor.optim.grad_clip)

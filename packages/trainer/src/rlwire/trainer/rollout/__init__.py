@@ -7,7 +7,7 @@ in :data:`ROLLOUT_ENGINES`, or, outside this package, with
 
 from __future__ import annotations
 
-from .base import ROLLOUT_ENGINES, RolloutEngine, rollout_engine_class
+from .base import ROLLOUT_ENGINES, RolloutEngine, SleepingRolloutEngine, rollout_engine_class
 from .common import (
     Rollout,
     WeightsDigest,
@@ -21,6 +21,7 @@ __all__ = [
     "HFEngine",
     "Rollout",
     "RolloutEngine",
+    "SleepingRolloutEngine",
     "WeightsDigest",
     "hf_generate",
     "rollout_engine_class",

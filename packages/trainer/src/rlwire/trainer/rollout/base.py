@@ -21,7 +21,7 @@ import torch
 from ..plugins import load_class
 from .common import Rollout
 
-__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "rollout_engine_class"]
+__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "SleepingRolloutEngine", "rollout_engine_class"]
 
 ROLLOUT_ENGINES: dict[str, str] = {
     "hf": "rlwire.trainer.rollout.hf:HFEngine",
@@ -41,8 +41,8 @@ class RolloutEngine(abc.ABC):
 
     name: ClassVar[str] = ""
     can_sleep: ClassVar[bool] = False
-    """Whether :meth:`sleep` frees device memory while the actor trains; the driver asks
-    for it only then, and only colocated on GPUs."""
+    """Whether the engine frees device memory on request (:class:`SleepingRolloutEngine`);
+    the driver asks for it only then, and only colocated on GPUs."""
 
     def __init__(
         self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
@@ -63,12 +63,19 @@ class RolloutEngine(abc.ABC):
     def digest(self) -> str | None:
         """A digest of the weights held now (``rlwire.trainer.rollout.weights_digest``)."""
 
-    def sleep(self) -> None:
-        """Free device memory until :meth:`wake_up` (only called when :attr:`can_sleep`)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
 
+class SleepingRolloutEngine(RolloutEngine):
+    """A rollout engine that can free its device memory while the actor trains."""
+
+    can_sleep: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Free device memory until :meth:`wake_up`."""
+
+    @abc.abstractmethod
     def wake_up(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
+        """Take the memory back; the weights are as before :meth:`sleep`."""
 
 
 def rollout_engine_class(backend: str) -> type[RolloutEngine]:

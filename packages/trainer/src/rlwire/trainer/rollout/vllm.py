@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .base import RolloutEngine
+from .base import SleepingRolloutEngine
 from .common import Rollout
 
 __all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension"]
@@ -48,11 +48,10 @@ class WeightReloadExtension:
 _CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
 
 
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(SleepingRolloutEngine):
     """``rollout.backend=vllm``: generation with ``vllm.LLM``; sleeps on CUDA when colocated."""
 
     name = "vllm"
-    can_sleep = True
 
     def __init__(
         self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
