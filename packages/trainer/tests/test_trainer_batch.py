@@ -18,7 +18,7 @@ def _part(rows: int, width_p: int, width_r: int, version: int, start: int) -> Ro
         torch.full((rows, width_r), -0.5),
         [f"t{start + i}" for i in range(rows)],
         pad_id=7,
-        versions=torch.full((rows,), version),
+        versions=torch.full((rows, width_r), version),
         prompts=[f"p{start + i}" for i in range(rows)],
         answers=[f"a{start + i}" for i in range(rows)],
     )
@@ -36,7 +36,9 @@ def test_concat_pads_prompts_left_and_responses_right_and_keeps_everything_in_or
     assert batch.response_ids[0].tolist() == [1000, 1001, 7, 7]
     assert batch.response_mask[0].tolist() == [1, 1, 0, 0]
     assert batch.logprobs[0].tolist() == [-0.5, -0.5, 0.0, 0.0]
-    assert batch.versions.tolist() == [4, 4, 5, 5] and batch.version == 4
+    assert batch.versions[0].tolist() == [4, 4, 0, 0]  # per token, padded like the responses
+    assert batch.sample_versions().tolist() == [4, 4, 5, 5] and batch.version == 4
+    assert batch.version_spans().tolist() == [0, 0, 0, 0]
     assert batch.texts == ["t0", "t1", "t100", "t101"]
     assert batch.prompts == ["p0", "p1", "p100", "p101"] and batch.answers[3] == "a101"
     assert batch.rewards is None  # not every part was scored
@@ -61,3 +63,15 @@ def test_groups_shards_and_device_moves_keep_rows_together():
         assert str(err) == "4 samples do not split into groups of 3"
     else:
         raise AssertionError("4 samples split into groups of 3")
+
+
+def test_a_sample_continued_across_a_sync_has_the_version_of_its_oldest_token():
+    batch = _part(3, 2, 4, version=0, start=0)
+    batch.versions = torch.tensor([[3, 3, 4, 4], [4, 4, 4, 9], [2, 4, 4, 5]])
+    batch.response_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])
+    # row 1's last position is padding: its version (9) counts for nothing
+    assert batch.sample_versions().tolist() == [3, 4, 2] and batch.version == 2
+    assert batch.version_spans().tolist() == [1, 0, 3]
+    picked = batch.select(torch.tensor([2, 0]))
+    assert picked.texts == ["t2", "t0"] and picked.prompts == ["p2", "p0"]
+    assert picked.version_spans().tolist() == [3, 1]

@@ -31,8 +31,8 @@ def test_unknown_key_lists_valid_keys_and_closest_match():
         load_config(overrides=["actor.micro_batchsize=4"])
     assert str(err.value) == (
         "actor.micro_batchsize: unknown key; valid keys under actor: grad_sync, megatron, "
-        "micro_batch_size, mixed_precision, offload, optim, strategy, world_size; "
-        "did you mean 'actor.micro_batch_size'?"
+        "micro_batch_size, mixed_precision, offload, optim, ppo_epochs, ppo_mini_batch_size, "
+        "strategy, world_size; did you mean 'actor.micro_batch_size'?"
     )
     with pytest.raises(
         ConfigError,

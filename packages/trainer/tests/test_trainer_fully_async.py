@@ -58,7 +58,7 @@ async def _simulate(
                 continue
             await asyncio.sleep(rng.uniform(0.0005, 0.006))
             groups = [{"prompt": p} for p in task["prompts"]]
-            await queue.put(w, version, groups)
+            await queue.put(w, [version] * len(groups), groups)
 
     tasks = [asyncio.create_task(worker(w)) for w in range(workers)]
     assert await queue.wait_receiving(5)

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .rollout.base import rollout_engine_class
 from .sections import (
     ActorConfig,
     AlgorithmConfig,
@@ -53,15 +54,40 @@ class TrainerConfig:
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
-        samples = self.data.train_batch_size * self.rollout.n
-        per_step = self.actor.world_size * self.actor.micro_batch_size
-        _check(
-            samples % per_step == 0,
-            "data.train_batch_size",
-            self.data.train_batch_size,
-            f"train_batch_size x rollout.n ({samples}) must be a multiple of "
-            f"actor.world_size x actor.micro_batch_size ({per_step})",
-        )
+        prompts, actor = self.data.train_batch_size, self.actor
+        mini = actor.ppo_mini_batch_size or prompts
+        per_step = actor.world_size * actor.micro_batch_size
+        if mini == prompts:
+            _check(
+                prompts * self.rollout.n % per_step == 0,
+                "data.train_batch_size",
+                prompts,
+                f"train_batch_size x rollout.n ({prompts * self.rollout.n}) must be a multiple "
+                f"of actor.world_size x actor.micro_batch_size ({per_step})",
+            )
+        else:
+            _check(
+                prompts % mini == 0 and mini * self.rollout.n % per_step == 0,
+                "actor.ppo_mini_batch_size",
+                mini,
+                f"it must divide data.train_batch_size ({prompts}), and ppo_mini_batch_size x "
+                f"rollout.n must be a multiple of actor.world_size x actor.micro_batch_size "
+                f"({per_step})",
+            )
+        if self.async_.partial_rollout and self.trainer.mode == "fully_async":
+            engine = rollout_engine_class(self.rollout.backend)
+            _check(
+                engine.can_continue,
+                "async.partial_rollout",
+                True,
+                f"rollout.backend {self.rollout.backend!r} cannot continue responses "
+                f"(not a rlwire.trainer.rollout.PartialRolloutEngine); set it to false",
+            )
+
+    def mini_batch_rows(self) -> int:
+        """Samples per optimizer step on one actor rank."""
+        mini = self.actor.ppo_mini_batch_size or self.data.train_batch_size
+        return mini * self.rollout.n // self.actor.world_size
 
 
 # verl's spelling -> (our key, value mapping)

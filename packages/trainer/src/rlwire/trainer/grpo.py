@@ -75,15 +75,18 @@ def policy_loss(
     *,
     clip_ratio: float,
     loss_agg: str = "token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO-clip surrogate with sequence advantages broadcast over tokens.
 
-    ``loss = agg(max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)))``,
-    ``ratio = exp(logprobs - old_logprobs)``.
+    ``loss = agg(w * max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)))``,
+    ``ratio = exp(logprobs - old_logprobs)``, ``w`` the importance ``weights`` of an
+    off-policy correction (:mod:`rlwire.trainer.correction`; 1 without).
 
     Args:
         logprobs, old_logprobs, mask: ``(B, T)``.
         advantages: ``(B,)``.
+        weights: ``(B, T)``, detached, or None.
 
     Returns:
         ``(loss, clip_fraction)``: the scalar loss and the fraction of real
@@ -94,5 +97,7 @@ def policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
     per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights
     clip_fraction = aggregate((clipped > unclipped).float(), mask, "token-mean")
     return aggregate(per_token, mask, loss_agg), clip_fraction.detach()

@@ -25,7 +25,18 @@ from .workers import ActorWorker, RolloutWorker
 __all__ = ["Job"]
 
 # What the actor ranks report and the step records as their mean.
-_MEAN_OVER_RANKS = ("policy_loss", "clip_fraction", "entropy", "kl_ref", "grad_norm", "kl_rollout")
+_MEAN_OVER_RANKS = (
+    "policy_loss",
+    "clip_fraction",
+    "entropy",
+    "kl_ref",
+    "grad_norm",
+    "kl_rollout",
+    "kl_behaviour_proximal",
+    "rollout_is_mean",
+    "rollout_is_truncated_fraction",
+    "rollout_rs_masked_fraction",
+)
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -165,7 +176,8 @@ class Job:
 
     def update(self, batch: Rollout) -> UpdateMetrics:
         """Score ``batch`` (with its ``prompts`` and ``answers``), compute advantages and run
-        one update on every actor rank, each on its shard (one step)."""
+        the update on every actor rank, each on its shard (``actor.ppo_mini_batch_size``
+        and ``actor.ppo_epochs`` set its optimizer steps)."""
         n = self.config.rollout.n
         rewards = score(self.reward_fn, batch.prompts, batch.texts, batch.answers)
         batch.rewards = rewards
@@ -181,13 +193,18 @@ class Job:
         )
         tokens = int(batch.response_mask.sum())
         mean = {k: sum(r[k] for r in results) / self.world for k in _MEAN_OVER_RANKS}
+        spans = batch.version_spans()
         return UpdateMetrics(
             reward_mean=rewards.mean().item(),
             reward_std=rewards.std().item(),
             response_length=tokens / total,
             **mean,
+            rollout_is_max=max(r["rollout_is_max"] for r in results),
             retained_grad_bytes=max(r["retained_grad_bytes"] for r in results),
             grad_sync_policy=results[0]["grad_sync_policy"],
+            optimizer_steps=results[0]["optimizer_steps"],
+            version_span_max=int(spans.max()),
+            continued_fraction=float((spans > 0).float().mean()),
             tokens=tokens,
         )
 

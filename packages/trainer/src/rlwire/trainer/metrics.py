@@ -23,7 +23,24 @@ class UpdateMetrics:
     """k3 KL to the reference policy (0 without one)."""
     grad_norm: float
     kl_rollout: float
-    """Mean of behaviour log-prob minus the actor's recomputed log-prob."""
+    """Mean of behaviour log-prob minus the proximal (the actor's, before the update)."""
+    kl_behaviour_proximal: float
+    """k3 estimate of KL(behaviour || proximal) per token."""
+    rollout_is_mean: float
+    """Mean importance ratio proximal / behaviour before truncation (per token, or per
+    sequence with ``rollout_is=sequence``); about 1 when the samples are on-policy."""
+    rollout_is_max: float
+    """Largest such ratio in the batch."""
+    rollout_is_truncated_fraction: float
+    """Fraction of tokens (sequences) whose weight was truncated to ``rollout_is_threshold``."""
+    rollout_rs_masked_fraction: float
+    """Fraction of response tokens dropped from the loss by ``rollout_rs``."""
+    optimizer_steps: int
+    """Optimizer steps this update took (mini-batches x epochs)."""
+    version_span_max: int
+    """Largest newest-minus-oldest token version within one sample (partial rollouts)."""
+    continued_fraction: float
+    """Fraction of samples continued across a weight sync (tokens of two versions)."""
     retained_grad_bytes: int
     grad_sync_policy: str
     tokens: int

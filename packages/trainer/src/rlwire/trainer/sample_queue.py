@@ -13,7 +13,8 @@ needs whole groups. With ``R`` groups per update (``data.train_batch_size``),
 - the trainer takes the ``R`` oldest groups per update with :meth:`SampleQueue.get`;
   a group whose version lags the trainer's by more than ``max_version_lag`` is dropped
   (and frees its place under the bound);
-- :meth:`SampleQueue.request_sync` makes every worker finish its chunk and join the
+- :meth:`SampleQueue.request_sync` makes every worker finish its chunk (with partial
+  rollouts: its current token chunk, :meth:`SampleQueue.sync_pending`) and join the
   checkpoint engine's receive; once every worker reports the new version
   (:meth:`SampleQueue.worker_synced`) generation resumes.
 
@@ -138,11 +139,11 @@ class SampleQueue:
         step, position = divmod(index, self.required)
         return self.batches(step)[position]
 
-    async def put(self, worker: int, version: int, groups: list) -> None:
-        """Finished groups of one chunk (opaque to the queue), generated with weights
-        ``version`` by ``worker``."""
+    async def put(self, worker: int, versions: list[int], groups: list) -> None:
+        """Finished groups of one chunk (opaque to the queue) from ``worker``; ``versions``:
+        the weight version of each group (its oldest token's, with partial rollouts)."""
         async with self.cond:
-            for group in groups:
+            for version, group in zip(versions, groups, strict=True):
                 self.queue.append(_Queued(version, worker, group))
             self.in_flight -= len(groups)
             self.generated += len(groups)
@@ -160,6 +161,16 @@ class SampleQueue:
                 self._drop_lagging(self.version)
                 self.stale = len(self.queue) + self.in_flight
             self.cond.notify_all()
+
+    async def sync_pending(self, worker: int) -> int | None:
+        """Partial rollouts, between two token chunks: the version ``worker`` must receive
+        now (it is counted as receiving), or None when no sync waits for it."""
+        async with self.cond:
+            if self.sync_to is None or self.worker_versions[worker] == self.sync_to:
+                return None
+            self.receiving.add(worker)
+            self.cond.notify_all()
+            return self.sync_to
 
     # --- the trainer's side ----------------------------------------------------------------
     def _drop_lagging(self, trainer_version: int) -> int:

@@ -13,6 +13,7 @@ from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, parse_bucket_size
 from rlwire.grad_sync import GradSyncConfig
 
 from .actor.base import ACTOR_ENGINES, actor_engine_class
+from .correction import RolloutCorrectionConfig
 from .rollout.base import ROLLOUT_ENGINES, rollout_engine_class
 
 __all__ = [
@@ -158,6 +159,13 @@ class ActorConfig:
     """Actor ranks (Ray actors forming a gloo/NCCL group)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward on one rank."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per optimizer step (verl's meaning: each with its ``rollout.n`` samples,
+    split over the actor ranks); a batch of ``data.train_batch_size`` prompts takes
+    ``train_batch_size / ppo_mini_batch_size`` steps per epoch. None: the whole batch,
+    one step."""
+    ppo_epochs: int = 1
+    """Passes over each batch's mini-batches."""
     mixed_precision: bool = False
     """bf16 compute with fp32 gradient reduction (FSDP MixedPrecisionPolicy)."""
     offload: bool = False
@@ -173,11 +181,13 @@ class ActorConfig:
     def __post_init__(self) -> None:
         _check_engine(self.strategy, "actor.strategy", ACTOR_ENGINES, actor_engine_class)
         _check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
+        for key in ("micro_batch_size", "ppo_epochs"):
+            _check(getattr(self, key) >= 1, f"actor.{key}", getattr(self, key), "use an int >= 1")
         _check(
-            self.micro_batch_size >= 1,
-            "actor.micro_batch_size",
-            self.micro_batch_size,
-            "use an int >= 1",
+            self.ppo_mini_batch_size is None or self.ppo_mini_batch_size >= 1,
+            "actor.ppo_mini_batch_size",
+            self.ppo_mini_batch_size,
+            "use an int >= 1 or null",
         )
 
 
@@ -254,6 +264,9 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True
     """Divide group-centred rewards by the group's standard deviation (GRPO);
     False keeps the plain centred reward (Dr. GRPO)."""
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(
+        default_factory=RolloutCorrectionConfig
+    )
 
     def __post_init__(self) -> None:
         _check(
@@ -308,6 +321,14 @@ class AsyncConfig:
     most the bound above allows, so nothing is dropped in a steady run."""
     sample_timeout: float = 600.0
     """Seconds the trainer may wait for one step's samples before the run stops."""
+    partial_rollout: bool = False
+    """Partial rollouts: when a weight sync is requested, rollout workers stop at the end
+    of the current token chunk, apply the update and continue the unfinished responses
+    with the new weights; every token keeps the version and behaviour log-prob it was
+    sampled with, and a sample's lag is its oldest token's. Needs a rollout engine that
+    can continue responses (``hf``, ``vllm``)."""
+    partial_rollout_chunk_tokens: int = 8
+    """With ``partial_rollout``: tokens generated between two checks for a weight sync."""
 
     def __post_init__(self) -> None:
         _check(
@@ -329,6 +350,12 @@ class AsyncConfig:
             "use an int >= 0 or null",
         )
         _check(self.sample_timeout > 0, "async.sample_timeout", self.sample_timeout, "use > 0")
+        _check(
+            self.partial_rollout_chunk_tokens >= 1,
+            "async.partial_rollout_chunk_tokens",
+            self.partial_rollout_chunk_tokens,
+            "use an int >= 1",
+        )
 
     def version_lag_bound(self) -> int:
         """The largest version lag a consumed group may have."""

@@ -1,4 +1,5 @@
-"""One GRPO policy update on one actor rank: old log-probs, then micro-batched gradient steps.
+"""The policy update on one actor rank: proximal log-probs, then PPO mini-batches, each one
+optimizer step over micro-batches.
 
 This is the piece every actor engine runs (FSDP2, FSDP1 or a plain module);
 micro-batch accumulation goes through ``rlwire.grad_sync.run_micro_batches``,
@@ -17,7 +18,7 @@ from rlwire.grad_sync import decide_policy, retained_grad_bytes, run_micro_batch
 from .grpo import aggregate, k3_kl, policy_loss
 from .rollout import Rollout, sequence_logprobs
 
-__all__ = ["clip_and_step", "compute_old_logprobs", "grpo_update"]
+__all__ = ["clip_and_step", "compute_old_logprobs", "grpo_update", "ppo_update"]
 
 
 @torch.no_grad()
@@ -56,12 +57,17 @@ def grpo_update(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     optimizer_step: Callable[[], float] | None = None,
+    weights: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """One optimizer step over this rank's share of the rollout.
 
     Each micro-batch's loss is scaled by its share of the batch so that the
     accumulated gradient equals the full-batch gradient. With ``ref_logprobs``
     and ``kl_coef > 0`` the k3 KL to the reference policy is added to the loss.
+    ``weights`` and ``loss_mask`` (``(B, T)``) are an off-policy correction's
+    (:func:`rlwire.trainer.correction.correction_weights`): a factor on every token's
+    loss term, and the response mask less the rejected tokens.
     ``optimizer_step`` replaces the default clip-step-zero sequence
     (:func:`clip_and_step`) with an actor engine's own
     (:meth:`rlwire.trainer.actor.ActorEngine.optimizer_step`); it returns the gradient norm.
@@ -82,9 +88,15 @@ def grpo_update(
             temperature=temperature,
             with_entropy=True,
         )
-        mask = rollout.response_mask[s]
+        mask = (rollout.response_mask if loss_mask is None else loss_mask)[s]
         loss, clip_frac = policy_loss(
-            logp, old_logprobs[s], advantages[s], mask, clip_ratio=clip_ratio, loss_agg=loss_agg
+            logp,
+            old_logprobs[s],
+            advantages[s],
+            mask,
+            clip_ratio=clip_ratio,
+            loss_agg=loss_agg,
+            weights=None if weights is None else weights[s],
         )
         kl = torch.zeros(())
         if ref_logprobs is not None and kl_coef > 0:
@@ -113,6 +125,41 @@ def grpo_update(
         "grad_norm": float(grad_norm),
         "retained_grad_bytes": max(held),
         "grad_sync_policy": str(decide_policy(model, grad_sync)),
+    }
+
+
+def ppo_update(
+    rollout: Rollout,
+    proximal: torch.Tensor,
+    *,
+    mini_batch_size: int,
+    epochs: int,
+    update: Callable[..., dict[str, float]],
+    **per_row: torch.Tensor | None,
+) -> dict[str, float]:
+    """``epochs`` passes over the rollout in mini-batches of ``mini_batch_size`` rows, one
+    optimizer step each (verl's ``ppo_mini_batch_size`` and ``ppo_epochs``).
+
+    ``update`` is :func:`grpo_update` with everything but the rows bound; ``per_row`` are
+    its ``(B, ...)`` tensor arguments (``advantages``, ``ref_logprobs``, ``weights``,
+    ``loss_mask``; None passes through), cut to each mini-batch like the rollout. Returns
+    the steps' mean ``policy_loss``, ``clip_fraction``, ``entropy``, ``kl_ref`` and
+    ``grad_norm``, the most ``retained_grad_bytes``, the ``grad_sync_policy`` and
+    ``optimizer_steps``.
+    """
+    total = len(rollout)
+    steps = []
+    for _ in range(epochs):
+        for start in range(0, total, mini_batch_size):
+            rows = slice(start, min(start + mini_batch_size, total))
+            cut = {k: None if v is None else v[rows] for k, v in per_row.items()}
+            steps.append(update(rollout=rollout.select(rows), old_logprobs=proximal[rows], **cut))
+    means = ("policy_loss", "clip_fraction", "entropy", "kl_ref", "grad_norm")
+    return {
+        **{k: sum(m[k] for m in steps) / len(steps) for k in means},
+        "retained_grad_bytes": max(m["retained_grad_bytes"] for m in steps),
+        "grad_sync_policy": steps[-1]["grad_sync_policy"],
+        "optimizer_steps": len(steps),
     }
 
 

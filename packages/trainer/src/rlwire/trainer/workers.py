@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import os
 import random
 from pathlib import Path
@@ -20,8 +21,9 @@ import torch
 
 from .actor import ActorEngine, actor_engine_class
 from .config import TrainerConfig
+from .correction import correction_weights
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
-from .step import compute_old_logprobs, grpo_update
+from .step import compute_old_logprobs, grpo_update, ppo_update
 
 __all__ = ["ActorWorker", "RolloutWorker"]
 
@@ -103,49 +105,59 @@ class ActorWorker:
 
     # --- a training step -----------------------------------------------------------------
     def train(self, batch: Rollout) -> dict[str, float]:
-        """Old log-probs (forward only), then one GRPO update over micro-batches of this
-        rank's shard of the batch (with its ``advantages``)."""
+        """Proximal log-probs (forward only, unless ``bypass_mode``), the off-policy
+        correction against the behaviour log-probs, then PPO mini-batches and epochs over
+        this rank's shard of the batch (with its ``advantages``)."""
         cfg, actor = self.config, self.actor
+        correction = cfg.algorithm.rollout_correction
         if cfg.actor.offload:
             actor.reload()
         rollout = batch.to(self.device)
-        advantages = rollout.advantages
         temperature = cfg.rollout.temperature
         actor.model.train()
-        old = compute_old_logprobs(
-            actor.model,
-            rollout,
+        forward = functools.partial(
+            compute_old_logprobs,
+            rollout=rollout,
             micro_batch_size=cfg.actor.micro_batch_size,
             temperature=temperature,
         )
-        ref = None
-        if actor.reference is not None:
-            ref = compute_old_logprobs(
-                actor.reference,
-                rollout,
-                micro_batch_size=cfg.actor.micro_batch_size,
-                temperature=temperature,
-            )
-        metrics = grpo_update(
+        proximal = rollout.logprobs if correction.bypass_mode else forward(actor.model)
+        ref = forward(actor.reference) if actor.reference is not None else None
+        weights = correction_weights(
+            proximal,
+            rollout.logprobs,
+            rollout.response_mask,
+            correction,
+            fully_async=cfg.trainer.mode == "fully_async",
+        )
+        update = functools.partial(
+            grpo_update,
             actor.model,
             None,
-            rollout,
-            old,
-            advantages,
             micro_batch_size=cfg.actor.micro_batch_size,
             temperature=temperature,
             clip_ratio=cfg.algorithm.clip_ratio,
             loss_agg=cfg.algorithm.loss_agg,
             grad_sync=cfg.actor.grad_sync,
-            ref_logprobs=ref,
             kl_coef=cfg.algorithm.kl_coef,
             optimizer_step=actor.optimizer_step,
         )
+        metrics = ppo_update(
+            rollout,
+            proximal,
+            mini_batch_size=cfg.mini_batch_rows(),
+            epochs=cfg.actor.ppo_epochs,
+            update=update,
+            advantages=rollout.advantages,
+            ref_logprobs=ref,
+            weights=weights.weights,
+            loss_mask=weights.mask,
+        )
         mask = rollout.response_mask.float()
-        metrics["kl_rollout"] = float(((rollout.logprobs - old) * mask).sum() / mask.sum())
+        kl_rollout = ((rollout.logprobs - proximal) * mask).sum() / mask.sum()
         if cfg.actor.offload:
             actor.offload()
-        return metrics
+        return {**metrics, **weights.metrics, "kl_rollout": float(kl_rollout)}
 
     @contextlib.contextmanager
     def _resident(self, *, optimizer: bool):
@@ -298,13 +310,52 @@ class RolloutWorker:
 
     def generate(self, prompts: list[str], seed: int) -> Rollout:
         out = self.backend.generate(prompts, seed)
-        out.versions = torch.full((len(out),), self.version, dtype=torch.int64)
+        out.versions = torch.full_like(out.response_ids, self.version)
         return out
+
+    def generate_partial(self, prompts: list[str], seed: int, sync_requested) -> Rollout:
+        """Generate in chunks of ``async.partial_rollout_chunk_tokens``; between chunks,
+        ``sync_requested()`` says whether a weight sync waits (then it is applied here and
+        the unfinished responses continue with the new weights). Every token is stamped
+        with the version it was sampled with."""
+        cfg = self.config
+        chunk = cfg.async_.partial_rollout_chunk_tokens
+        pending = self.backend.start(prompts)
+        pending.versions = torch.zeros_like(pending.response_ids)
+        index = torch.arange(len(pending))  # each pending row's place in the result
+        done: dict[int, Rollout] = {}
+        left, piece = cfg.rollout.max_new_tokens, 0
+        while True:
+            before = pending.response_ids.shape[1]
+            grown, ended = self.backend.extend(pending, min(chunk, left), seed + piece * 7_919)
+            new = grown.response_ids.shape[1] - before
+            stamp = torch.full((len(grown), new), self.version, dtype=torch.int64)
+            grown.versions = torch.cat([pending.versions, stamp], dim=1)
+            left, piece = left - new, piece + 1
+            finished = ended | (left <= 0)
+            for row in finished.nonzero().flatten().tolist():
+                done[int(index[row])] = grown.select(slice(row, row + 1))
+            if bool(finished.all()):
+                break
+            keep = (~finished).nonzero().flatten()
+            pending, index = grown.select(keep), index[keep]
+            sync_requested()  # applies a pending weight update before the next chunk
+        return Rollout.concat([done[i] for i in range(len(done))])
 
     def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
         """The fully-async loop: generate, sync or wait as the queue says, until ``stop``."""
         import ray
 
+        def sync(version: int) -> None:
+            info = self.pull_weights()
+            ray.get(queue.worker_synced.remote(self.index, info), timeout=poll_timeout)
+
+        def sync_if_requested() -> None:
+            version = ray.get(queue.sync_pending.remote(self.index), timeout=poll_timeout)
+            if version is not None:
+                sync(version)
+
+        partial = self.config.async_.partial_rollout
         chunks = 0
         while True:
             task = ray.get(queue.next_task.remote(self.index), timeout=poll_timeout)
@@ -313,13 +364,16 @@ class RolloutWorker:
             if task["kind"] == "wait":
                 continue
             if task["kind"] == "sync":
-                info = self.pull_weights()
-                ray.get(queue.worker_synced.remote(self.index, info), timeout=poll_timeout)
+                sync(task["version"])
                 continue
-            out = self.generate(task["prompts"], task["seed"])
+            if partial:
+                out = self.generate_partial(task["prompts"], task["seed"], sync_if_requested)
+            else:
+                out = self.generate(task["prompts"], task["seed"])
             n = self.config.rollout.n
             groups = out.groups(n)
             for group, prompt, answer in zip(groups, task["prompts"], task["answers"], strict=True):
                 group.prompts, group.answers = [prompt] * n, [answer] * n
-            ray.get(queue.put.remote(self.index, self.version, groups), timeout=poll_timeout)
+            versions = [group.version for group in groups]
+            ray.get(queue.put.remote(self.index, versions, groups), timeout=poll_timeout)
             chunks += 1

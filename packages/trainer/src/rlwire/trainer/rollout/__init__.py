@@ -7,23 +7,32 @@ in :data:`ROLLOUT_ENGINES`, or, outside this package, with
 
 from __future__ import annotations
 
-from .base import ROLLOUT_ENGINES, RolloutEngine, SleepingRolloutEngine, rollout_engine_class
+from .base import (
+    ROLLOUT_ENGINES,
+    PartialRolloutEngine,
+    RolloutEngine,
+    SleepingRolloutEngine,
+    rollout_engine_class,
+)
 from .common import (
     Rollout,
     WeightsDigest,
     sequence_logprobs,
     weights_digest,
 )
-from .hf import HFEngine, hf_generate
+from .hf import HFEngine, hf_extend, hf_generate, hf_start
 
 __all__ = [
     "ROLLOUT_ENGINES",
     "HFEngine",
+    "PartialRolloutEngine",
     "Rollout",
     "RolloutEngine",
     "SleepingRolloutEngine",
     "WeightsDigest",
+    "hf_extend",
     "hf_generate",
+    "hf_start",
     "rollout_engine_class",
     "sequence_logprobs",
     "weights_digest",

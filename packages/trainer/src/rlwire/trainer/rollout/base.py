@@ -21,7 +21,13 @@ import torch
 from ..plugins import load_class
 from .common import Rollout
 
-__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "SleepingRolloutEngine", "rollout_engine_class"]
+__all__ = [
+    "ROLLOUT_ENGINES",
+    "PartialRolloutEngine",
+    "RolloutEngine",
+    "SleepingRolloutEngine",
+    "rollout_engine_class",
+]
 
 ROLLOUT_ENGINES: dict[str, str] = {
     "hf": "rlwire.trainer.rollout.hf:HFEngine",
@@ -43,6 +49,9 @@ class RolloutEngine(abc.ABC):
     can_sleep: ClassVar[bool] = False
     """Whether the engine frees device memory on request (:class:`SleepingRolloutEngine`);
     the driver asks for it only then, and only colocated on GPUs."""
+    can_continue: ClassVar[bool] = False
+    """Whether the engine continues unfinished responses (:class:`PartialRolloutEngine`),
+    which ``async.partial_rollout`` needs."""
 
     def __init__(
         self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
@@ -76,6 +85,29 @@ class SleepingRolloutEngine(RolloutEngine):
     @abc.abstractmethod
     def wake_up(self) -> None:
         """Take the memory back; the weights are as before :meth:`sleep`."""
+
+
+class PartialRolloutEngine(RolloutEngine):
+    """A rollout engine that generates in pieces: responses stopped after some tokens are
+    continued later, possibly with newer weights (partial rollouts)."""
+
+    can_continue: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def start(self, prompts: list[str]) -> Rollout:
+        """``rollout.n`` rows per prompt (consecutive) with empty responses (``T = 0``)."""
+
+    @abc.abstractmethod
+    def extend(
+        self, batch: Rollout, max_new_tokens: int, seed: int
+    ) -> tuple[Rollout, torch.Tensor]:
+        """Sample up to ``max_new_tokens`` more tokens for every row of ``batch`` (prompt,
+        then a response with no end-of-sequence token yet; one sample per row), with the
+        weights held now.
+
+        Returns the rows with the new tokens appended to their responses (mask, behaviour
+        log-probs and texts too; the earlier tokens' values unchanged) and a ``(B,)`` bool
+        tensor: which rows ended with an end-of-sequence token."""
 
 
 def rollout_engine_class(backend: str) -> type[RolloutEngine]:

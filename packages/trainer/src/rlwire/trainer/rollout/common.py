@@ -51,7 +51,8 @@ class Rollout:
     pad_id: int = 0
     """The token the id tensors are padded with."""
     versions: torch.Tensor | None = None
-    """``(B,)`` int64: the weight version that generated each sample."""
+    """``(B, T)`` int64: the weight version that generated each response token (with
+    partial rollouts one sample can carry several); meaningless where the mask is 0."""
     prompts: list[str] = dataclasses.field(default_factory=list)
     """The prompt of each sample (``B``), for the reward."""
     answers: list[str] = dataclasses.field(default_factory=list)
@@ -66,8 +67,20 @@ class Rollout:
 
     @property
     def version(self) -> int:
-        """The oldest weight version among the samples."""
-        return int(self.versions.min())
+        """The oldest weight version among the samples' tokens."""
+        return int(self.sample_versions().min())
+
+    def sample_versions(self) -> torch.Tensor:
+        """``(B,)``: each sample's version, that of its oldest token."""
+        real = self.response_mask.bool()
+        return torch.where(real, self.versions, torch.iinfo(torch.int64).max).min(dim=1).values
+
+    def version_spans(self) -> torch.Tensor:
+        """``(B,)``: newest minus oldest token version of each sample (0 unless the sample
+        was continued across a weight sync)."""
+        real = self.response_mask.bool()
+        newest = torch.where(real, self.versions, torch.iinfo(torch.int64).min).max(dim=1).values
+        return newest - self.sample_versions()
 
     @classmethod
     def concat(cls, parts: list[Rollout]) -> Rollout:
@@ -78,9 +91,13 @@ class Rollout:
         width_p = max(p.prompt_ids.shape[1] for p in parts)
         width_r = max(p.response_ids.shape[1] for p in parts)
 
-        def joined(field: str) -> torch.Tensor | None:
+        def joined(field: str, width: int | None = None) -> torch.Tensor | None:
             values = [getattr(p, field) for p in parts]
-            return torch.cat(values) if all(v is not None for v in values) else None
+            if any(v is None for v in values):
+                return None
+            if width is not None:  # per-token values, padded (and masked) like the responses
+                values = [_padded(v, width, 0, False) for v in values]
+            return torch.cat(values)
 
         return cls(
             torch.cat([_padded(p.prompt_ids, width_p, pad, True) for p in parts]),
@@ -90,16 +107,23 @@ class Rollout:
             torch.cat([_padded(p.logprobs, width_r, 0.0, False) for p in parts]),
             [t for p in parts for t in p.texts],
             pad_id=pad,
-            versions=joined("versions"),
+            versions=joined("versions", width_r),
             prompts=[x for p in parts for x in p.prompts],
             answers=[x for p in parts for x in p.answers],
             rewards=joined("rewards"),
             advantages=joined("advantages"),
         )
 
-    def _slice(self, rows: slice) -> Rollout:
+    def select(self, rows: slice | torch.Tensor) -> Rollout:
+        """The rows ``rows`` (a slice, or a 1-D tensor of row indices) as a batch of their own."""
+
         def cut(value):
             return None if value is None else value[rows]
+
+        def pick(items: list) -> list:
+            if isinstance(rows, slice):
+                return items[rows]
+            return [items[i] for i in rows.tolist()] if items else []
 
         return Rollout(
             self.prompt_ids[rows],
@@ -107,11 +131,11 @@ class Rollout:
             self.response_ids[rows],
             self.response_mask[rows],
             self.logprobs[rows],
-            self.texts[rows],
+            pick(self.texts),
             pad_id=self.pad_id,
             versions=cut(self.versions),
-            prompts=self.prompts[rows],
-            answers=self.answers[rows],
+            prompts=pick(self.prompts),
+            answers=pick(self.answers),
             rewards=cut(self.rewards),
             advantages=cut(self.advantages),
         )
@@ -120,12 +144,12 @@ class Rollout:
         """The consecutive groups of ``n`` samples (one prompt each)."""
         if len(self) % n:
             raise ValueError(f"{len(self)} samples do not split into groups of {n}")
-        return [self._slice(slice(i, i + n)) for i in range(0, len(self), n)]
+        return [self.select(slice(i, i + n)) for i in range(0, len(self), n)]
 
     def shard(self, rank: int, world_size: int) -> Rollout:
         """Actor rank ``rank``'s contiguous, equal share of the batch."""
         share = len(self) // world_size
-        return self._slice(slice(rank * share, (rank + 1) * share))
+        return self.select(slice(rank * share, (rank + 1) * share))
 
     def to(self, device: torch.device | str) -> Rollout:
         """The same batch with every tensor on ``device``."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from ..modeling import load_hf_model
-from .base import RolloutEngine
+from .base import PartialRolloutEngine
 from .common import Rollout, weights_digest
 
-__all__ = ["HFEngine", "hf_generate"]
+__all__ = ["HFEngine", "hf_extend", "hf_generate", "hf_start"]
 
 
 def _response_mask(response_ids: torch.Tensor, eos_id: int | None) -> torch.Tensor:
@@ -24,7 +24,70 @@ def _response_mask(response_ids: torch.Tensor, eos_id: int | None) -> torch.Tens
     return (before == 0).long()
 
 
+def hf_start(tokenizer, prompts: list[str], n: int) -> Rollout:
+    """``n`` rows per prompt (consecutive), left-padded, with empty responses."""
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    prompt_ids = batch["input_ids"].repeat_interleave(n, dim=0)
+    empty = prompt_ids.new_zeros((prompt_ids.shape[0], 0))
+    return Rollout(
+        prompt_ids,
+        batch["attention_mask"].repeat_interleave(n, dim=0),
+        empty,
+        empty.clone(),
+        empty.float(),
+        [""] * prompt_ids.shape[0],
+        pad_id=tokenizer.pad_token_id,
+    )
+
+
 @torch.no_grad()
+def hf_extend(
+    model, tokenizer, batch: Rollout, *, max_new_tokens: int, temperature: float, seed: int
+) -> tuple[Rollout, torch.Tensor]:
+    """Continue every row of ``batch`` (prompt + a response without its end yet) by up to
+    ``max_new_tokens`` sampled tokens with ``model.generate`` on the model's device
+    (see :meth:`rlwire.trainer.rollout.PartialRolloutEngine.extend`); host tensors back."""
+    device = next(model.parameters()).device
+    context = torch.cat([batch.prompt_ids, batch.response_ids], dim=1).to(device)
+    attention = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).to(device)
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids=context,
+        attention_mask=attention,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    new_ids = out.sequences[:, context.shape[1] :]
+    logits = torch.stack(out.logits, dim=1).float() / temperature  # (B, T, V)
+    new_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_ids.unsqueeze(-1))
+    new_mask = _response_mask(new_ids, tokenizer.eos_token_id)
+    eos = tokenizer.eos_token_id
+    ended = (new_ids == eos).any(dim=1) if eos is not None else torch.zeros(len(batch), dtype=bool)
+    response_ids = torch.cat([batch.response_ids, new_ids.cpu()], dim=1)
+    mask = torch.cat([batch.response_mask, new_mask.cpu()], dim=1)
+    logprobs = torch.cat([batch.logprobs, (new_logprobs.squeeze(-1) * new_mask).cpu()], dim=1)
+    texts = tokenizer.batch_decode(
+        response_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True
+    )
+    grown = Rollout(
+        batch.prompt_ids,
+        batch.prompt_mask,
+        response_ids,
+        mask,
+        logprobs,
+        texts,
+        pad_id=batch.pad_id,
+    )
+    return grown, ended.cpu()
+
+
 def hf_generate(
     model,
     tokenizer,
@@ -37,36 +100,14 @@ def hf_generate(
 ) -> Rollout:
     """Sample ``n`` responses per prompt with ``model.generate`` on the model's device;
     the returned tensors are on the host (they travel to the driver)."""
-    device = next(model.parameters()).device
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    prompt_ids = batch["input_ids"].repeat_interleave(n, dim=0).to(device)
-    prompt_mask = batch["attention_mask"].repeat_interleave(n, dim=0).to(device)
-    torch.manual_seed(seed)
-    out = model.generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        return_dict_in_generate=True,
-        output_logits=True,
+    rows = hf_start(tokenizer, prompts, n)
+    grown, _ = hf_extend(
+        model, tokenizer, rows, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
     )
-    response_ids = out.sequences[:, prompt_ids.shape[1] :]
-    logits = torch.stack(out.logits, dim=1).float() / temperature  # (B, T, V)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.unsqueeze(-1))
-    mask = _response_mask(response_ids, tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(
-        response_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True
-    )
-    tensors = (prompt_ids, prompt_mask, response_ids, mask, logprobs.squeeze(-1) * mask)
-    return Rollout(*(t.cpu() for t in tensors), texts, pad_id=tokenizer.pad_token_id)
+    return grown
 
 
-class HFEngine(RolloutEngine):
+class HFEngine(PartialRolloutEngine):
     """``rollout.backend=hf``: a plain Hugging Face copy of the policy, ``generate`` sampling."""
 
     name = "hf"
@@ -97,5 +138,20 @@ class HFEngine(RolloutEngine):
             n=cfg.n,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
+            seed=seed,
+        )
+
+    def start(self, prompts: list[str]) -> Rollout:
+        return hf_start(self.tokenizer, prompts, self.config.rollout.n)
+
+    def extend(
+        self, batch: Rollout, max_new_tokens: int, seed: int
+    ) -> tuple[Rollout, torch.Tensor]:
+        return hf_extend(
+            self.model,
+            self.tokenizer,
+            batch,
+            max_new_tokens=max_new_tokens,
+            temperature=self.config.rollout.temperature,
             seed=seed,
         )

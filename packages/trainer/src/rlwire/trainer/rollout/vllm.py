@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .base import SleepingRolloutEngine
+from .base import PartialRolloutEngine, SleepingRolloutEngine
 from .common import Rollout
 
 __all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension"]
@@ -48,8 +48,9 @@ class WeightReloadExtension:
 _CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
 
 
-class VLLMEngine(SleepingRolloutEngine):
-    """``rollout.backend=vllm``: generation with ``vllm.LLM``; sleeps on CUDA when colocated."""
+class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
+    """``rollout.backend=vllm``: generation with ``vllm.LLM``; sleeps on CUDA when colocated;
+    continues partial responses (one request per row, prompt and response as its tokens)."""
 
     name = "vllm"
 
@@ -115,50 +116,95 @@ class VLLMEngine(SleepingRolloutEngine):
         if self.sleep_mode:
             self.llm.wake_up()
 
-    def generate(self, prompts: list[str], seed: int) -> Rollout:
+    def _params(self, *, n: int, max_tokens: int, seed: int):
         from vllm import SamplingParams
+
+        eos = self.tokenizer.eos_token_id
+        return SamplingParams(
+            n=n,
+            temperature=self.config.rollout.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_tokens=max_tokens,
+            seed=seed,
+            logprobs=0,
+            stop_token_ids=[eos] if eos is not None else None,
+        )
+
+    def _encode(self, prompts: list[str]) -> list[list[int]]:
+        return [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+    def generate(self, prompts: list[str], seed: int) -> Rollout:
         from vllm.inputs import TokensPrompt
 
         cfg = self.config.rollout
-        tok = self.tokenizer
-        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        params = SamplingParams(
-            n=cfg.n,
-            temperature=cfg.temperature,
-            top_k=0,
-            top_p=1.0,
-            max_tokens=cfg.max_new_tokens,
-            seed=seed,
-            logprobs=0,
-            stop_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else None,
-        )
+        ids = self._encode(prompts)
+        params = self._params(n=cfg.n, max_tokens=cfg.max_new_tokens, seed=seed)
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False
         )
-        rows = len(prompts) * cfg.n
-        width_p = max(len(p) for p in ids)
-        width_r = max(len(c.token_ids) for o in outputs for c in o.outputs) or 1
+        return self._rows(
+            [
+                (prompt, list(sample.token_ids), _sampled_logprobs(sample))
+                for prompt, out in zip(ids, outputs, strict=True)
+                for sample in out.outputs
+            ]
+        )
+
+    def start(self, prompts: list[str]) -> Rollout:
+        n = self.config.rollout.n
+        return self._rows([(p, [], []) for p in self._encode(prompts) for _ in range(n)])
+
+    def extend(
+        self, batch: Rollout, max_new_tokens: int, seed: int
+    ) -> tuple[Rollout, torch.Tensor]:
+        from vllm.inputs import TokensPrompt
+
+        rows = []
+        for i in range(len(batch)):
+            prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
+            real = batch.response_mask[i].bool()
+            rows.append(
+                (prompt, batch.response_ids[i][real].tolist(), batch.logprobs[i][real].tolist())
+            )
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p + r) for p, r, _ in rows],
+            [self._params(n=1, max_tokens=max_new_tokens, seed=seed + i) for i in range(len(rows))],
+            use_tqdm=False,
+        )
+        grown = [
+            (p, r + list(out.outputs[0].token_ids), lp + _sampled_logprobs(out.outputs[0]))
+            for (p, r, lp), out in zip(rows, outputs, strict=True)
+        ]
+        ended = torch.tensor([out.outputs[0].finish_reason == "stop" for out in outputs])
+        return self._rows(grown), ended
+
+    def _rows(self, rows: list[tuple[list[int], list[int], list[float]]]) -> Rollout:
+        """One batch of ``(prompt tokens, response tokens, their log-probs)`` rows: prompts
+        left-padded, responses right-padded (a response runs up to and including its eos)."""
+        tok = self.tokenizer
         pad = tok.pad_token_id
-        prompt_ids = torch.full((rows, width_p), pad, dtype=torch.long)
-        prompt_mask = torch.zeros((rows, width_p), dtype=torch.long)
-        response_ids = torch.full((rows, width_r), pad, dtype=torch.long)
-        response_mask = torch.zeros((rows, width_r), dtype=torch.long)
-        logprobs = torch.zeros((rows, width_r), dtype=torch.float32)
-        row = 0
-        for prompt, out in zip(ids, outputs, strict=True):
-            for sample in out.outputs:
-                tokens = list(sample.token_ids)
-                prompt_ids[row, width_p - len(prompt) :] = torch.tensor(prompt)
-                prompt_mask[row, width_p - len(prompt) :] = 1
-                response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-                response_mask[row, : len(tokens)] = 1  # up to and including the eos
-                logprobs[row, : len(tokens)] = torch.tensor(
-                    [step[t].logprob for t, step in zip(tokens, sample.logprobs, strict=True)]
-                )
-                row += 1
+        width_p = max(len(p) for p, _, _ in rows)
+        width_r = max(len(r) for _, r, _ in rows)
+        prompt_ids = torch.full((len(rows), width_p), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((len(rows), width_p), dtype=torch.long)
+        response_ids = torch.full((len(rows), width_r), pad, dtype=torch.long)
+        response_mask = torch.zeros((len(rows), width_r), dtype=torch.long)
+        logprobs = torch.zeros((len(rows), width_r), dtype=torch.float32)
+        for row, (prompt, tokens, values) in enumerate(rows):
+            prompt_ids[row, width_p - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            prompt_mask[row, width_p - len(prompt) :] = 1
+            response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            response_mask[row, : len(tokens)] = 1
+            logprobs[row, : len(tokens)] = torch.tensor(values, dtype=torch.float32)
         texts = tok.batch_decode(
             response_ids * response_mask + pad * (1 - response_mask), skip_special_tokens=True
         )
         return Rollout(
             prompt_ids, prompt_mask, response_ids, response_mask, logprobs, texts, pad_id=pad
         )
+
+
+def _sampled_logprobs(sample) -> list[float]:
+    """The log-prob of each token of a vLLM ``CompletionOutput`` (``logprobs=0``)."""
+    return [step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs, strict=True)]

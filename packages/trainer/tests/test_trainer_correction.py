@@ -1,0 +1,153 @@
+"""Off-policy correction by hand on small tensors: truncated and masked importance sampling at
+token and sequence level, its metrics, its place in the loss, and the configuration keys."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlwire.trainer.config import ConfigError, load_config
+from rlwire.trainer.correction import RolloutCorrectionConfig, correction_weights
+from rlwire.trainer.grpo import policy_loss
+
+# proximal - behaviour per token: rho = [[3, 0.25, pad], [1, 1.5, 1]]
+RHO = torch.tensor([[3.0, 0.25, 7.0], [1.0, 1.5, 1.0]])
+MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
+BEHAVIOUR = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.1, -3.0]])
+PROXIMAL = BEHAVIOUR + RHO.log()
+
+
+def _correct(fully_async: bool = False, **settings):
+    return correction_weights(
+        PROXIMAL, BEHAVIOUR, MASK, RolloutCorrectionConfig(**settings), fully_async=fully_async
+    )
+
+
+def _close(actual: torch.Tensor, expected: list) -> None:
+    torch.testing.assert_close(actual, torch.tensor(expected), atol=1e-6, rtol=1e-6)
+
+
+def test_token_level_truncation_by_hand():
+    c = _correct(rollout_is="token", rollout_is_threshold=2.0)
+    _close(c.weights * MASK, [[2.0, 0.25, 0.0], [1.0, 1.5, 1.0]])
+    assert c.mask.tolist() == MASK.tolist()  # truncation drops nothing
+    m = c.metrics
+    assert m["rollout_is_mean"] == pytest.approx((3 + 0.25 + 1 + 1.5 + 1) / 5)
+    assert m["rollout_is_max"] == pytest.approx(3.0)  # the padded 7 does not count
+    assert m["rollout_is_truncated_fraction"] == pytest.approx(1 / 5)
+    assert m["rollout_rs_masked_fraction"] == 0.0
+    k3 = [r - math.log(r) - 1 for r in (3, 0.25, 1, 1.5, 1)]  # exp(log r) - log r - 1
+    assert m["kl_behaviour_proximal"] == pytest.approx(sum(k3) / 5, rel=1e-5)
+
+
+def test_sequence_level_truncation_by_hand():
+    # sequence ratios: 3 x 0.25 = 0.75 and 1 x 1.5 x 1 = 1.5
+    c = _correct(rollout_is="sequence", rollout_is_threshold=1.2)
+    _close(c.weights, [[0.75] * 3, [1.2] * 3])
+    m = c.metrics
+    assert m["rollout_is_mean"] == pytest.approx((0.75 + 1.5) / 2)  # over sequences
+    assert m["rollout_is_max"] == pytest.approx(1.5)
+    assert m["rollout_is_truncated_fraction"] == pytest.approx(1 / 2)
+
+
+def test_token_level_masking_by_hand():
+    c = _correct(rollout_is=None, rollout_rs="token", rollout_rs_threshold=2.0)
+    assert c.mask.tolist() == [[0, 0, 0], [1, 1, 1]]  # 3 > 2 and 0.25 < 1/2 leave the loss
+    assert torch.equal(c.weights, torch.ones_like(c.weights))  # no truncation asked for
+    assert c.metrics["rollout_rs_masked_fraction"] == pytest.approx(2 / 5)
+    assert c.metrics["rollout_is_truncated_fraction"] == 0.0
+
+
+def test_sequence_level_masking_by_hand():
+    kept = _correct(rollout_is=None, rollout_rs="sequence", rollout_rs_threshold=2.0)
+    assert kept.mask.tolist() == MASK.tolist()  # 0.75 and 1.5 lie in [0.5, 2]
+    tight = _correct(
+        rollout_is=None,
+        rollout_rs="sequence",
+        rollout_rs_threshold=1.25,
+        rollout_rs_threshold_lower=0.8,
+    )
+    assert tight.mask.tolist() == [[0, 0, 0], [0, 0, 0]]
+    assert tight.metrics["rollout_rs_masked_fraction"] == 1.0
+    upper_only = _correct(rollout_is=None, rollout_rs="sequence", rollout_rs_threshold=1.4)
+    assert upper_only.mask.tolist() == [[1, 1, 0], [0, 0, 0]]  # kept: [1 / 1.4, 1.4]
+
+
+def test_auto_truncates_per_token_in_fully_async_mode_only():
+    async_ = _correct(fully_async=True)
+    _close(async_.weights * MASK, [[2.0, 0.25, 0.0], [1.0, 1.5, 1.0]])
+    colocated = _correct(fully_async=False)
+    assert torch.equal(colocated.weights, torch.ones_like(colocated.weights))
+    # ... while the metrics still show the mismatch
+    assert colocated.metrics["rollout_is_max"] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"rollout_is": None},
+        {"rollout_is": "token", "rollout_is_threshold": 1.0},
+        {"rollout_is": "sequence"},
+        {"rollout_rs": "token", "rollout_rs_threshold": 1.0},
+        {"rollout_rs": "sequence", "rollout_is": "sequence", "rollout_rs_threshold": 1.0},
+    ],
+)
+def test_behaviour_equal_to_proximal_leaves_loss_and_gradient_exactly_unchanged(settings):
+    torch.manual_seed(0)
+    behaviour = -torch.rand(4, 5) * 3
+    mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0], [1] * 5, [1, 0, 0, 0, 0]])
+    advantages = torch.tensor([1.0, -0.5, 0.25, -2.0])
+    c = correction_weights(
+        behaviour, behaviour, mask, RolloutCorrectionConfig(**settings), fully_async=True
+    )
+    assert torch.equal(c.weights, torch.ones_like(c.weights)) and torch.equal(c.mask, mask)
+    logits = behaviour + 0.3 * torch.randn(4, 5)
+
+    def loss_and_grad(**correction):
+        current = logits.clone().requires_grad_()
+        loss, clipped = policy_loss(
+            current, behaviour, advantages, mask, clip_ratio=0.2, **correction
+        )
+        loss.backward()
+        return loss.detach(), current.grad, clipped
+
+    plain = loss_and_grad()
+    corrected = loss_and_grad(weights=c.weights)
+    for a, b in zip(plain, corrected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_weights_scale_each_tokens_loss_term():
+    advantages = torch.tensor([1.0, -1.0])
+    weights = torch.tensor([[2.0, 0.25, 0.0], [1.0, 1.5, 1.0]])
+    # on-policy (ratio 1): each term is -A, times its weight, over the 5 real tokens
+    loss, _ = policy_loss(BEHAVIOUR, BEHAVIOUR, advantages, MASK, clip_ratio=0.2, weights=weights)
+    assert loss.item() == pytest.approx((-2 - 0.25 + 1 + 1.5 + 1) / 5)
+
+
+def test_verl_keys_and_refusals():
+    config = load_config(
+        overrides=[
+            "algorithm.rollout_correction.rollout_is=sequence",
+            "algorithm.rollout_correction.rollout_is_threshold=3",
+            "algorithm.rollout_correction.rollout_rs=token",
+            "algorithm.rollout_correction.bypass_mode=true",
+        ]
+    )
+    rc = config.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs) == ("sequence", 3.0, "token")
+    assert rc.bypass_mode and rc.rs_bounds() == (0.5, 2.0)
+    off = load_config(overrides=["algorithm.rollout_correction.rollout_is=null"])
+    assert off.algorithm.rollout_correction.is_level(fully_async=True) is None
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["algorithm.rollout_correction.rollout_is=geometric"])
+    assert str(err.value) == (
+        "algorithm.rollout_correction.rollout_is: 'geometric' is not allowed; "
+        "use 'token', 'sequence', 'auto' or null"
+    )
+    with pytest.raises(
+        ConfigError, match=r"rollout_is_threshold: 0.5 is not allowed; use a float >= 1"
+    ):
+        load_config(overrides=["algorithm.rollout_correction.rollout_is_threshold=0.5"])
