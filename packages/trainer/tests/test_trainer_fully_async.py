@@ -1,5 +1,6 @@
 """Fully-async mode: the sample queue's staleness control (simulated workers), then real runs
-with Ray: 2 rollout workers, weights verified by digest after every sync, and a killed worker."""
+with Ray: 2 rollout workers continuing responses across syncs (partial rollouts), weights
+verified by digest after every sync, and a killed worker."""
 
 from __future__ import annotations
 
@@ -208,27 +209,39 @@ def test_sync_cadence_counts_from_the_global_step_across_a_resume():
 
 
 # --- real runs --------------------------------------------------------------------------------
-def test_fully_async_two_workers_weights_reach_every_worker(ray_cluster, tmp_path):
+def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tmp_path):
+    """Two workers, weights pushed every 2nd update, responses continued across each sync.
+
+    The workers are made slower than the trainer (one token per chunk, so a check of the
+    queue per token; one micro-batch for the update): they never pause on the staleness
+    bound, so every sync finds them in the middle of their responses."""
     run = tmp_path / "run"
     records, _ = train_cli(
         run,
         "ckpt_engine.digest=true",
         "trainer.mode=fully_async",
         "rollout.num_workers=2",
-        "trainer.steps=5",
-        "async.staleness_threshold=0.5",
+        "trainer.steps=6",
+        "async.staleness_threshold=1",
         "async.trigger_parameter_sync_step=2",
+        "async.partial_rollout=true",
+        "async.partial_rollout_chunk_tokens=1",
+        "rollout.max_new_tokens=24",
+        "actor.micro_batch_size=64",
         cluster=ray_cluster,
     )
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     bound = 2 * (1 + 1) - 1  # T x (1 + ceil(S)) - 1
     versions = [r["weight_version"] for r in records]
-    assert versions == [0, 2, 2, 4, 4]  # synced after every 2nd update (not after the last)
+    assert versions == [0, 2, 2, 4, 4, 4]  # synced after every 2nd update (not after the last)
     digests = []
     for r in records:
+        # a sample's lag is its oldest token's: every token is within the bound
         assert 0 <= r["version_lag_max"] <= bound and r["version_lag_mean"] <= r["version_lag_max"]
         assert r["dropped_samples"] == 0 and r["wait_for_samples_s"] >= 0
         assert r["rollout_paused_s"] >= 0 and 0.0 <= r["reward_mean"] <= 1.0
+        assert r["optimizer_steps"] == 1 and r["rollout_is_mean"] > 0
+        assert r["version_span_max"] in (0, 2)  # a sync moves the weights 2 versions on
         if r["step"] in (2, 4):  # a sync step: both workers hold exactly what the actor sent
             assert r["weight_sync_gbps"] > 0
             assert r["weight_digest_rollout"] == [r["weight_digest_actor"]] * 2
@@ -236,7 +249,9 @@ def test_fully_async_two_workers_weights_reach_every_worker(ray_cluster, tmp_pat
         else:
             assert "weight_digest_actor" not in r
     assert len(set(digests)) == 2  # the weights changed between syncs
-    assert (run / "checkpoints" / "step_5" / "COMPLETE").exists()
+    continued = [r["continued_fraction"] for r in records if r["version_span_max"] == 2]
+    assert continued and all(0 < c <= 1 for c in continued), records
+    assert (run / "checkpoints" / "step_6" / "COMPLETE").exists()
 
 
 def test_killed_rollout_worker_stops_the_run_with_its_error(ray_cluster, tmp_path):

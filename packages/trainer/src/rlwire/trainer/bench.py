@@ -1,12 +1,17 @@
-"""Colocated vs fully-async on the same job, measured in one run.
+"""Colocated vs fully-async on the same job, measured in one run: speed and learning.
 
-python -m rlwire.trainer.bench [--steps 100] [--workers 1] [--backend hf] [key=value ...]
+python -m rlwire.trainer.bench [--steps 100] [--workers 1] [--target R]
+                               [--variant LABEL:key=value,...] [key=value ...]
 
-Runs the default job (or the given overrides) once per mode with the same steps,
-seed and resources, then prints one table: samples/s over the training loop, the
-fraction of that time spent in weight sync, the mean version lag of the samples
-trained on, and the mean reward over the last tenth of the steps; each mode's
-samples/s also as a ratio to colocated's.
+Runs the default job (or the given overrides) with the same steps, seed and resources
+as: colocated; fully async with its default off-policy correction (token-level truncated
+importance sampling, C = 2); fully async without correction
+(``algorithm.rollout_correction.rollout_is=null``); and each ``--variant`` (fully async
+plus its overrides). Prints one table: samples/s over the training loop and as a ratio
+to colocated's, the weight-sync share of the loop, the mean version lag, the final
+reward (mean over the last tenth of the steps) and its ratio to colocated's, and the
+training-loop time until the reward's 10-step moving mean first reaches the target
+(``--target``; default 0.8 x colocated's final reward) with its ratio to colocated's.
 """
 
 from __future__ import annotations
@@ -17,15 +22,37 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["main", "summarise"]
+__all__ = ["main", "summarise", "time_to_target"]
+
+_WINDOW = 10  # steps in the reward's moving mean
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _step_seconds(record: dict) -> float:
+    # a step's time: getting its samples (generating, or waiting for the queue), the
+    # update and the weight sync; samples_per_s was measured over exactly that span
+    return record["time_rollout_s"] + record["time_update_s"] + record["time_weight_sync_s"]
+
+
+def time_to_target(records: list[dict], target: float, window: int = _WINDOW) -> float | None:
+    """Training-loop seconds until the reward's ``window``-step moving mean first reaches
+    ``target`` (counted to the end of that step); None if it never does."""
+    elapsed = 0.0
+    for i, record in enumerate(records):
+        elapsed += _step_seconds(record)
+        recent = records[max(0, i + 1 - window) : i + 1]
+        if len(recent) == window and sum(r["reward_mean"] for r in recent) / window >= target:
+            return elapsed
+    return None
 
 
 def summarise(run_dir: Path) -> dict[str, float]:
     """Loop throughput, sync share, lag and final reward from a run's metrics.jsonl."""
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    # a step's time: getting its samples (generating, or waiting for the queue), the
-    # update and the weight sync; samples_per_s was measured over exactly that span
-    seconds = [r["time_rollout_s"] + r["time_update_s"] + r["time_weight_sync_s"] for r in records]
+    records = _records(run_dir)
+    seconds = [_step_seconds(r) for r in records]
     samples = sum(r["samples_per_s"] * t for r, t in zip(records, seconds, strict=True))
     loop_s = sum(seconds)
     tail = records[-max(1, len(records) // 10) :]
@@ -39,10 +66,19 @@ def summarise(run_dir: Path) -> dict[str, float]:
     }
 
 
+def _variant(text: str) -> tuple[str, list[str]]:
+    label, sep, overrides = text.partition(":")
+    if not sep or not label:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected LABEL:key=value,...")
+    return label, [o for o in overrides.split(",") if o]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlwire.trainer.bench", description=__doc__)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--workers", type=int, default=1, help="rollout workers (both modes)")
+    parser.add_argument("--workers", type=int, default=1, help="rollout workers (every run)")
+    parser.add_argument("--target", type=float, default=None, help="reward to reach")
+    parser.add_argument("--variant", type=_variant, action="append", default=[])
     parser.add_argument("--out", default=None, help="run directories (default: a temp dir)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
@@ -51,32 +87,51 @@ def main(argv: list[str] | None = None) -> int:
     from .driver import run
 
     root = Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-"))
-    rows = {}
-    for mode in ("colocated", "fully_async"):
+    runs = [
+        ("colocated", ["trainer.mode=colocated"]),
+        ("fully_async", ["trainer.mode=fully_async"]),
+        (
+            "fully_async, no correction",
+            ["trainer.mode=fully_async", "algorithm.rollout_correction.rollout_is=null"],
+        ),
+        *[(label, ["trainer.mode=fully_async", *more]) for label, more in args.variant],
+    ]
+    rows, records = {}, {}
+    for i, (label, settings) in enumerate(runs):
+        out = root / f"run{i}"
         config = load_config(
             overrides=[
                 *args.overrides,
-                f"trainer.mode={mode}",
+                *settings,
                 f"trainer.steps={args.steps}",
                 f"rollout.num_workers={args.workers}",
-                f"trainer.output_dir={root / mode}",
+                f"trainer.output_dir={out}",
                 "trainer.resume=never",
             ]
         )
         start = time.perf_counter()
         run(config, progress=False)
-        rows[mode] = {**summarise(root / mode), "wall_s": time.perf_counter() - start}
-    base = rows["colocated"]["samples_per_s"]
+        rows[label] = {**summarise(out), "wall_s": time.perf_counter() - start}
+        records[label] = _records(out)
+    base = rows["colocated"]
+    target = args.target if args.target is not None else 0.8 * base["reward_final"]
+    reach = {label: time_to_target(records[label], target) for label in rows}
     print(f"{args.steps} steps, {args.workers} rollout worker(s), overrides: {args.overrides}")
+    print(f"target: reward {target:.3f} ({_WINDOW}-step moving mean)")
     print(
-        "| mode | samples/s | vs colocated | weight sync share | mean version lag "
-        "| reward (last 10%) | wall s |"
+        "| run | samples/s | vs colocated | weight sync share | mean version lag "
+        "| reward (last 10%) | vs colocated | loop s to target | vs colocated | wall s |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for mode, r in rows.items():
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, r in rows.items():
+        t, t0 = reach[label], reach["colocated"]
+        to_target = "not reached" if t is None else f"{t:.1f}"
+        ratio = f"{t / t0:.2f}x" if t is not None and t0 else "-"
+        speed = r["samples_per_s"] / base["samples_per_s"]
         print(
-            f"| {mode} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base:.2f}x "
+            f"| {label} | {r['samples_per_s']:.1f} | {speed:.2f}x "
             f"| {r['sync_fraction']:.1%} | {r['lag_mean']:.2f} | {r['reward_final']:.3f} "
+            f"| {r['reward_final'] / base['reward_final']:.2f}x | {to_target} | {ratio} "
             f"| {r['wall_s']:.1f} |"
         )
     return 0
