@@ -1,5 +1,10 @@
 """Fully-async mode: rollout workers keep generating into a :class:`SampleQueue` while the
-actor trains; weights go to them every ``async.trigger_parameter_sync_step`` updates."""
+actor trains; weights go to them every ``async.trigger_parameter_sync_step`` updates.
+
+The trainer's loop overlaps what it can: the groups of the next update are taken from the
+queue while the current update runs, and a weight push completes while the next update's
+samples are gathered (the actor runs its calls in order, so the next update starts after the
+push; a sync step's metrics line is written once its sync completed)."""
 
 from __future__ import annotations
 
@@ -48,7 +53,12 @@ def run_fully_async(job: Job, bar) -> None:
     wait_s = cfg.sample_timeout
     sync_s = config.ckpt_engine.timeout + 30
 
-    def sync(version: int, *, request: bool = True) -> dict[str, Any]:
+    def take(step: int):
+        """Ask for the groups of update ``step`` (answered once they are there)."""
+        return queue.get.remote(required, step, wait_s)
+
+    def start_sync(version: int, *, request: bool = True) -> tuple[list, Any]:
+        """Stop the workers at their next chunk, start the push; the refs to finish it."""
         if request:
             watch.get(queue.request_sync.remote(version), timeout=wait_s, what="weight sync")
         if not watch.get(
@@ -58,59 +68,78 @@ def run_fully_async(job: Job, bar) -> None:
                 f"weight sync: the rollout workers did not finish their chunks within {wait_s:g} s"
             )
         pushed = [a.push_weights.remote(version) for a in job.actors]
-        # No overall deadline: the engine bounds every wait of the send (ckpt_engine.timeout)
-        # and fails it, and a large model may take longer than any fixed budget.
+        return pushed, queue.wait_synced.remote(version, sync_s)
+
+    def finish_sync(started: tuple[list, Any]) -> dict[str, Any]:
+        pushed, synced = started
+        # No overall deadline for the send: the engine bounds every wait of it
+        # (ckpt_engine.timeout) and fails it, and a large model may outlast any fixed budget.
         stats = watch.get(pushed, timeout=None, what="weight sync (send)")[0]
-        pulls = watch.get(
-            queue.wait_synced.remote(version, sync_s), timeout=sync_s + 30, what="weight sync"
-        )
+        pulls = watch.get(synced, timeout=sync_s + 30, what="weight sync")
         if pulls is None:
             raise RunError(f"weight sync: the rollout workers did not apply it within {sync_s:g} s")
         return {**stats, "pulls": pulls}
 
+    unsynced: dict[str, Any] = {"weight_sync_gbps": 0.0, "pulls": []}
+    pending = None  # a step whose record waits for its weight sync to complete
+
+    def write(step: int, synced: dict[str, Any], fields: dict[str, Any]) -> None:
+        job.record(job.step_record(step, synced=synced, **fields), bar)
+        bar.update(1)
+
     try:
-        sync(job.start_step, request=False)
+        finish_sync(start_sync(job.start_step, request=False))
         held = job.start_step  # the version the rollout workers hold
         paused_before = 0.0
+        ahead = take(job.start_step)
         for step in range(job.start_step, config.trainer.steps):
             t0 = time.perf_counter()
-            got = watch.get(
-                queue.get.remote(required, step, wait_s), timeout=wait_s + 30, what="samples"
-            )
+            got = watch.get(ahead, timeout=wait_s + 30, what="samples")
             if got.get("timeout"):
                 raise RunError(
                     f"fully_async: fewer than {required} prompt groups arrived within "
                     f"{wait_s:g} s (async.sample_timeout; {got['queued']} queued)"
                 )
+            if step + 1 < config.trainer.steps:
+                ahead = take(step + 1)  # gathered while this update runs
             groups = got["groups"]
             lags = [step - version for version in got["versions"]]
             batch = Rollout.concat(groups)
             t_samples = time.perf_counter()
             result = job.update(batch)
             t_update = time.perf_counter()
-            synced: dict[str, Any] = {"weight_sync_gbps": 0.0, "pulls": []}
+            if pending is not None:  # the actor ran that push before this update
+                write(pending[0], finish_sync(pending[1]), pending[2])
+                pending = None
+            started = None
             if sync_due(step, trigger, config.trainer.steps):
-                synced = sync(step + 1)
+                started = start_sync(step + 1)
                 held = step + 1
             t_sync = time.perf_counter()
             stats = watch.get(queue.stats.remote(), timeout=wait_s, what="sample queue")
             paused = sum(stats["paused_s"])
-            record = job.step_record(
-                step,
-                result,
-                (t0, t_samples, t_update, t_sync),
-                synced,
-                samples=len(groups) * n,
-                version=held,
-                lags=lags,
-                dropped_samples=got["dropped"] * n,
-                wait_for_samples_s=got["wait_s"],
-                rollout_paused_s=paused - paused_before,
-            )
+            fields = {
+                "result": result,
+                "times": (t0, t_samples, t_update, t_sync),
+                "samples": len(groups) * n,
+                "version": held,
+                "lags": lags,
+                "dropped_samples": got["dropped"] * n,
+                "wait_for_samples_s": got["wait_s"],
+                "rollout_paused_s": paused - paused_before,
+            }
             paused_before = paused
-            job.record(record, bar)
-            bar.update(1)
-            job.save_if_due(step + 1)
+            due = job.save_due(step + 1)
+            if started is None:
+                write(step, unsynced, fields)
+            elif due:  # the record goes before its checkpoint, as in every other step
+                write(step, finish_sync(started), fields)
+            else:  # completed while the next step takes its samples and updates
+                pending = (step, started, fields)
+            if due:  # the actor saves after its push: the weights of this update
+                job.save(step + 1)
+        if pending is not None:
+            write(pending[0], finish_sync(pending[1]), pending[2])
         ray.get(queue.stop.remote(), timeout=wait_s)
         watch.loops = []  # their ends are expected now
         ray.get(loops, timeout=wait_s)

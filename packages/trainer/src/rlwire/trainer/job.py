@@ -247,13 +247,19 @@ class Job:
         log.info("step %d %s", metrics.step, line)
         bar.set_postfix(reward=f"{metrics.reward_mean:.3f}")
 
-    def save_if_due(self, done: int) -> None:
-
+    def save_due(self, done: int) -> bool:
+        """Whether a checkpoint is written after ``done`` updates."""
         every, last = self.config.trainer.save_every, self.config.trainer.steps
-        if (every and done % every == 0) or done == last:
-            target = self.run_dir / "checkpoints" / f"step_{done}"
-            self.call([a.save.remote(str(target), done) for a in self.actors], "saving")
-            (target / "COMPLETE").write_text(str(done))
+        return bool(every and done % every == 0) or done == last
+
+    def save(self, done: int) -> None:
+        target = self.run_dir / "checkpoints" / f"step_{done}"
+        self.call([a.save.remote(str(target), done) for a in self.actors], "saving")
+        (target / "COMPLETE").write_text(str(done))
+
+    def save_if_due(self, done: int) -> None:
+        if self.save_due(done):
+            self.save(done)
 
 
 def _digests(push: dict, pulls: list[dict]) -> dict[str, Any]:

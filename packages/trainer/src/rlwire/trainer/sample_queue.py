@@ -9,7 +9,9 @@ needs whole groups. With ``R`` groups per update (``data.train_batch_size``),
   groups, receive a weight update, wait (paused), or stop;
 - every group it starts counts toward ``stale``; workers pause while
   ``stale >= R x T x (1 + S)`` (verl's ``max_required_samples``). After a weight sync
-  ``stale`` restarts from the groups still queued (now generated with old weights);
+  ``stale`` restarts from the groups still queued (now generated with old weights),
+  counting those already taken for an update that has not run yet (the trainer takes the
+  next update's groups while the current one runs);
 - the trainer takes the ``R`` oldest groups per update with :meth:`SampleQueue.get`;
   a group whose version lags the trainer's by more than ``max_version_lag`` is dropped
   (and frees its place under the bound);
@@ -86,6 +88,7 @@ class SampleQueue:
         self.stopping = False
         self.dropped = 0
         self.generated = 0
+        self.taken: dict[int, int] = {}  # trainer version -> groups taken for that update
         self.paused_s = [0.0] * num_workers
 
     # --- the rollout workers' side -------------------------------------------------------
@@ -159,7 +162,8 @@ class SampleQueue:
             if self.sync_to is not None and all(v == self.sync_to for v in self.worker_versions):
                 self.version, self.sync_to = self.sync_to, None
                 self._drop_lagging(self.version)
-                self.stale = len(self.queue) + self.in_flight
+                self.taken = {v: c for v, c in self.taken.items() if v >= self.version}
+                self.stale = len(self.queue) + self.in_flight + sum(self.taken.values())
             self.cond.notify_all()
 
     async def sync_pending(self, worker: int) -> int | None:
@@ -202,6 +206,7 @@ class SampleQueue:
                     return {"timeout": True, "queued": len(self.queue), "dropped": dropped}
                 await self._wait(None, min(left, self.poll))
             taken = [self.queue.popleft() for _ in range(count)]
+            self.taken[trainer_version] = self.taken.get(trainer_version, 0) + count
         return {
             "groups": [q.group for q in taken],
             "versions": [q.version for q in taken],
