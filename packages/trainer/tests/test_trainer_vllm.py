@@ -48,6 +48,7 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
             "rollout.n=4",
             "rollout.max_new_tokens=8",
             f"rollout.temperature={temperature}",
+            "async.partial_rollout_chunk_tokens=3",
         ]
     )
     worker = ray.remote(num_cpus=1)(RolloutWorker).remote(config, str(model_dir), 0)
@@ -78,6 +79,11 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
         # same seed, same weights: the same samples
         again = ray.get(worker.generate.remote(prompts, 123), timeout=300)
         assert torch.equal(again.response_ids, before.response_ids)
+        # in chunks of 3 tokens, each continued as a new request: the same log-probs
+        chunked = ray.get(worker.generate_partial.remote(prompts, 5, lambda: None), timeout=300)
+        assert len(chunked) == len(before) and chunked.response_mask[:, 3:].any()
+        assert max_error(actor, chunked) < TOLERANCE
+        assert (chunked.versions[chunked.response_mask.bool()] == -1).all()  # never synced
 
         # a weight update through the checkpoint engine into the live engine
         updated = {name: value * 1.1 for name, value in actor.state_dict().items()}
@@ -95,8 +101,14 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
 
 @pytest.mark.parametrize("mode", ["fully_async", "colocated"])
 def test_short_run_with_the_vllm_backend(ray_local, mode, tmp_path):
+    # fully async with partial rollouts: responses go in chunks of 3 tokens through extend
+    partial = ["async.partial_rollout=true", "async.partial_rollout_chunk_tokens=3"]
     records, _ = train_cli(
-        tmp_path / "run", f"trainer.mode={mode}", "rollout.backend=vllm", "trainer.steps=3"
+        tmp_path / "run",
+        f"trainer.mode={mode}",
+        "rollout.backend=vllm",
+        "trainer.steps=3",
+        *(partial if mode == "fully_async" else []),
     )
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:

@@ -116,8 +116,7 @@ def run_fully_async(job: Job, bar) -> None:
                 started = start_sync(step + 1)
                 held = step + 1
             t_sync = time.perf_counter()
-            stats = watch.get(queue.stats.remote(), timeout=wait_s, what="sample queue")
-            paused = sum(stats["paused_s"])
+            paused = got["paused_s"]
             fields = {
                 "result": result,
                 "times": (t0, t_samples, t_update, t_sync),

@@ -190,8 +190,9 @@ class SampleQueue:
     async def get(self, count: int, trainer_version: int, timeout: float) -> dict[str, Any]:
         """The ``count`` oldest groups usable by the update of weights ``trainer_version``.
 
-        Returns ``{"groups", "versions", "dropped", "wait_s"}`` (``versions``: the weight
-        version each group was generated with) or ``{"timeout": True}`` after
+        Returns ``{"groups", "versions", "dropped", "wait_s", "paused_s"}`` (``versions``:
+        the weight version each group was generated with; ``paused_s``: the workers' paused
+        seconds so far, summed) or ``{"timeout": True}`` after
         ``timeout`` seconds (the caller decides how to fail).
         """
         start = time.perf_counter()
@@ -212,6 +213,7 @@ class SampleQueue:
             "versions": [q.version for q in taken],
             "dropped": dropped,
             "wait_s": time.perf_counter() - start,
+            "paused_s": sum(self.paused_s),
         }
 
     async def request_sync(self, version: int) -> None:
@@ -254,17 +256,3 @@ class SampleQueue:
         async with self.cond:
             self.stopping = True
             self.cond.notify_all()
-
-    async def stats(self) -> dict[str, Any]:
-        """Cumulative counters: paused seconds per worker, dropped and generated groups."""
-        return {
-            "paused_s": list(self.paused_s),
-            "dropped": self.dropped,
-            "generated": self.generated,
-            "queued": len(self.queue),
-            "stale": self.stale,
-            "bound": self.bound,
-        }
-
-
-# --- the driver's loop ----------------------------------------------------------------------
