@@ -117,3 +117,30 @@ def test_checkpoint_engine_defaults_are_the_librarys():
     engine = load_config().ckpt_engine
     assert parse_bucket_size(engine.bucket_size) == DEFAULT_BUCKET_SIZE
     assert engine.timeout == DEFAULT_TIMEOUT_S
+
+
+def test_ppo_mini_batches_must_split_the_batch_and_partial_rollouts_need_a_capable_engine():
+    config = load_config(overrides=["actor.ppo_mini_batch_size=2", "actor.ppo_epochs=3"])
+    assert config.mini_batch_rows() == 2 * 8 and config.actor.ppo_epochs == 3
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["actor.ppo_mini_batch_size=3"])
+    assert str(err.value) == (
+        "actor.ppo_mini_batch_size: 3 is not allowed; it must divide data.train_batch_size "
+        "(8), and ppo_mini_batch_size x rollout.n must be a multiple of actor.world_size x "
+        "actor.micro_batch_size (8)"
+    )
+    with pytest.raises(ConfigError, match=r"^actor.ppo_epochs: 0 is not allowed; use an int >= 1"):
+        load_config(overrides=["actor.ppo_epochs=0"])
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            overrides=[
+                "trainer.mode=fully_async",
+                "async.partial_rollout=true",
+                "rollout.backend=rlwire.trainer.rollout.base:RolloutEngine",
+            ]
+        )
+    assert str(err.value) == (
+        "async.partial_rollout: True is not allowed; rollout.backend "
+        "'rlwire.trainer.rollout.base:RolloutEngine' cannot continue responses (not a "
+        "rlwire.trainer.rollout.PartialRolloutEngine); set it to false"
+    )

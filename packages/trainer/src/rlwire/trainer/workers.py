@@ -315,9 +315,9 @@ class RolloutWorker:
 
     def generate_partial(self, prompts: list[str], seed: int, sync_requested) -> Rollout:
         """Generate in chunks of ``async.partial_rollout_chunk_tokens``; between chunks,
-        ``sync_requested()`` says whether a weight sync waits (then it is applied here and
-        the unfinished responses continue with the new weights). Every token is stamped
-        with the version it was sampled with."""
+        ``sync_requested()`` applies a weight sync that waits for this worker, if any, and
+        the unfinished responses continue with the weights held then. Every token is
+        stamped with the version it was sampled with."""
         cfg = self.config
         chunk = cfg.async_.partial_rollout_chunk_tokens
         pending = self.backend.start(prompts)
@@ -346,14 +346,13 @@ class RolloutWorker:
         """The fully-async loop: generate, sync or wait as the queue says, until ``stop``."""
         import ray
 
-        def sync(version: int) -> None:
+        def sync() -> None:
             info = self.pull_weights()
             ray.get(queue.worker_synced.remote(self.index, info), timeout=poll_timeout)
 
         def sync_if_requested() -> None:
-            version = ray.get(queue.sync_pending.remote(self.index), timeout=poll_timeout)
-            if version is not None:
-                sync(version)
+            if ray.get(queue.sync_pending.remote(self.index), timeout=poll_timeout) is not None:
+                sync()
 
         partial = self.config.async_.partial_rollout
         chunks = 0
@@ -364,7 +363,7 @@ class RolloutWorker:
             if task["kind"] == "wait":
                 continue
             if task["kind"] == "sync":
-                sync(task["version"])
+                sync()
                 continue
             if partial:
                 out = self.generate_partial(task["prompts"], task["seed"], sync_if_requested)
