@@ -65,7 +65,8 @@ class StepMetrics(UpdateMetrics):
     dropped_samples: int | None = None
     """Fully async only: samples dropped for lagging more than ``async.max_version_lag``."""
     wait_for_samples_s: float | None = None
-    """Fully async only: how long the update waited for enough prompt groups."""
+    """Fully async only: how long the queue took to gather the update's prompt groups (asked
+    for while the previous update ran; the trainer's own wait is ``time_rollout_s``)."""
     rollout_paused_s: float | None = None
     """Fully async only: rollout worker time spent paused by the staleness bound."""
     weight_digest_actor: str | None = None
