@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlwire.trainer.rollout import Rollout
+from rlwire.trainer.rollout import Example, Rollout
 
 
 def _part(rows: int, width_p: int, width_r: int, version: int, start: int) -> Rollout:
@@ -19,8 +19,7 @@ def _part(rows: int, width_p: int, width_r: int, version: int, start: int) -> Ro
         [f"t{start + i}" for i in range(rows)],
         pad_id=7,
         versions=torch.full((rows, width_r), version),
-        prompts=[f"p{start + i}" for i in range(rows)],
-        answers=[f"a{start + i}" for i in range(rows)],
+        examples=[Example(f"p{start + i}", f"a{start + i}") for i in range(rows)],
     )
 
 
@@ -40,7 +39,8 @@ def test_concat_pads_prompts_left_and_responses_right_and_keeps_everything_in_or
     assert batch.sample_versions().tolist() == [4, 4, 5, 5] and batch.version == 4
     assert batch.version_spans().tolist() == [0, 0, 0, 0]
     assert batch.texts == ["t0", "t1", "t100", "t101"]
-    assert batch.prompts == ["p0", "p1", "p100", "p101"] and batch.answers[3] == "a101"
+    assert [e.prompt for e in batch.examples] == ["p0", "p1", "p100", "p101"]
+    assert batch.examples[3].answer == "a101"
     assert batch.rewards is None  # not every part was scored
 
 
@@ -49,7 +49,7 @@ def test_groups_shards_and_device_moves_keep_rows_together():
     batch.rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
     batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     first, second = batch.groups(2)
-    assert first.texts == ["t0", "t1"] and second.prompts == ["p2", "p3"]
+    assert first.texts == ["t0", "t1"] and [e.prompt for e in second.examples] == ["p2", "p3"]
     assert second.rewards.tolist() == [0.5, 0.25]
     shard = batch.shard(1, 2)
     assert shard.advantages.tolist() == [0.5, -0.5]
@@ -73,5 +73,5 @@ def test_a_sample_continued_across_a_sync_has_the_version_of_its_oldest_token():
     assert batch.sample_versions().tolist() == [3, 4, 2] and batch.version == 2
     assert batch.version_spans().tolist() == [1, 0, 3]
     picked = batch.select(torch.tensor([2, 0]))
-    assert picked.texts == ["t2", "t0"] and picked.prompts == ["p2", "p0"]
+    assert picked.texts == ["t2", "t0"] and [e.prompt for e in picked.examples] == ["p2", "p0"]
     assert picked.version_spans().tolist() == [3, 1]

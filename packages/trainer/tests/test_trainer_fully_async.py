@@ -58,7 +58,7 @@ async def _simulate(
                 await queue.worker_synced(w, {"version": version, "digest": None})
                 continue
             await asyncio.sleep(rng.uniform(0.0005, 0.006))
-            groups = [{"prompt": p} for p in task["prompts"]]
+            groups = [{"prompt": p} for p, _ in task["examples"]]
             await queue.put(w, [version] * len(groups), groups)
 
     tasks = [asyncio.create_task(worker(w)) for w in range(workers)]

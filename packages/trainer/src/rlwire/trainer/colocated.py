@@ -31,8 +31,8 @@ def run_colocated(job: Job, bar) -> None:
     sync(job.start_step)  # the rollout workers start from the actor's (maybe resumed) weights
     for step in range(job.start_step, config.trainer.steps):
         t0 = time.perf_counter()
-        data = job.batches(step)
-        prompts = [p for p, _ in data]
+        examples = job.batches(step)
+        prompts = [e.prompt for e in examples]
         share = -(-len(prompts) // workers)
         parts = job.call(
             [
@@ -43,8 +43,7 @@ def run_colocated(job: Job, bar) -> None:
             "generation",
         )
         batch = Rollout.concat(parts)
-        batch.prompts = [p for p in prompts for _ in range(n)]
-        batch.answers = [a for _, a in data for _ in range(n)]
+        batch.examples = [e for e in examples for _ in range(n)]
         if job.rollout_sleeps:  # colocated on GPUs: free the engine's memory for the update
             job.call(
                 [r.sleep.remote() for r in job.rollouts], "putting the rollout engines to sleep"

@@ -226,8 +226,17 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+# verl's reward file and function name -> our one ``reward.function`` (verl's default name)
+_VERL_REWARD = ("custom_reward_function.path", "custom_reward_function.name", "compute_score")
+
+
 def _apply_aliases(flat: dict[str, Any]) -> dict[str, Any]:
     out = {}
+    path_key, name_key, default_name = _VERL_REWARD
+    if path_key in flat or name_key in flat:
+        path, name = flat.pop(path_key, None), flat.pop(name_key, None) or default_name
+        if path:  # verl leaves the path null for its built-in rewards
+            out["reward.function"] = f"{path}:{name}"
     for key, value in flat.items():
         if key.startswith(PREFIX_ALIAS[0]):
             key = PREFIX_ALIAS[1] + key.removeprefix(PREFIX_ALIAS[0])

@@ -10,10 +10,12 @@ from pathlib import Path
 from .cluster import init_ray, ray_environment
 from .colocated import run_colocated
 from .config import TrainerConfig, to_dict
+from .data import load_data
 from .errors import RunError
 from .fully_async import run_fully_async
-from .inputs import latest_checkpoint, load_data, load_reward, resolve_model
+from .inputs import latest_checkpoint, resolve_model
 from .job import Job
+from .rewards import load_reward
 
 __all__ = ["RunError", "run"]
 
@@ -28,7 +30,7 @@ def run(config: TrainerConfig, *, progress: bool = True) -> Path:
     run_dir = Path(config.trainer.output_dir).resolve()  # workers may run elsewhere
     run_dir.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(config, run_dir)
-    batches = load_data(config)
+    batches = load_data(config, model_path)
     reward_fn = load_reward(config)
     resume_from = None
     if config.trainer.resume == "auto":
@@ -71,6 +73,7 @@ def _train(config, run_dir, model_path, batches, reward_fn, resume_from, progres
             run_fully_async(job, bar)
         else:
             run_colocated(job, bar)
+        job.export_model()
     finally:
         bar.close()
         job.close()

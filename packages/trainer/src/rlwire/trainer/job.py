@@ -17,7 +17,6 @@ from typing import Any
 from .cluster import Watch, cause, engine_backend, first_line, gpu_layout, placement
 from .errors import RunError
 from .grpo import group_advantages
-from .inputs import score
 from .metrics import StepMetrics, UpdateMetrics
 from .rollout import Rollout, rollout_engine_class
 from .workers import ActorWorker, RolloutWorker
@@ -175,18 +174,18 @@ class Job:
             ray.kill(worker, no_restart=True)
 
     def update(self, batch: Rollout) -> UpdateMetrics:
-        """Score ``batch`` (with its ``prompts`` and ``answers``), compute advantages and run
+        """Score ``batch`` (with its ``examples``), compute advantages and run
         the update on every actor rank, each on its shard (``actor.ppo_mini_batch_size``
         and ``actor.ppo_epochs`` set its optimizer steps)."""
         n = self.config.rollout.n
-        rewards = score(self.reward_fn, batch.prompts, batch.texts, batch.answers)
+        rewards, reward_extra = self.reward_fn(batch.examples, batch.texts)
         batch.rewards = rewards
         batch.advantages = group_advantages(
             rewards, n, norm_by_std=self.config.algorithm.norm_adv_by_std
         )
         total = len(batch)
         # The actors need tensors only: the strings stay here.
-        tensors = dataclasses.replace(batch, texts=[], prompts=[], answers=[])
+        tensors = dataclasses.replace(batch, texts=[], examples=[])
         shards = [tensors.shard(r, self.world) for r in range(self.world)]
         results = self.call(
             [a.train.remote(s) for a, s in zip(self.actors, shards, strict=True)], "update"
@@ -197,6 +196,7 @@ class Job:
         return UpdateMetrics(
             reward_mean=rewards.mean().item(),
             reward_std=rewards.std().item(),
+            reward_extra=reward_extra,
             response_length=tokens / total,
             **mean,
             rollout_is_max=max(r["rollout_is_max"] for r in results),
@@ -246,6 +246,11 @@ class Job:
             f.write(line + "\n")
         log.info("step %d %s", metrics.step, line)
         bar.set_postfix(reward=f"{metrics.reward_mean:.3f}")
+
+    def export_model(self) -> None:
+        """The final policy as a Hugging Face directory, ``hf_model/`` in the run directory."""
+        target = self.run_dir / "hf_model"
+        self.call([a.export_hf.remote(str(target)) for a in self.actors], "writing hf_model")
 
     def save_due(self, done: int) -> bool:
         """Whether a checkpoint is written after ``done`` updates."""

@@ -14,6 +14,8 @@ class UpdateMetrics:
 
     reward_mean: float
     reward_std: float
+    reward_extra: dict[str, float]
+    """A per-sample reward's other numbers (batch means; written as ``reward_extra/<name>``)."""
     response_length: float
     """Mean response tokens per sample."""
     policy_loss: float
@@ -78,6 +80,8 @@ class StepMetrics(UpdateMetrics):
         """The line written to ``metrics.jsonl`` (step first, no ``None``, no ``tokens``)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values.pop("tokens")
+        extra = values.pop("reward_extra")
         line = {"step": values.pop("step")}
+        line.update({f"reward_extra/{k}": v for k, v in extra.items()})
         line.update({k: v for k, v in values.items() if v is not None})
         return line

@@ -1,10 +1,13 @@
-"""Loading the Hugging Face policy: shared by actor and rollout engines."""
+"""Loading and saving the Hugging Face policy: shared by actor and rollout engines."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
+
 import torch
 
-__all__ = ["load_hf_model"]
+__all__ = ["load_hf_model", "save_hf_model"]
 
 
 def load_hf_model(path: str, dtype: str, device: torch.device) -> torch.nn.Module:
@@ -13,3 +16,30 @@ def load_hf_model(path: str, dtype: str, device: torch.device) -> torch.nn.Modul
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.to(device)
+
+
+def save_hf_model(
+    weights: Iterable[tuple[str, torch.Tensor]], source: str, target: Path, dtype: str
+) -> None:
+    """Write a Hugging Face directory at ``target``: ``source``'s architecture and tokenizer
+    with ``weights`` (``(Hugging Face name, full tensor)`` pairs) in ``dtype``, loadable by
+    ``from_pretrained`` and vLLM as is. The model is built on the meta device, so nothing
+    but the given weights is allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kind = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=kind)
+    state = {name: value.detach().to("cpu", kind) for name, value in weights}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()  # a tied output layer comes back as the embedding
+    held = model.state_dict()
+    missing = [name for name in missing if held[name].is_meta]  # tying filled the others
+    if missing or unexpected:
+        raise ValueError(
+            f"the weights do not match {source}'s architecture: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(source).save_pretrained(target)

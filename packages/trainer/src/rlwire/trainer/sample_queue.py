@@ -58,7 +58,7 @@ class SampleQueue:
     def __init__(
         self,
         *,
-        batches: Callable[[int], list[tuple[str, str]]],
+        batches: Callable[[int], list[Any]],
         groups_per_step: int,
         trigger_sync: int,
         staleness_threshold: float,
@@ -129,16 +129,14 @@ class SampleQueue:
             self.next_group += count
             self.stale += count
             self.in_flight += count
-            items = [self._group(first + i) for i in range(count)]
             return {
                 "kind": "generate",
                 "first": first,
-                "prompts": [p for p, _ in items],
-                "answers": [a for _, a in items],
+                "examples": [self._group(first + i) for i in range(count)],
                 "seed": self.seed * 7919 + first,
             }
 
-    def _group(self, index: int) -> tuple[str, str]:
+    def _group(self, index: int) -> Any:
         step, position = divmod(index, self.required)
         return self.batches(step)[position]
 

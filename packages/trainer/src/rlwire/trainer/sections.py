@@ -81,9 +81,12 @@ class DataConfig:
     """``builtin:repeat`` (the built-in verifiable task: answer a letter with that
     letter, partial credit per character) or a JSONL/Parquet file."""
     prompt_key: str = "prompt"
-    """Column holding the prompt in a user file."""
-    answer_key: str = "answer"
-    """Column holding the ground truth in a user file."""
+    """Field holding the prompt in a user file: text, or a list of chat messages (verl's
+    layout) rendered with the tokenizer's chat template. Dots address nested fields."""
+    answer_key: str | None = None
+    """Field holding the ground truth (dots address nested fields, e.g.
+    ``reward_model.ground_truth``). None: ``answer``, else verl's
+    ``reward_model.ground_truth``."""
     train_batch_size: int = 8
     """Prompts per step (each sampled ``rollout.n`` times)."""
 
@@ -99,8 +102,13 @@ class DataConfig:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class RewardConfig:
     function: str = "builtin"
-    """``builtin`` (the task's own partial-credit reward), ``module.path:function``
-    or ``file.py:function``; called as ``f(prompts, responses, answers) -> list[float]``."""
+    """``builtin`` (the built-in task's partial-credit reward), ``gsm8k`` (the ``#### answer``
+    format), ``math`` (boxed answers checked with ``math-verify``; extra
+    ``rlwire-trainer[math]``), or ``module.path:function`` / ``file.py:function``: either
+    ``f(prompts, responses, answers) -> list[float]`` for a batch, or verl's per-sample
+    ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` returning a
+    float or a dict with ``"score"`` (its other numbers become metrics). verl's
+    ``custom_reward_function.path`` and ``.name`` are accepted."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

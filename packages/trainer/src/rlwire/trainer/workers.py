@@ -9,6 +9,7 @@ checkpoint engine as its sender and the rollout worker as its receiver.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import functools
@@ -231,6 +232,17 @@ class ActorWorker:
             "digest": digest.hexdigest() if digest is not None else None,
         }
 
+    def export_hf(self, directory: str) -> None:
+        """Write the policy as a Hugging Face directory (rank 0; the others join the gathers)."""
+        from .modeling import save_hf_model
+
+        with self._resident(optimizer=False):
+            weights = self.actor.named_weights()
+            if self.rank != 0:  # a collective: every rank iterates to the end
+                collections.deque(weights, maxlen=0)
+                return
+            save_hf_model(weights, self.model_path, Path(directory), self.config.model.dtype)
+
     # --- checkpoints -----------------------------------------------------------------------
     def save(self, directory: str, step: int) -> None:
         path = Path(directory)
@@ -365,14 +377,15 @@ class RolloutWorker:
             if task["kind"] == "sync":
                 sync()
                 continue
+            prompts = [e.prompt for e in task["examples"]]
             if partial:
-                out = self.generate_partial(task["prompts"], task["seed"], sync_if_requested)
+                out = self.generate_partial(prompts, task["seed"], sync_if_requested)
             else:
-                out = self.generate(task["prompts"], task["seed"])
+                out = self.generate(prompts, task["seed"])
             n = self.config.rollout.n
             groups = out.groups(n)
-            for group, prompt, answer in zip(groups, task["prompts"], task["answers"], strict=True):
-                group.prompts, group.answers = [prompt] * n, [answer] * n
+            for group, example in zip(groups, task["examples"], strict=True):
+                group.examples = [example] * n
             versions = [group.version for group in groups]
             ray.get(queue.put.remote(self.index, versions, groups), timeout=poll_timeout)
             chunks += 1

@@ -15,6 +15,7 @@ from .base import (
     rollout_engine_class,
 )
 from .common import (
+    Example,
     Rollout,
     WeightsDigest,
     sequence_logprobs,
@@ -24,6 +25,7 @@ from .hf import HFEngine, hf_extend, hf_generate, hf_start
 
 __all__ = [
     "ROLLOUT_ENGINES",
+    "Example",
     "HFEngine",
     "PartialRolloutEngine",
     "Rollout",

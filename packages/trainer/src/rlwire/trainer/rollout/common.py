@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 __all__ = [
+    "Example",
     "Rollout",
     "WeightsDigest",
     "sequence_logprobs",
@@ -25,13 +26,28 @@ def _padded(t: torch.Tensor, width: int, value: float, left: bool) -> torch.Tens
     return torch.nn.functional.pad(t, (missing, 0) if left else (0, missing), value=value)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Example:
+    """One dataset row as the trainer uses it (verl's row: ``prompt``, ``data_source``,
+    ``reward_model.ground_truth``, ``extra_info``)."""
+
+    prompt: str
+    """The prompt text given to the rollout engine (chat messages already rendered)."""
+    answer: str
+    """The ground truth handed to the reward."""
+    data_source: str = ""
+    """Which dataset the row comes from (verl's rewards dispatch on it)."""
+    extra_info: dict | None = None
+    """Anything else the row carries for the reward."""
+
+
 @dataclasses.dataclass(slots=True)
 class Rollout:
     """The one batch type between processes: rollout workers -> driver -> actor ranks.
 
     ``B`` samples; the ``n`` samples of a prompt are consecutive (a *group*). Rollout
     engines fill the token fields; the rollout worker stamps ``versions``; the driver
-    adds ``prompts``/``answers`` (or the fully-async worker does, per group), then
+    adds ``examples`` (or the fully-async worker does, per group), then
     ``rewards`` and ``advantages`` before sharding it over the actor ranks.
     """
 
@@ -53,10 +69,9 @@ class Rollout:
     versions: torch.Tensor | None = None
     """``(B, T)`` int64: the weight version that generated each response token (with
     partial rollouts one sample can carry several); meaningless where the mask is 0."""
-    prompts: list[str] = dataclasses.field(default_factory=list)
-    """The prompt of each sample (``B``), for the reward."""
-    answers: list[str] = dataclasses.field(default_factory=list)
-    """The reference answer of each sample (``B``), for the reward."""
+    examples: list[Example] = dataclasses.field(default_factory=list)
+    """The dataset row of each sample (``B``; the ``n`` samples of a prompt share one), for
+    the reward."""
     rewards: torch.Tensor | None = None
     """``(B,)`` float32, once scored."""
     advantages: torch.Tensor | None = None
@@ -108,8 +123,7 @@ class Rollout:
             [t for p in parts for t in p.texts],
             pad_id=pad,
             versions=joined("versions", width_r),
-            prompts=[x for p in parts for x in p.prompts],
-            answers=[x for p in parts for x in p.answers],
+            examples=[x for p in parts for x in p.examples],
             rewards=joined("rewards"),
             advantages=joined("advantages"),
         )
@@ -134,8 +148,7 @@ class Rollout:
             pick(self.texts),
             pad_id=self.pad_id,
             versions=cut(self.versions),
-            prompts=pick(self.prompts),
-            answers=pick(self.answers),
+            examples=pick(self.examples),
             rewards=cut(self.rewards),
             advantages=cut(self.advantages),
         )

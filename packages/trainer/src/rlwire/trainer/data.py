@@ -1,0 +1,136 @@
+"""The training data: the built-in task, or a JSONL/Parquet file in a plain or verl layout,
+as a deterministic function ``step -> [Example] * data.train_batch_size``.
+
+A row's prompt is a string, or a list of chat messages (verl's layout) rendered with the
+model tokenizer's chat template (``add_generation_prompt=True``). Keys may name nested
+fields with dots (``reward_model.ground_truth``). With ``data.answer_key`` unset the
+ground truth is the row's ``answer``, else verl's ``reward_model.ground_truth``;
+``data_source`` and ``extra_info`` are read when present and reach the reward.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .config import TrainerConfig
+from .errors import RunError
+from .rollout import Example
+
+__all__ = ["load_data"]
+
+_ANSWER_KEYS = ("answer", "reward_model.ground_truth")  # tried in order when unset
+_MISSING = object()
+
+
+def _field(row: Mapping[str, Any], dotted: str) -> Any:
+    """``row["a"]["b"]`` for ``"a.b"``; ``_MISSING`` when any level is absent."""
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _reader(path: Path) -> list[tuple[str, Any]]:
+    """``(where, row)`` for every row of the file (``where`` names it in errors)."""
+    if path.suffix == ".jsonl":
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"line {number}", json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise RunError(f"data.source: {path} line {number} is not JSON: {err}") from None
+        return rows
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise RunError(
+                "data.source: reading Parquet needs pyarrow: pip install 'rlwire-trainer[parquet]'"
+            ) from None
+        return [(f"row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist(), 1)]
+    raise RunError(f"data.source: {path} must be .jsonl or .parquet")
+
+
+class _Renderer:
+    """Chat messages -> prompt text with the model's tokenizer (loaded on first use)."""
+
+    def __init__(self, model_path: Path, source: Path) -> None:
+        self.model_path, self.source = model_path, source
+        self.tokenizer = None
+
+    def __call__(self, messages: list, where: str) -> str:
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RunError(
+                f"data.source: {self.source} {where}: the prompt is a list of chat messages "
+                f"but the tokenizer of {self.model_path} has no chat template; use a model "
+                "whose tokenizer_config.json has a 'chat_template', or store the prompts as text"
+            )
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True
+            )
+        except Exception as err:  # a malformed message list
+            raise RunError(
+                f"data.source: {self.source} {where}: cannot render the chat messages: {err}"
+            ) from None
+
+
+def _example(row: Any, where: str, config: TrainerConfig, render: _Renderer, path: Path):
+    if not isinstance(row, Mapping):
+        raise RunError(f"data.source: {path} {where} is not an object (a mapping of fields)")
+    prompt_key = config.data.prompt_key
+    prompt = _field(row, prompt_key)
+    answer_keys = (config.data.answer_key,) if config.data.answer_key else _ANSWER_KEYS
+    answer = next((v for k in answer_keys if (v := _field(row, k)) is not _MISSING), _MISSING)
+    if prompt is _MISSING or answer is _MISSING:
+        wanted = " or ".join(repr(k) for k in answer_keys)
+        raise RunError(f"data.source: {path} {where} lacks {prompt_key!r} or {wanted}")
+    if isinstance(prompt, (list, tuple)):
+        prompt = render(prompt, where)
+    source = _field(row, "data_source")
+    extra = _field(row, "extra_info")
+    return Example(
+        prompt=str(prompt),
+        answer=str(answer),
+        data_source="" if source is _MISSING else str(source),
+        extra_info=dict(extra) if isinstance(extra, Mapping) else None,
+    )
+
+
+def load_data(config: TrainerConfig, model_path: Path) -> Callable[[int], list[Example]]:
+    """A function ``step -> [Example] * train_batch_size`` (deterministic in step); every row
+    is read and checked now. ``model_path``: its tokenizer renders chat-message prompts."""
+    size, seed = config.data.train_batch_size, config.trainer.seed
+    source = config.data.source
+    if source == "builtin:repeat":
+        from .tiny import repeat_prompts
+
+        def repeat(step: int) -> list[Example]:
+            pairs = repeat_prompts(size, seed=seed * 1_000_003 + step)
+            return [Example(prompt=p, answer=a, data_source="builtin:repeat") for p, a in pairs]
+
+        return repeat
+    path = Path(source)
+    if not path.is_file():
+        raise RunError(f"data.source: {source!r} is neither 'builtin:repeat' nor a file")
+    render = _Renderer(model_path, path)
+    rows = [_example(row, where, config, render, path) for where, row in _reader(path)]
+    if not rows:
+        raise RunError(f"data.source: {path} holds no rows")
+
+    def batch(step: int) -> list[Example]:
+        start = step * size
+        return [rows[(start + i) % len(rows)] for i in range(size)]
+
+    return batch
