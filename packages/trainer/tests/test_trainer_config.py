@@ -144,3 +144,115 @@ def test_ppo_mini_batches_must_split_the_batch_and_partial_rollouts_need_a_capab
         "'rlwire.trainer.rollout.base:RolloutEngine' cannot continue responses (not a "
         "rlwire.trainer.rollout.PartialRolloutEngine); set it to false"
     )
+
+
+VERL_YAML = """
+data:
+  train_files: [/data/gsm8k/train.parquet]
+  train_batch_size: 16
+  max_response_length: 64
+actor_rollout_ref:
+  model:
+    path: /models/qwen
+  actor:
+    strategy: fsdp2
+    optim: {lr: 1.0e-6, weight_decay: 0.01}
+    ppo_mini_batch_size: 4
+    ppo_micro_batch_size_per_gpu: 4
+    ppo_epochs: 2
+    clip_ratio: 0.28
+    use_kl_loss: true
+    kl_loss_coef: 0.002
+    kl_loss_type: low_var_kl
+    loss_agg_mode: seq-mean-token-mean
+    use_dynamic_bsz: false
+    fsdp_config:
+      param_offload: true
+      optimizer_offload: true
+      use_no_sync_for_gradient_accumulation: false
+  rollout:
+    name: vllm
+    n: 4
+    temperature: 0.9
+    gpu_memory_utilization: 0.4
+    checkpoint_engine:
+      backend: shm
+      update_weights_bucket_megabytes: 512
+algorithm:
+  adv_estimator: grpo
+  norm_adv_by_std_in_grpo: false
+  rollout_correction: {rollout_is: sequence, rollout_is_threshold: 3.0}
+custom_reward_function:
+  path: /code/reward.py
+  name: my_score
+trainer:
+  total_training_steps: 7
+  save_freq: -1
+  default_local_dir: /runs/verl
+  resume_mode: disable
+async_training:
+  staleness_threshold: 0.5
+"""
+
+
+def test_a_verl_yaml_maps_to_rlwire_keys(tmp_path):
+    path = tmp_path / "ppo_trainer.yaml"
+    path.write_text(VERL_YAML)
+    c = load_config(path)
+    assert (c.data.source, c.data.train_batch_size) == ("/data/gsm8k/train.parquet", 16)
+    assert (c.rollout.max_new_tokens, c.model.path, c.actor.strategy) == (
+        64,
+        "/models/qwen",
+        "fsdp2",
+    )
+    assert (c.actor.optim.lr, c.actor.optim.weight_decay) == (1e-6, 0.01)
+    assert (c.actor.ppo_mini_batch_size, c.actor.micro_batch_size, c.actor.ppo_epochs) == (4, 4, 2)
+    assert (c.algorithm.clip_ratio, c.algorithm.kl_coef) == (0.28, 0.002)
+    assert c.algorithm.loss_agg == "seq-mean-token-mean" and not c.algorithm.norm_adv_by_std
+    assert c.actor.offload and str(c.actor.grad_sync.policy) == "every"
+    assert (c.rollout.backend, c.rollout.n, c.rollout.temperature) == ("vllm", 4, 0.9)
+    assert c.rollout.vllm.gpu_memory_utilization == 0.4
+    assert (c.ckpt_engine.backend, c.ckpt_engine.bucket_size) == ("shm", "512MiB")
+    assert c.algorithm.rollout_correction.rollout_is == "sequence"
+    assert c.reward.function == "/code/reward.py:my_score"
+    assert (c.trainer.steps, c.trainer.save_every, c.trainer.output_dir) == (7, 0, "/runs/verl")
+    assert c.trainer.resume == "never" and c.async_.staleness_threshold == 0.5
+
+
+def test_verl_keys_for_missing_features_are_refused_together(tmp_path):
+    path = tmp_path / "ppo_trainer.yaml"
+    path.write_text(
+        VERL_YAML
+        + "critic:\n  ppo_epochs: 1\n"
+        + "reward_model:\n  enable: false\n"  # off: nothing asked for, accepted
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            path,
+            overrides=[
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "data.max_prompt_length=512",
+                "algorithm.adv_estimator=grpo",
+            ],
+        )
+    assert str(err.value) == (
+        "verl keys for features rlwire-train does not have: "
+        "actor_rollout_ref.actor.use_dynamic_bsz=True, critic.ppo_epochs=1, "
+        "data.max_prompt_length=512; remove them (or set them off: false, null or 0). The "
+        "mapped keys are listed in the trainer README (verl's keys)"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^algorithm.adv_estimator: 'gae' is not allowed; use one of \['grpo'\]$"
+    ):
+        load_config(overrides=["algorithm.adv_estimator=gae"])
+    with pytest.raises(ConfigError, match=r"kl_loss_type: 'mse' is not allowed; rlwire-train"):
+        load_config(overrides=["actor_rollout_ref.actor.kl_loss_type=mse"])
+
+
+def test_readme_lists_the_verl_keys():
+    from pathlib import Path
+
+    from rlwire.trainer.verl_keys import alias_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert alias_table() in readme

@@ -34,6 +34,7 @@ from .sections import (
     TrainerSection,
     _check,
 )
+from .verl_keys import translate
 
 # The sections themselves are public in rlwire.trainer.sections.
 __all__ = ["ConfigError", "TrainerConfig", "describe_config", "load_config", "to_dict"]
@@ -90,22 +91,9 @@ class TrainerConfig:
         return mini * self.rollout.n // self.actor.world_size
 
 
-# verl's spelling -> (our key, value mapping)
-ALIASES: dict[str, tuple[str, Mapping[Any, Any]]] = {
-    "actor.fsdp.use_no_sync_for_gradient_accumulation": (
-        "actor.grad_sync.policy",
-        {True: "defer", False: "every"},
-    ),
-}
-
-
 def _key(field_name: str) -> str:
     """A field's key in files and overrides: ``async_`` (a Python keyword) is ``async``."""
     return field_name.rstrip("_")
-
-
-# verl's section name -> ours
-PREFIX_ALIAS = ("async_training.", "async.")
 
 
 def _plain(value: Any) -> Any:
@@ -226,30 +214,6 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-# verl's reward file and function name -> our one ``reward.function`` (verl's default name)
-_VERL_REWARD = ("custom_reward_function.path", "custom_reward_function.name", "compute_score")
-
-
-def _apply_aliases(flat: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    path_key, name_key, default_name = _VERL_REWARD
-    if path_key in flat or name_key in flat:
-        path, name = flat.pop(path_key, None), flat.pop(name_key, None) or default_name
-        if path:  # verl leaves the path null for its built-in rewards
-            out["reward.function"] = f"{path}:{name}"
-    for key, value in flat.items():
-        if key.startswith(PREFIX_ALIAS[0]):
-            key = PREFIX_ALIAS[1] + key.removeprefix(PREFIX_ALIAS[0])
-        if key in ALIASES:
-            target, mapping = ALIASES[key]
-            if value not in mapping:
-                raise ConfigError(f"{key}: {value!r} is not allowed; use one of {list(mapping)}")
-            out[target] = mapping[value]
-        else:
-            out[key] = value
-    return out
-
-
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainerConfig:
     """Defaults, then the YAML file at ``path``, then ``key.sub=value`` overrides.
 
@@ -276,7 +240,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r}: expected dotted.key=value")
         flat[key.strip()] = _parse_scalar(text)
-    return _merge(TrainerConfig, TrainerConfig(), _nest(_apply_aliases(flat)), "")
+    return _merge(TrainerConfig, TrainerConfig(), _nest(translate(flat)), "")
 
 
 def _field_docs(cls: type) -> dict[str, str]:
