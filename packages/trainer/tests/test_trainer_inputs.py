@@ -227,17 +227,29 @@ def test_a_verl_dataset_and_reward_train_with_no_keys_set_and_the_model_is_usabl
         "    return {'score': hit + 0.01 * len(solution_str), 'hit': hit}\n"
     )
     run = tmp_path / "run"
-    records, _ = train_cli(
+    records, output = train_cli(
         run,
         f"model.path={model_dir}",
         f"data.source={data}",
         f"custom_reward_function.path={reward}",
         "trainer.steps=3",
+        "trainer.logger=[console,jsonl,tensorboard,wandb]",
         cluster=ray_cluster,
     )
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert 0.0 <= r["reward_extra/hit"] <= 1.0 and r["reward_mean"] > 0
+        assert f"step {r['step']}: reward_mean={r['reward_mean']:.4g}" in output  # console
+    # tensorboard: every step's reward as a scalar
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    logged = events.Scalars("reward_extra/hit")
+    assert [e.step for e in logged] == [1, 2, 3]
+    assert [e.value for e in logged] == pytest.approx([r["reward_extra/hit"] for r in records])
+    # wandb: offline (no API key here), a run in the run directory
+    assert len(list((run / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
     final = AutoModelForCausalLM.from_pretrained(run / "hf_model")
     saved = AutoTokenizer.from_pretrained(run / "hf_model")
     assert saved.chat_template == TEMPLATE

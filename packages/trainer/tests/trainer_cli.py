@@ -15,7 +15,8 @@ def metrics(run: Path) -> list[dict]:
 def train_cli(
     run: Path, *overrides: str, cluster: str | None = None, timeout: float = 600
 ) -> tuple[list[dict], str]:
-    """``rlwire-train`` in a fresh interpreter writing to ``run``; its metrics and stderr.
+    """``rlwire-train`` in a fresh interpreter writing to ``run``; its metrics and its output
+    (stdout, then stderr).
 
     ``cluster``: the address of a running Ray cluster to join (the ``ray_cluster``
     fixture); ``None`` starts one embedded in the command, as the README's command does.
@@ -33,4 +34,4 @@ def train_cli(
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return metrics(run), result.stderr
+    return metrics(run), result.stdout + result.stderr

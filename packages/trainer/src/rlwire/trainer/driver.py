@@ -15,6 +15,7 @@ from .errors import RunError
 from .fully_async import run_fully_async
 from .inputs import latest_checkpoint, resolve_model
 from .job import Job
+from .loggers import open_trackers
 from .rewards import load_reward
 
 __all__ = ["RunError", "run"]
@@ -47,20 +48,24 @@ def run(config: TrainerConfig, *, progress: bool = True) -> Path:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
 
+    trackers = open_trackers(config, run_dir, to_dict(config))  # a missing package fails here
     init_ray(config)
     try:
-        return _train(config, run_dir, str(model_path), batches, reward_fn, resume_from, progress)
+        inputs = (str(model_path), batches, reward_fn, resume_from, trackers)
+        return _train(config, run_dir, inputs, progress)
     finally:
+        for tracker in trackers:
+            tracker.close()
         log.removeHandler(handler)
         ray.shutdown()
 
 
-def _train(config, run_dir, model_path, batches, reward_fn, resume_from, progress) -> Path:
+def _train(config, run_dir, inputs, progress) -> Path:
     from tqdm import tqdm
 
     from .plot import plot_run
 
-    job = Job(config, run_dir, model_path, batches, reward_fn, resume_from)
+    job = Job(config, run_dir, *inputs)
     bar = tqdm(
         total=config.trainer.steps,
         initial=job.start_step,

@@ -17,6 +17,7 @@ from typing import Any
 from .cluster import Watch, cause, engine_backend, first_line, gpu_layout, placement
 from .errors import RunError
 from .grpo import group_advantages
+from .loggers import Tracker
 from .metrics import StepMetrics, UpdateMetrics
 from .rollout import Rollout, rollout_engine_class
 from .workers import ActorWorker, RolloutWorker
@@ -43,9 +44,12 @@ log = logging.getLogger("rlwire.trainer")
 class Job:
     """What both modes share: the Ray workers, the metrics file, scoring, updates, saves."""
 
-    def __init__(self, config, run_dir, model_path, batches, reward_fn, resume_from) -> None:
+    def __init__(
+        self, config, run_dir, model_path, batches, reward_fn, resume_from, trackers: list[Tracker]
+    ) -> None:
         import ray
 
+        self.trackers = trackers
         self.config, self.run_dir = config, run_dir
         self.batches, self.reward_fn = batches, reward_fn
         world, workers = config.actor.world_size, config.rollout.num_workers
@@ -241,10 +245,13 @@ class Job:
         )
 
     def record(self, metrics: StepMetrics, bar) -> None:
-        line = json.dumps(metrics.to_json())
+        values = metrics.to_json()
+        line = json.dumps(values)
         with self.metrics_path.open("a") as f:
             f.write(line + "\n")
         log.info("step %d %s", metrics.step, line)
+        for tracker in self.trackers:
+            tracker.log(values, metrics.step)
         bar.set_postfix(reward=f"{metrics.reward_mean:.3f}")
 
     def export_model(self) -> None:

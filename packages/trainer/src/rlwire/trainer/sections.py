@@ -14,6 +14,7 @@ from rlwire.grad_sync import GradSyncConfig
 
 from .actor.base import ACTOR_ENGINES, actor_engine_class
 from .correction import RolloutCorrectionConfig
+from .loggers import LOGGERS
 from .rollout.base import ROLLOUT_ENGINES, rollout_engine_class
 
 __all__ = [
@@ -389,9 +390,25 @@ class TrainerSection:
     """Checkpoint every this many steps (0: only at the end)."""
     resume: str = "auto"
     """``auto`` (latest checkpoint in output_dir, if any), ``never``, or a checkpoint path."""
+    logger: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
+    """Where each step's metrics go (verl's key): any of ``console`` (a line per step),
+    ``jsonl`` (``metrics.jsonl``, always written), ``tensorboard`` (extra
+    ``rlwire-trainer[tensorboard]``) and ``wandb`` (extra ``rlwire-trainer[wandb]``; offline
+    unless ``WANDB_API_KEY`` is set)."""
+    project_name: str = "rlwire"
+    """The wandb project."""
+    experiment_name: str | None = None
+    """The wandb run name (None: the run directory's name)."""
 
     def __post_init__(self) -> None:
         _check_choice(self.mode, "trainer.mode", ("colocated", "fully_async"))
+        if isinstance(self.logger, str):  # one name, or verl's list
+            self.logger = [self.logger]
+        _check(
+            isinstance(self.logger, list), "trainer.logger", self.logger, f"use a list of {LOGGERS}"
+        )
+        for name in self.logger:
+            _check_choice(name, "trainer.logger", LOGGERS)
         _check(self.steps >= 1, "trainer.steps", self.steps, "use an int >= 1")
         _check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
 

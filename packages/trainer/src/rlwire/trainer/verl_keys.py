@@ -157,9 +157,6 @@ _VERL_SHARED = {
     "trainer.test_freq",
     "trainer.val_before_train",
     "trainer.critic_warmup",
-    "trainer.logger",
-    "trainer.project_name",
-    "trainer.experiment_name",
 }
 _BY_KEY = {a.verl: a for a in ALIASES}
 _PREFIXES = (("async_training.", "async."),)
