@@ -83,7 +83,7 @@ def test_third_party_engines_run_two_steps(plugin, tmp_path, monkeypatch):
         assert r["weight_digest_rollout"] == [r["weight_digest_actor"]]
     assert Counter(counts.read_text().split()) == {
         "actor.optimizer_step": 2,  # one update per step
-        "actor.named_weights": 3,  # the first sync, then one after each step
+        "actor.named_weights": 4,  # the first sync, one after each step, hf_model at the end
         "rollout.apply": 3,
         "rollout.generate": 2,
     }
