@@ -92,7 +92,12 @@ ALIASES: tuple[Alias, ...] = (
     Alias(_ROLLOUT + "gpu_memory_utilization", "rollout.vllm.gpu_memory_utilization"),
     Alias(_ROLLOUT + "enforce_eager", "rollout.vllm.enforce_eager"),
     Alias(_ROLLOUT + "max_model_len", "rollout.vllm.max_model_len"),
-    Alias(_ROLLOUT + "checkpoint_engine.backend", "ckpt_engine.backend"),
+    Alias(
+        _ROLLOUT + "checkpoint_engine.backend",
+        "ckpt_engine.backend",
+        lambda key, value: str(value).removeprefix("rlwire_"),
+        "rlwire_<name> -> <name>",
+    ),
     Alias(
         _ROLLOUT + "checkpoint_engine.update_weights_bucket_megabytes",
         "ckpt_engine.bucket_size",
