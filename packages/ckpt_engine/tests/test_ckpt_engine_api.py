@@ -458,3 +458,28 @@ def test_capabilities_are_known_without_building_the_backend():
     assert CheckpointEngineRegistry.capabilities("shm") == cap["shm"]  # verl-style, on the class
     with pytest.raises(ValueError, match="^unknown checkpoint engine 'pigeon'"):
         registry.capabilities("pigeon")
+
+
+def test_shm_refuses_segments_its_file_system_cannot_hold(monkeypatch):
+    """Writing past /dev/shm's free space would kill the process (SIGBUS): refused first."""
+    import collections
+
+    from rlwire.ckpt_engine.backends import _shm
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(_shm.shutil, "disk_usage", lambda path: usage(1 << 30, 0, 3 << 20))
+    engine = registry.new("shm", is_master=True, bucket_size="2MiB")
+    with pytest.raises(CheckpointEngineError) as err:
+        engine.prepare()
+    assert str(err.value) == (
+        f"shm: two bucket slots needs {4 << 20} bytes in /dev/shm but {3 << 20} are free; "
+        "enlarge it (docker: --shm-size), choose a smaller bucket_size, or use the gloo backend"
+    )
+    engine.finalize()
+    monkeypatch.setattr(_shm.shutil, "disk_usage", lambda path: usage(1 << 30, 0, 5 << 20))
+    engine = registry.new("shm", is_master=True, bucket_size="2MiB")
+    engine.prepare()  # the slots fit; then only 1 MiB is left for a 2 MiB arena
+    monkeypatch.setattr(_shm.shutil, "disk_usage", lambda path: usage(1 << 30, 0, 1 << 20))
+    with pytest.raises(CheckpointEngineError, match=r"^shm: share_weights needs 2097152 bytes"):
+        engine.share_weights([("w", torch.zeros(1 << 19))])
+    engine.finalize()

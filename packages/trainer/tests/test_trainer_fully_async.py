@@ -158,7 +158,7 @@ def test_async_section_keys_and_verl_alias():
 @pytest.mark.parametrize(
     ("world", "workers", "gpus", "mode", "actors", "rollouts", "backend"),
     [
-        (1, 1, 0, "colocated", None, None, "gloo"),  # CPUs
+        (1, 1, 0, "colocated", None, None, "shm"),  # CPUs, one host
         (1, 1, 1, "colocated", [0], [0], "cuda_ipc"),  # one GPU shared
         (2, 1, 2, "colocated", [0, 1], [0], "cuda_ipc"),  # the worker beside rank 0
         (2, 2, 2, "colocated", [0, 1], [0, 1], "gloo"),  # one worker shares rank 0's GPU
@@ -177,8 +177,12 @@ def test_gpu_layout_and_the_auto_checkpoint_engine(
         assert layout is None
     else:
         assert (layout.actors, layout.rollouts) == (actors, rollouts)
-    assert engine_backend("auto", layout) == backend
-    assert engine_backend("shm", layout) == "shm"  # an explicit choice stands
+    assert engine_backend("auto", layout, one_host=True) == backend
+    assert engine_backend("gloo", layout, one_host=True) == "gloo"  # an explicit choice stands
+    if layout is None:  # CPUs on several hosts: no shared memory between them
+        assert engine_backend("auto", layout, one_host=False) == "gloo"
+        # nor on one host where /dev/shm cannot hold the weights (a small container's)
+        assert engine_backend("auto", layout, one_host=True, shm_bytes=1 << 60) == "gloo"
     if layout:  # processes on one GPU split it evenly; so do its vLLM engines their budget
         for gpu in range(layout.gpus):
             members = (layout.actors + layout.rollouts).count(gpu)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import FSDP2_REFERENCE  # noqa: E402
@@ -30,8 +31,13 @@ def test_fsdp1_and_fsdp2_agree_on_the_first_step_and_its_gradient_norm(
 
 
 def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy(ray_cluster, tmp_path):
+    """On CPUs on one host ``ckpt_engine.backend=auto`` is ``shm`` with its zero-copy path:
+    the weights go through the shared arena laid out on the first sync."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "bf16"
     records, _ = train_cli(
-        tmp_path / "bf16",
+        run,
         "model.dtype=bfloat16",
         "trainer.steps=2",
         "ckpt_engine.digest=true",
@@ -41,6 +47,11 @@ def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy(ray_cluster, tmp_pat
     for r in records:  # the hf rollout copy holds exactly the weights sent, in bfloat16
         assert r["weight_digest_rollout"] == [r["weight_digest_actor"]]
     assert records[0]["weight_digest_actor"] != records[1]["weight_digest_actor"]
+    assert "checkpoint engine: shm" in (run / "train.log").read_text()
+    model = AutoModelForCausalLM.from_pretrained(run / "hf_model")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    state = model.state_dict()  # every tensor sent once, in bfloat16
+    assert records[0]["weight_sync_bytes"] == sum(t.numel() * 2 for t in state.values())
 
 
 def test_two_nodes_place_ranks_on_their_gpus_and_nodes_at_node_addresses(tmp_path):

@@ -130,16 +130,22 @@ def gpu_layout(world: int, workers: int, cluster_gpus: float, mode: str) -> GpuL
     return GpuLayout(list(range(world)), rollouts)
 
 
-def engine_backend(name: str, layout: GpuLayout | None) -> str:
-    """``ckpt_engine.backend``, with ``auto`` resolved by where the members are: ``gloo``
-    on CPUs, ``cuda_ipc`` when every rollout worker shares actor rank 0's GPU (processes on
-    one device cannot form an NCCL group), ``nccl`` when all members have GPUs of their
-    own, ``gloo`` for anything in between."""
-    from rlwire.ckpt_engine import backend_for_device
+def engine_backend(
+    name: str, layout: GpuLayout | None, *, one_host: bool, shm_bytes: int = 0
+) -> str:
+    """``ckpt_engine.backend``, with ``auto`` resolved by where the members are: on CPUs
+    ``shm`` when every member is on one host (shared memory, zero-copy) and ``/dev/shm``
+    has ``shm_bytes`` free, else ``gloo``;
+    ``cuda_ipc`` when every rollout worker shares actor rank 0's GPU (processes on one
+    device cannot form an NCCL group), ``nccl`` when all members have GPUs of their own,
+    ``gloo`` for anything in between."""
+    from rlwire.ckpt_engine import backend_for_device, registry
 
     if name != "auto":
         return name
     if layout is None:
+        if one_host and "shm" in registry.usable() and _shm_free() >= shm_bytes:
+            return "shm"
         return backend_for_device("cpu")
     master = layout.actors[0]
     if all(g == master for g in layout.rollouts):
@@ -148,6 +154,24 @@ def engine_backend(name: str, layout: GpuLayout | None) -> str:
     if len(set(members)) == len(members):
         return backend_for_device("cuda")
     return backend_for_device("cpu")
+
+
+def _shm_free() -> int:
+    import shutil
+
+    return shutil.disk_usage("/dev/shm").free
+
+
+def shm_bytes_needed(model_path: str, bucket_size: str | None) -> int:
+    """What the ``shm`` engine may put in ``/dev/shm`` for this model: its two bucket slots
+    and the zero-copy arena (the weights), counted as twice the model's files so that a
+    float32 copy of a bfloat16 checkpoint fits too."""
+    from pathlib import Path
+
+    from rlwire.ckpt_engine import parse_bucket_size
+
+    files = [*Path(model_path).glob("*.safetensors"), *Path(model_path).glob("*.bin")]
+    return 2 * sum(f.stat().st_size for f in files) + 2 * parse_bucket_size(bucket_size)
 
 
 def placement(layout: GpuLayout | None, timeout: float):

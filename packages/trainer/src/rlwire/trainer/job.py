@@ -14,7 +14,15 @@ import sys
 import time
 from typing import Any
 
-from .cluster import Watch, cause, engine_backend, first_line, gpu_layout, placement
+from .cluster import (
+    Watch,
+    cause,
+    engine_backend,
+    first_line,
+    gpu_layout,
+    placement,
+    shm_bytes_needed,
+)
 from .errors import RunError
 from .grpo import group_advantages
 from .loggers import Tracker
@@ -136,7 +144,12 @@ class Job:
             [names[n] for n in nodes[world:]],
             *master,
         )
-        backend = engine_backend(config.ckpt_engine.backend, layout)
+        backend = engine_backend(
+            config.ckpt_engine.backend,
+            layout,
+            one_host=len(names) == 1,
+            shm_bytes=shm_bytes_needed(model_path, config.ckpt_engine.bucket_size),
+        )
         self.engine_backend = backend
         log.info("checkpoint engine: %s", backend)
         metadata = self.watch.get(
@@ -235,6 +248,7 @@ class Job:
             time_update_s=t_update - t_samples,
             time_weight_sync_s=t_sync - t_update,
             weight_sync_gbps=synced["weight_sync_gbps"],
+            weight_sync_bytes=synced.get("weight_sync_bytes"),
             tokens_per_s=result.tokens / (t_sync - t0),
             samples_per_s=samples / (t_sync - t0),
             weight_version=version,

@@ -59,6 +59,8 @@ class StepMetrics(UpdateMetrics):
     time_update_s: float
     time_weight_sync_s: float
     weight_sync_gbps: float
+    weight_sync_bytes: int | None = None
+    """Bytes the checkpoint engine sent on a sync step (None on steps without one)."""
     tokens_per_s: float
     samples_per_s: float
     weight_version: int

@@ -291,7 +291,9 @@ class AlgorithmConfig:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class CheckpointEngineConfig:
     backend: str = "auto"
-    """A ``rlwire.ckpt_engine`` backend name, or ``auto``: ``gloo`` on CPUs, ``cuda_ipc``
+    """A ``rlwire.ckpt_engine`` backend name, or ``auto``: on CPUs ``shm`` when every member
+    is on one host and ``/dev/shm`` can hold the weights twice over (then actor rank 0 keeps
+    the full weights in its shared arena: zero-copy), else ``gloo``; on GPUs ``cuda_ipc``
     when every rollout worker shares actor rank 0's GPU, ``nccl`` when every member has a
     GPU of its own, else ``gloo``."""
     bucket_size: str | None = None

@@ -65,6 +65,7 @@ class ActorWorker:
         self.device = _device()
         self.actor: ActorEngine | None = None
         self.engine = None
+        self.shared: dict[str, torch.Tensor] | None = None  # zero-copy: the arena's tensors
 
     # --- setup ---------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -214,7 +215,12 @@ class ActorWorker:
             yield name, value.to(target)
 
     def push_weights(self, version: int) -> dict[str, Any]:
-        """Send the full weights as ``version`` (rank 0; the others join the gathers)."""
+        """Send the full weights as ``version`` (rank 0; the others join the gathers).
+
+        With a zero-copy backend (``shm``) rank 0 keeps one persistent copy of the full
+        weights in the engine's shared arena, laid out on the first sync: each sync copies
+        every gathered tensor into its place there and sends without packing; the receivers
+        read it in place."""
         wanted = self.config.ckpt_engine.digest and self.rank == 0  # only rank 0 reports
         digest = WeightsDigest() if wanted else None
 
@@ -225,12 +231,32 @@ class ActorWorker:
                 yield name, value
 
         with self._resident(optimizer=False):
-            stats = asyncio.run(self.engine.send_weights(weights(), version=version))
+            items = weights()
+            if self._zero_copy():
+                items = self._into_arena(items)
+            stats = asyncio.run(self.engine.send_weights(items, version=version))
         return {
             "weight_sync_s": stats.seconds,
             "weight_sync_gbps": stats.gbps,
+            "weight_sync_bytes": stats.bytes,
             "digest": digest.hexdigest() if digest is not None else None,
         }
+
+    def _zero_copy(self) -> bool:
+        from rlwire.ckpt_engine import registry
+
+        return self.rank == 0 and registry.capabilities(self.engine.name).zero_copy
+
+    def _into_arena(self, gathered) -> list[tuple[str, torch.Tensor]]:
+        """Copy the gathered weights into the shared arena (laid out on first use); the
+        arena's tensors, to send."""
+        if self.shared is None:
+            self.shared = {name: value.detach().contiguous().clone() for name, value in gathered}
+            self.engine.share_weights(self.shared.items())
+        else:
+            for name, value in gathered:
+                self.shared[name].copy_(value)
+        return list(self.shared.items())
 
     def export_hf(self, directory: str) -> None:
         """Write the policy as a Hugging Face directory (rank 0; the others join the gathers)."""

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Iterable
 
 import torch
@@ -24,6 +25,17 @@ segments an engine killed mid-update left behind can be found and removed."""
 
 def _map(path: str, size: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+
+def _check_room(size: int, what: str) -> None:
+    """Shared memory is a RAM-backed file system: writing past its free space kills the
+    process (SIGBUS), so a segment that cannot fit is refused before it is made."""
+    free = shutil.disk_usage(SHM_DIR).free
+    if size > free:
+        raise CheckpointEngineError(
+            f"shm: {what} needs {size} bytes in {SHM_DIR} but {free} are free; enlarge it "
+            "(docker: --shm-size), choose a smaller bucket_size, or use the gloo backend"
+        )
 
 
 class ShmEngine(StoreControlledEngine):
@@ -53,6 +65,7 @@ class ShmEngine(StoreControlledEngine):
     def _create_slots(self) -> dict:
         self._token = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         self._paths = [os.path.join(SHM_DIR, f"{self._token}-slot{i}") for i in range(2)]
+        _check_room(2 * self.bucket_size, "two bucket slots")
         for path in self._paths:
             with open(path, "wb") as f:
                 f.truncate(self.bucket_size)
@@ -115,6 +128,7 @@ class ShmEngine(StoreControlledEngine):
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         size = max(total, 1)
+        _check_room(size, "share_weights")
         index = len(self._arenas)
         path = os.path.join(SHM_DIR, f"{self._token}-arena{index}")
         with open(path, "wb") as f:
