@@ -2,6 +2,7 @@
 
 python -m rlwire.trainer.bench [--steps 100] [--workers 1] [--target R]
                                [--variant LABEL:key=value,...] [key=value ...]
+python -m rlwire.trainer.bench --weight-sync [--models 64x2,1024x8] [--backends auto,gloo]
 
 Runs the default job (or the given overrides) with the same steps, seed and resources
 as: colocated; fully async with its default off-policy correction (token-level truncated
@@ -12,6 +13,12 @@ to colocated's, the weight-sync share of the loop, the mean version lag, the fin
 reward (mean over the last tenth of the steps) and its ratio to colocated's, and the
 training-loop time until the reward's 10-step moving mean first reaches the target
 (``--target``; default 0.8 x colocated's final reward) with its ratio to colocated's.
+
+With ``--weight-sync`` it measures the trainer's weight syncs instead: for each model size
+(``HIDDENxLAYERS`` of the built-in Qwen2 architecture) and checkpoint-engine backend, a short
+run (4 steps, a tiny batch), the engine's time per sync (median; the first sync, which lays
+out a zero-copy arena, excluded) and its GB/s, against a plain copy of the same bytes in
+this process (``dst.copy_(src)``, median of 5) measured in the same run.
 """
 
 from __future__ import annotations
@@ -73,6 +80,66 @@ def _variant(text: str) -> tuple[str, list[str]]:
     return label, [o for o in overrides.split(",") if o]
 
 
+def _plain_copy_seconds(nbytes: int) -> float:
+    import statistics
+
+    import torch
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def weight_sync(args: argparse.Namespace, root: Path) -> int:
+    """The ``--weight-sync`` table (see the module docstring)."""
+    import statistics
+
+    from .config import load_config
+    from .driver import run
+    from .tiny import build_tiny_model
+
+    print(f"trainer weight sync, {args.workers} rollout worker(s), overrides: {args.overrides}")
+    print("| model | parameters | bytes | backend | sync s | GB/s | plain copy GB/s | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for spec in args.models.split(","):
+        hidden, layers = (int(x) for x in spec.split("x"))
+        model = build_tiny_model(root / f"model-{spec}", hidden=hidden, layers=layers)
+        for backend in args.backends.split(","):
+            out = root / f"sync-{spec}-{backend}"
+            config = load_config(
+                overrides=[
+                    f"model.path={model}",
+                    "trainer.steps=4",
+                    "data.train_batch_size=1",
+                    "rollout.n=2",
+                    "rollout.max_new_tokens=2",
+                    "actor.micro_batch_size=2",
+                    f"rollout.num_workers={args.workers}",
+                    f"ckpt_engine.backend={backend}",
+                    f"trainer.output_dir={out}",
+                    "trainer.resume=never",
+                    *args.overrides,
+                ]
+            )
+            run(config, progress=False)
+            records = _records(out)[1:]  # after the first sync (its arena layout)
+            nbytes = records[0]["weight_sync_bytes"]
+            seconds = statistics.median(nbytes / (r["weight_sync_gbps"] * 1e9) for r in records)
+            copy = _plain_copy_seconds(nbytes)
+            used = (out / "train.log").read_text().split("checkpoint engine: ")[1].split()[0]
+            width = 2 if config.model.dtype == "bfloat16" else 4
+            print(
+                f"| {spec} | {nbytes // width / 1e6:.1f}M | {nbytes / 1e6:.1f} MB | {used} "
+                f"| {seconds:.4f} | {nbytes / seconds / 1e9:.2f} | {nbytes / copy / 1e9:.2f} "
+                f"| {copy / seconds:.2f}x |"
+            )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlwire.trainer.bench", description=__doc__)
     parser.add_argument("--steps", type=int, default=100)
@@ -80,8 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=None, help="reward to reach")
     parser.add_argument("--variant", type=_variant, action="append", default=[])
     parser.add_argument("--out", default=None, help="run directories (default: a temp dir)")
+    parser.add_argument("--weight-sync", action="store_true", help="measure weight syncs")
+    parser.add_argument("--models", default="64x2,1024x8", help="HIDDENxLAYERS,... (sync)")
+    parser.add_argument("--backends", default="auto,gloo", help="checkpoint engines (sync)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    if args.weight_sync:
+        return weight_sync(args, Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-")))
 
     from .config import load_config
     from .driver import run
