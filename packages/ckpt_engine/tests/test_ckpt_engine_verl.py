@@ -123,3 +123,26 @@ def test_three_versions_through_verls_own_update_methods_bit_exact(groups, backe
         assert engines == [None, None, None]  # torn down after every update
     else:
         assert len(set(engines)) == 1 and engines[0] is not None  # one group, kept
+
+
+def test_engine_kwargs_reach_the_rlwire_engine():
+    pytest.importorskip("verl", reason="needs verl (see .ci/verl)")
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+
+    # as verl builds it: bucket_size from update_weights_bucket_megabytes, then engine_kwargs
+    adapter = CheckpointEngineRegistry.new(
+        "rlwire_shm",
+        is_master=True,
+        bucket_size=2048 << 20,
+        rlwire_bucket_size="3MiB",
+        checksum=True,
+        timeout=7,
+    )
+    adapter.prepare()
+    engine = adapter.engine
+    assert (engine.bucket_size, engine.checksum, engine.timeout) == (3 << 20, True, 7.0)
+    assert engine.is_master and not adapter.rebuild_group
+    engine.finalize()
+    plain = CheckpointEngineRegistry.new("rlwire_gloo", is_master=False, bucket_size=1 << 20)
+    assert plain.prepare() == {}  # not the master: nothing allocated before its role is known
+    assert plain.engine is None
