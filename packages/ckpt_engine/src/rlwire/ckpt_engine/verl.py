@@ -13,7 +13,8 @@ in :class:`rlwire.ckpt_engine.CheckpointEngine`), ``rlwire_bucket_size`` (anythi
 ``bucket_size`` keyword is already taken by ``update_weights_bucket_megabytes``),
 ``rebuild_group`` (verl's meaning: tear the group down after every update and build it
 again; default false: built on the first update and kept), ``host`` (where receivers reach
-a store-controlled master) and any option of the rlwire backend itself.
+a store-controlled master; default: ``MASTER_ADDR``, which verl's worker group sets to actor
+rank 0's node address, else loopback) and any option of the rlwire backend itself.
 
 How verl's lifecycle maps onto rlwire's, per update: ``prepare`` (the master builds and
 prepares its engine; the metadata of actor rank 0 is the one that counts), the class's
@@ -26,6 +27,7 @@ rollout rank i is receiver 1 + i), ``init_process_group``, ``send_weights`` /
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
@@ -56,12 +58,9 @@ def verl_name(backend: str) -> str:
 
 
 def _host() -> str:
-    """Loopback on a one-node cluster, the node's address when there are several."""
-    import ray
-
-    if ray.is_initialized() and sum(1 for n in ray.nodes() if n.get("Alive")) > 1:
-        return ray.util.get_node_ip_address()
-    return "127.0.0.1"
+    """Where receivers reach the master: the address verl's worker group gives actor rank 0
+    for its own process group (``MASTER_ADDR``, rank 0's node), else loopback."""
+    return os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
 
 class VerlAdapter(VerlCheckpointEngine):
