@@ -16,8 +16,8 @@ training-loop time until the reward's 10-step moving mean first reaches the targ
 
 With ``--weight-sync`` it measures the trainer's weight syncs instead: for each model size
 (``HIDDENxLAYERS`` of the built-in Qwen2 architecture) and checkpoint-engine backend, a short
-run (4 steps, a tiny batch), the engine's time per sync (median; the first sync, which lays
-out a zero-copy arena, excluded) and its GB/s, against a plain copy of the same bytes in
+run (10 steps, a tiny batch), the engine's time per sync (median; the first three syncs,
+which lay out a zero-copy arena and import what receiving needs, excluded) and its GB/s, against a plain copy of the same bytes in
 this process (``dst.copy_(src)``, median of 5) measured in the same run.
 """
 
@@ -113,7 +113,7 @@ def weight_sync(args: argparse.Namespace, root: Path) -> int:
             config = load_config(
                 overrides=[
                     f"model.path={model}",
-                    "trainer.steps=4",
+                    "trainer.steps=10",
                     "data.train_batch_size=1",
                     "rollout.n=2",
                     "rollout.max_new_tokens=2",
@@ -126,7 +126,7 @@ def weight_sync(args: argparse.Namespace, root: Path) -> int:
                 ]
             )
             run(config, progress=False)
-            records = _records(out)[1:]  # after the first sync (its arena layout)
+            records = _records(out)[2:]  # warmed up (the first syncs lay out arenas, import)
             nbytes = records[0]["weight_sync_bytes"]
             seconds = statistics.median(nbytes / (r["weight_sync_gbps"] * 1e9) for r in records)
             copy = _plain_copy_seconds(nbytes)
