@@ -396,17 +396,40 @@ class Tiny(nn.Module):
         self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
 
 
-def _apply(module, weights, atomic):
+def _apply(module, weights, atomic, staging=None):
     tx, (rx,) = _naive_group(receivers=1, timeout=5.0)
 
     async def run():
         return await asyncio.gather(
             tx.send_weights(weights, version=7),
-            apply_to_module(module, rx, atomic=atomic),
+            apply_to_module(module, rx, atomic=atomic, staging=staging),
             return_exceptions=True,
         )
 
     return asyncio.run(run())
+
+
+def test_apply_to_module_reuses_a_kept_staging_copy_and_stays_atomic():
+    module, staging = Tiny(), {}
+    for seed in (1, 2):
+        new = {
+            "lin.weight": torch.randn(2, 3, generator=torch.Generator().manual_seed(seed)),
+            "lin.bias": torch.full((2,), float(seed)),
+            "steps": torch.tensor(seed),
+        }
+        first = {k: v.data_ptr() for k, v in staging.items()}
+        _, version = _apply(module, list(new.items()), True, staging)
+        assert version == 7 and set(staging) == set(new)
+        for name, value in module.state_dict().items():
+            assert torch.equal(value, new[name])
+        if first:  # the second update wrote into the same staging memory
+            assert {k: v.data_ptr() for k, v in staging.items()} == first
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    bad = [("lin.weight", torch.randn(2, 3)), ("lin.bias", torch.randn(5))]
+    _, err = _apply(module, bad, True, staging)
+    assert isinstance(err, CheckpointEngineError)
+    for name, value in module.state_dict().items():  # nothing applied
+        assert torch.equal(value, before[name])
 
 
 def test_apply_to_module_updates_by_name_and_returns_version():

@@ -26,7 +26,11 @@ def _check(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
 
 
 async def apply_to_module(
-    module: nn.Module, updates: CheckpointEngine, *, atomic: bool = True
+    module: nn.Module,
+    updates: CheckpointEngine,
+    *,
+    atomic: bool = True,
+    staging: dict[str, torch.Tensor] | None = None,
 ) -> int:
     """Receive one update from ``updates`` into ``module``'s state-dict entries by name.
 
@@ -40,6 +44,10 @@ async def apply_to_module(
     ``atomic=False`` tensors are copied in as they arrive (zero-copy views, no
     staging), so a failure can leave the module half-updated.
 
+    ``staging`` (atomic only): a dict the caller keeps across updates; the staging
+    copy lives there, allocated on the first update and reused, so later updates
+    allocate nothing (fresh host memory costs page faults on every update).
+
     Returns:
         The update's version.
 
@@ -51,14 +59,21 @@ async def apply_to_module(
     targets = _targets(module)
     received: dict[str, torch.Tensor] = {}
     unknown: list[str] = []
+    reuse = atomic and staging is not None
     with torch.no_grad():
-        async for name, tensor in updates.receive_weights(copy=atomic):
+        async for name, tensor in updates.receive_weights(copy=atomic and not reuse):
             target = targets.get(name)
             if target is None:
                 unknown.append(name)
                 continue
             _check(name, target, tensor)
-            if atomic:
+            if reuse:
+                kept = staging.get(name)
+                if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+                    kept = staging[name] = torch.empty_like(tensor, device=target.device)
+                kept.copy_(tensor)  # out of the engine's view before the next item
+                received[name] = kept
+            elif atomic:
                 received[name] = tensor
             else:
                 target.copy_(tensor)

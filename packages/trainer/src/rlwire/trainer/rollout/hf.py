@@ -120,11 +120,12 @@ class HFEngine(PartialRolloutEngine):
         super().__init__(config, model_path, device, gpu_share=gpu_share)
         self.model = load_hf_model(model_path, config.model.dtype, device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.staging: dict[str, torch.Tensor] = {}  # reused by every update (atomic apply)
 
     async def apply(self, engine) -> int:
         from rlwire.ckpt_engine import apply_to_module
 
-        return await apply_to_module(self.model, engine)
+        return await apply_to_module(self.model, engine, staging=self.staging)
 
     def digest(self) -> str | None:
         return weights_digest(self.model.state_dict().items())
