@@ -19,7 +19,10 @@ With ``--weight-sync`` it measures the trainer's weight syncs instead: for each 
 run (10 steps, a tiny batch), the engine's time per sync (median; the first three syncs,
 which lay out a zero-copy arena and import what receiving needs, excluded) and its GB/s,
 against a plain copy of the same bytes in this process (``dst.copy_(src)`` on one thread, as
-each worker computes, after a warm-up copy; median of 5) measured in the same run.
+each worker computes, after a warm-up copy; median of 5) measured in the same run. "engine s"
+is the checkpoint engine's own time (the send until every receiver consumed the update);
+"trainer s" the step's whole sync as the trainer waits for it (gathering and exporting on the
+actor, the Ray calls, applying on the rollout side).
 """
 
 from __future__ import annotations
@@ -110,8 +113,11 @@ def weight_sync(args: argparse.Namespace, root: Path) -> int:
     from .tiny import build_tiny_model
 
     print(f"trainer weight sync, {args.workers} rollout worker(s), overrides: {args.overrides}")
-    print("| model | parameters | bytes | backend | sync s | GB/s | plain copy GB/s | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | parameters | bytes | backend | engine s | GB/s | plain copy GB/s | ratio "
+        "| trainer s | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for spec in args.models.split(","):
         hidden, layers = (int(x) for x in spec.split("x"))
         model = build_tiny_model(root / f"model-{spec}", hidden=hidden, layers=layers)
@@ -136,13 +142,14 @@ def weight_sync(args: argparse.Namespace, root: Path) -> int:
             records = _records(out)[2:]  # warmed up (the first syncs lay out arenas, import)
             nbytes = records[0]["weight_sync_bytes"]
             seconds = statistics.median(nbytes / (r["weight_sync_gbps"] * 1e9) for r in records)
+            whole = statistics.median(r["time_weight_sync_s"] for r in records)
             copy = _plain_copy_seconds(nbytes)
             used = (out / "train.log").read_text().split("checkpoint engine: ")[1].split()[0]
             width = 2 if config.model.dtype == "bfloat16" else 4
             print(
                 f"| {spec} | {nbytes // width / 1e6:.1f}M | {nbytes / 1e6:.1f} MB | {used} "
                 f"| {seconds:.4f} | {nbytes / seconds / 1e9:.2f} | {nbytes / copy / 1e9:.2f} "
-                f"| {copy / seconds:.2f}x |"
+                f"| {copy / seconds:.2f}x | {whole:.4f} | {copy / whole:.2f}x |"
             )
     return 0
 
