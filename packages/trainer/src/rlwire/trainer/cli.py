@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = run(config, progress=not args.no_progress)
     except RunError as err:
         return _fail(str(err))
-    print(f"run directory: {run_dir}  (metrics.jsonl, plot.png, train.log, checkpoints/)")
+    outputs = "metrics.jsonl, plot.png, train.log, checkpoints/, hf_model/"
+    print(f"run directory: {run_dir}  ({outputs})")
     return 0
 
 
