@@ -32,10 +32,12 @@ def _verl_defers(config) -> bool:
     impl.fsdp_version = lambda _module: 2
     try:
         with impl.FSDPEngine._gradient_sync_context(engine, is_last_micro_batch=False):
-            pass
+            during = list(module.calls)  # the sync state while the micro-batch runs
     finally:
         impl.fsdp_version = original
-    return module.calls == [False, True]  # off for this micro-batch, then back on
+    deferred = during == [False] and module.calls == [False, True]  # off, then back on
+    assert deferred or module.calls == []  # else verl left the sync alone entirely
+    return deferred
 
 
 @pytest.mark.parametrize("flag", [None, True, False])

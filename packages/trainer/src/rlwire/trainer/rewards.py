@@ -22,6 +22,7 @@ import torch
 from .config import TrainerConfig
 from .errors import RunError
 from .rollout import Example
+from .tiny import repeat_reward
 
 __all__ = ["Reward", "gsm8k_score", "load_reward", "math_score"]
 
@@ -52,14 +53,8 @@ def math_score(data_source, solution_str, ground_truth, extra_info=None) -> floa
     return float(bool(gold) and verify(gold, parse(solution_str)))
 
 
-def _repeat(prompts, responses, answers):
-    from .tiny import repeat_reward
-
-    return repeat_reward(prompts, responses, answers)
-
-
 BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
-    "builtin": _repeat,
+    "builtin": repeat_reward,
     "gsm8k": gsm8k_score,
     "math": math_score,
 }

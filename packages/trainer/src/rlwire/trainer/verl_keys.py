@@ -56,6 +56,7 @@ class Alias:
 
 
 _ACTOR, _ROLLOUT = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
+_NO_SYNC = _choices({True: "defer", False: "every"})
 
 ALIASES: tuple[Alias, ...] = (
     Alias("data.train_files", "data.source", _one_file, "one file"),
@@ -74,17 +75,12 @@ ALIASES: tuple[Alias, ...] = (
         "algorithm.loss_agg",
         _choices({"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean"}),
     ),
-    Alias(
-        _ACTOR + "fsdp_config.use_no_sync_for_gradient_accumulation",
-        "actor.grad_sync.policy",
-        _choices({True: "defer", False: "every"}),
-        "true: defer, false: every",
-    ),
-    Alias(
-        "actor.fsdp.use_no_sync_for_gradient_accumulation",
-        "actor.grad_sync.policy",
-        _choices({True: "defer", False: "every"}),
-        "true: defer, false: every",
+    *(  # verl's key, and the short spelling rlwire-train accepted before
+        Alias(key, "actor.grad_sync.policy", _NO_SYNC, "true: defer, false: every")
+        for key in (
+            _ACTOR + "fsdp_config.use_no_sync_for_gradient_accumulation",
+            "actor.fsdp.use_no_sync_for_gradient_accumulation",
+        )
     ),
     Alias(_ROLLOUT + "name", "rollout.backend", _choices({"hf": "hf", "vllm": "vllm"})),
     Alias(_ROLLOUT + "n", "rollout.n"),
