@@ -9,6 +9,13 @@ the receivers. Scenarios:
              (shm only) and updated in place between versions
   kill       the last receiver dies (os._exit) in the middle of update 1
   corrupt    checksum=True; receiver 1 flips one byte of the first bucket it gets
+  delta      delta="on", five versions with sparse changes (make_delta_state); receivers
+             hold their weights and pass base_version, applying what arrives
+  delta-missed
+             delta, but receiver 2 drops update 3 (as a failed apply would): update 4
+             must come dense to everyone, update 5 as a delta again
+  delta-corrupt
+             delta with checksum=True; receiver 1 flips one byte of the first delta bucket
 The CUDA backends (nccl, cuda_ipc) send from the GPU with checksum=True. BACKEND
 broadcast-cpu is the nccl/hccl engine class run on the CPU over gloo.
 OUT receives a torch.save'd report.
@@ -24,7 +31,7 @@ import time
 
 import torch
 
-from rlwire.ckpt_engine import CheckpointEngineError, registry
+from rlwire.ckpt_engine import CheckpointEngineError, Delta, registry
 
 BUCKET = 64 << 10
 TIMEOUT = 15.0
@@ -53,6 +60,30 @@ def make_state(version: int) -> list[tuple[str, torch.Tensor]]:
     return state
 
 
+DELTA_VERSIONS = (1, 2, 3, 4, 5)
+
+
+def make_delta_state(version: int) -> list[tuple[str, torch.Tensor]]:
+    """``make_state(1)`` changed at a few random elements of every tensor per version, as an
+    optimizer step changes bf16 weights: 1% of the elements, 20% for ``bf16_odd`` (which
+    then travels as a bitmask), all of ``fp16`` (which then travels dense)."""
+    state = make_state(1)
+    g = torch.Generator().manual_seed(1000)
+    for v in range(2, version + 1):
+        for name, t in state:
+            flat = t.view(-1) if t.is_contiguous() else t.t().view(-1)  # a view either way
+            share = {"bf16_odd": 0.2, "fp16": 1.0}.get(name, 0.01)
+            k = max(1, int(flat.numel() * share)) if flat.numel() else 0
+            where = torch.randperm(flat.numel(), generator=g)[:k]
+            if t.dtype == torch.bool:
+                flat[where] = ~flat[where]
+            elif t.dtype.is_floating_point:
+                flat[where] = flat[where] + torch.randn(k, generator=g).to(t.dtype) + v
+            else:
+                flat[where] = flat[where] + v
+    return state
+
+
 def _wait_for(path: str, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
@@ -66,11 +97,13 @@ def _wait_for(path: str, timeout: float) -> dict:
 def _engine(backend: str, scenario: str, rank: int, rendezvous: str):
     options = {
         "bucket_size": BUCKET,
-        "timeout": FAILURE_TIMEOUT if scenario in ("kill", "corrupt") else TIMEOUT,
+        "timeout": FAILURE_TIMEOUT if scenario in ("kill", "corrupt", "delta-corrupt") else TIMEOUT,
         "is_master": rank == 0,
         # The CUDA backends always verify (the checksum reads device buffers there).
-        "checksum": scenario == "corrupt" or backend in ("nccl", "cuda_ipc"),
+        "checksum": scenario in ("corrupt", "delta-corrupt") or backend in ("nccl", "cuda_ipc"),
     }
+    if scenario.startswith("delta"):
+        options["delta"] = "on"
     if backend == "filesystem":
         options["root"] = os.path.join(rendezvous, "weights")
     if backend == "broadcast-cpu":  # the nccl/hccl engine's code, on the CPU over gloo
@@ -80,13 +113,15 @@ def _engine(backend: str, scenario: str, rank: int, rendezvous: str):
     return registry.new(backend, **options)
 
 
-def _corrupt_first_bucket(engine) -> None:
+def _corrupt_first_bucket(engine, delta: bool = False) -> None:
     if hasattr(engine, "_next"):
         original = engine._next
+        done = []
 
         async def corrupted(seq):
             meta, buf = await original(seq)
-            if seq == 0:
+            if not done and (meta.base is not None if delta else seq == 0):
+                done.append(seq)
                 # A private copy: with shm the slot is shared with the other receiver.
                 buf = buf.clone()
                 buf[meta.entries[0].offset] ^= 0xFF
@@ -105,6 +140,44 @@ def _corrupt_first_bucket(engine) -> None:
             return tensors
 
         st.load_file = load_file
+
+
+async def delta_sender(engine, scenario: str, out: str) -> None:
+    report: dict = {"stats": [], "error": None}
+    try:
+        for version in DELTA_VERSIONS:
+            stats = await engine.send_weights(make_delta_state(version), version=version)
+            report["stats"].append(stats)
+        report["mirror_bytes"] = engine.delta.nbytes
+    except CheckpointEngineError as err:
+        report["error"] = [type(err).__name__, str(err)]
+    torch.save(report, out)
+
+
+async def delta_receiver(engine, scenario: str, rank: int, out: str) -> None:
+    """Hold weights across updates, applying deltas onto them as a rollout worker would."""
+    report: dict = {"updates": [], "deltas": [], "error": None}
+    if scenario == "delta-corrupt" and rank == 1:
+        _corrupt_first_bucket(engine, delta=True)
+    held: dict[str, torch.Tensor] = {}
+    version = None
+    try:
+        for _ in DELTA_VERSIONS:
+            new, deltas = dict(held), 0
+            async for name, item in engine.receive_weights(copy=False, base_version=version):
+                if isinstance(item, Delta):
+                    new[name] = item.apply_(held[name].clone())
+                    deltas += 1
+                else:
+                    new[name] = item.clone()
+            if scenario == "delta-missed" and rank == 2 and engine.last_version == 3:
+                continue  # dropped: this receiver still holds version 2
+            held, version = new, engine.last_version
+            report["updates"].append((version, list(held.items())))
+            report["deltas"].append(deltas)
+    except CheckpointEngineError as err:
+        report["error"] = [type(err).__name__, str(err)]
+    torch.save(report, out)
 
 
 async def sender(engine, scenario: str, out: str) -> None:
@@ -185,10 +258,17 @@ def main(
     else:
         meta = _wait_for(meta_path, 60)
     engine.init_process_group(rank=rank, world_size=world_size, master_metadata=meta)
-    if rank == 0:
-        asyncio.run(sender(engine, scenario, out))
+    if scenario.startswith("delta"):
+        run = (
+            delta_sender(engine, scenario, out)
+            if rank == 0
+            else delta_receiver(engine, scenario, rank, out)
+        )
+    elif rank == 0:
+        run = sender(engine, scenario, out)
     else:
-        asyncio.run(receiver(engine, scenario, rank, world_size, out))
+        run = receiver(engine, scenario, rank, world_size, out)
+    asyncio.run(run)
     engine.finalize()
     # The report is on disk. Leave without finalizing the interpreter: a gloo worker
     # thread still dropping Python references (it needs the GIL) while the interpreter

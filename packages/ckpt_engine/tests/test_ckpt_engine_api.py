@@ -468,16 +468,18 @@ def test_capabilities_are_known_without_building_the_backend():
     from rlwire.ckpt_engine import BackendCapabilities
 
     cap = {name: registry.capabilities(name) for name in registry.available()}
-    assert cap["shm"] == BackendCapabilities(device_type="cpu", uses_store=True, zero_copy=True)
-    assert cap["gloo"] == BackendCapabilities(device_type="cpu", uses_store=True, zero_copy=False)
+    assert cap["shm"] == BackendCapabilities(
+        device_type="cpu", uses_store=True, zero_copy=True, delta=True
+    )
+    assert cap["gloo"] == BackendCapabilities("cpu", uses_store=True, zero_copy=False, delta=True)
     assert (
         cap["naive"]
         == cap["filesystem"]
-        == BackendCapabilities(device_type="cpu", uses_store=False, zero_copy=False)
+        == BackendCapabilities(device_type="cpu", uses_store=False, zero_copy=False, delta=False)
     )
     # Known here even where they cannot be built (no CUDA, no torch_npu on this machine).
-    assert cap["nccl"] == cap["cuda_ipc"] == BackendCapabilities("cuda", True, False)
-    assert cap["hccl"] == BackendCapabilities("npu", True, False)
+    assert cap["nccl"] == cap["cuda_ipc"] == BackendCapabilities("cuda", True, False, True)
+    assert cap["hccl"] == BackendCapabilities("npu", True, False, True)
     assert CheckpointEngineRegistry.capabilities("shm") == cap["shm"]  # verl-style, on the class
     with pytest.raises(ValueError, match="^unknown checkpoint engine 'pigeon'"):
         registry.capabilities("pigeon")
@@ -506,3 +508,60 @@ def test_shm_refuses_segments_its_file_system_cannot_hold(monkeypatch):
     with pytest.raises(CheckpointEngineError, match=r"^shm: share_weights needs 2097152 bytes"):
         engine.share_weights([("w", torch.zeros(1 << 19))])
     engine.finalize()
+
+
+def test_delta_mode_is_checked_and_offered_only_by_backends_that_can():
+    with pytest.raises(
+        ValueError, match=r"^delta: 'sometimes' is not allowed; use 'off', 'auto', 'on'$"
+    ):
+        registry.new("gloo", delta="sometimes")
+    with pytest.raises(ValueError, match=r"^delta: 'on' is not offered by the naive backend"):
+        registry.new("naive", delta="on")
+    with pytest.raises(ValueError, match=r"^delta: 'auto' is not offered by the loopback backend"):
+        Loopback(delta="auto")  # a bucketed engine without the version exchange
+    assert registry.new("gloo", delta="auto", is_master=True).delta.mode == "auto"
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8]
+)
+@pytest.mark.parametrize(
+    ("n", "share", "fmt"), [(333, 0.01, "idx"), (4001, 0.2, "bits"), (64, 1.0, None)]
+)
+def test_delta_encoding_is_the_smallest_form_and_round_trips(dtype, n, share, fmt):
+    from rlwire.ckpt_engine._delta import _diff_cpu, _diff_torch, decode, encode
+
+    g = torch.Generator().manual_seed(n)
+    base = (torch.randn(n, generator=g) * 10).to(dtype)
+    new = base.clone()
+    where = torch.randperm(n, generator=g)[: max(1, int(n * share))]
+    new[where] = ~new[where] if dtype == torch.bool else (new[where] + 3).to(dtype)
+    k = int(
+        (
+            new.view(torch.uint8).view(-1, new.element_size())
+            != base.view(torch.uint8).view(-1, new.element_size())
+        )
+        .any(1)
+        .sum()
+    )
+    # The numpy path (CPU) and the torch path (accelerators) find the same changes.
+    words = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
+    for diff in (_diff_cpu, _diff_torch):
+        prev = base.clone().view(words)
+        positions, values = diff(new.view(words), prev)
+        assert positions.numel() == values.numel() == k and torch.equal(prev, new.view(words))
+    mirror = base.clone()
+    encoded = encode(new, mirror)
+    assert torch.equal(mirror.view(words), new.view(words))  # the mirror caught up
+    if fmt is None:  # everything changed: dense is smaller
+        assert encoded is None
+        return
+    got_fmt, changed, payload = encoded
+    size = new.element_size()
+    head = k * 4 if fmt == "idx" else -(-n // 8)
+    assert (got_fmt, changed, payload.numel()) == (fmt, k, -(-head // 8) * 8 + k * size)
+    target = base.clone()
+    decode(got_fmt, changed, (n,), dtype, payload).apply_(target)
+    assert torch.equal(target.view(words), new.view(words))
+    with pytest.raises(CheckpointEngineError, match=r"^delta for \(333,\)|^delta for \(4001,\)"):
+        decode(got_fmt, changed, (n,), dtype, payload).apply_(torch.empty(n + 1, dtype=dtype))

@@ -13,7 +13,12 @@ from rlwire.ckpt_engine._wire import as_bytes
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from ckpt_engine_worker import FAILURE_TIMEOUT, make_state  # noqa: E402
+from ckpt_engine_worker import (  # noqa: E402
+    DELTA_VERSIONS,
+    FAILURE_TIMEOUT,
+    make_delta_state,
+    make_state,
+)
 
 BACKENDS = ["gloo", "shm", "filesystem"]
 WORLD = 3  # one sender, two receivers
@@ -129,3 +134,50 @@ def test_corrupted_bucket_is_detected_with_checksum(backend, tmp_path):
     # The corrupted receiver never acknowledged: the sender times out rather than hangs.
     assert sender["error"][0] == "CheckpointEngineTimeout"
     assert sender["seconds"] < FAILURE_TIMEOUT + 10
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm", "broadcast-cpu"])
+def test_delta_updates_arrive_bit_identical_over_five_versions(backend, tmp_path):
+    sender, *receivers = _run_group(backend, "delta", tmp_path)
+    assert sender.get("error") is None, sender
+    stats = sender["stats"]
+    first = make_delta_state(1)
+    nbytes = sum(t.numel() * t.element_size() for _, t in first)
+    # The first update is dense (nobody holds anything); every later one is a delta from
+    # the version before, and sends less than the dense bytes.
+    assert [s.base for s in stats] == [None, 1, 2, 3, 4]
+    assert stats[0].wire_bytes == stats[0].bytes == nbytes
+    for s in stats[1:]:
+        assert s.bytes == nbytes and 0 < s.wire_bytes < nbytes // 2, s
+        assert 0 < s.density < 0.1, s
+    assert sender["mirror_bytes"] == nbytes  # the sender's extra memory: one copy
+    for report in receivers:
+        assert report.get("error") is None, report
+        assert [v for v, _ in report["updates"]] == list(DELTA_VERSIONS)
+        # Deltas arrived for every tensor that changed sparsely (not fp16, sent dense).
+        assert report["deltas"][0] == 0 and min(report["deltas"][1:]) > 0
+        for (_, got), version in zip(report["updates"], DELTA_VERSIONS, strict=True):
+            _assert_bit_identical(sorted(got), sorted(make_delta_state(version)))
+
+
+def test_a_receiver_that_missed_a_version_gets_dense_weights(tmp_path):
+    sender, first, missed = _run_group("gloo", "delta-missed", tmp_path)
+    assert sender.get("error") is None, sender
+    # Receiver 2 held version 2 when update 4 came: dense for everyone, then deltas again.
+    assert [s.base for s in sender["stats"]] == [None, 1, 2, None, 4]
+    assert sender["stats"][3].wire_bytes == sender["stats"][3].bytes
+    assert [v for v, _ in first["updates"]] == [1, 2, 3, 4, 5]
+    assert [v for v, _ in missed["updates"]] == [1, 2, 4, 5]
+    for report in (first, missed):
+        for version, got in report["updates"]:
+            _assert_bit_identical(sorted(got), sorted(make_delta_state(version)))
+
+
+def test_corrupted_delta_bucket_is_detected_with_checksum(tmp_path):
+    sender, corrupted, clean = _run_group("shm", "delta-corrupt", tmp_path)
+    kind, message = corrupted["error"]
+    assert kind == "CheckpointEngineError", corrupted
+    assert " of version 2 is corrupted: checksum 0x" in message, message
+    # Version 1 (dense) was applied; the corrupted delta was not.
+    assert [v for v, _ in corrupted["updates"]] == [1]
+    assert sender["error"][0] == "CheckpointEngineTimeout"

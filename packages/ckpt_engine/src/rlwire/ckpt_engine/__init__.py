@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._apply import apply_to_module
 from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
+from ._delta import DELTA_MODES, Delta
 from ._errors import CheckpointEngineError, CheckpointEngineTimeout
 from ._registry import (
     BackendCapabilities,
@@ -21,12 +22,14 @@ from ._sizes import DEFAULT_BUCKET_SIZE, parse_bucket_size
 
 __all__ = [
     "DEFAULT_BUCKET_SIZE",
+    "DELTA_MODES",
     "BackendCapabilities",
     "DEFAULT_TIMEOUT_S",
     "CheckpointEngine",
     "CheckpointEngineError",
     "CheckpointEngineRegistry",
     "CheckpointEngineTimeout",
+    "Delta",
     "TransferStats",
     "apply_to_module",
     "backend_for_device",

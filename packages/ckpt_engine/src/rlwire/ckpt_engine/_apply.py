@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ._base import CheckpointEngine
+from ._delta import Delta
 from ._errors import CheckpointEngineError
 
 __all__ = ["apply_to_module"]
@@ -17,8 +18,8 @@ def _targets(module: nn.Module) -> dict[str, torch.Tensor]:
     return module.state_dict(keep_vars=True)
 
 
-def _check(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
-    if target.shape != value.shape or target.dtype != value.dtype:
+def _check(name: str, target: torch.Tensor, value: torch.Tensor | Delta) -> None:
+    if tuple(target.shape) != tuple(value.shape) or target.dtype != value.dtype:
         raise CheckpointEngineError(
             f"apply_to_module: {name!r} is {tuple(value.shape)} {value.dtype} in the update "
             f"but {tuple(target.shape)} {target.dtype} in the module"
@@ -31,6 +32,7 @@ async def apply_to_module(
     *,
     atomic: bool = True,
     staging: dict[str, torch.Tensor] | None = None,
+    version: int | None = None,
 ) -> int:
     """Receive one update from ``updates`` into ``module``'s state-dict entries by name.
 
@@ -48,6 +50,12 @@ async def apply_to_module(
     copy lives there, allocated on the first update and reused, so later updates
     allocate nothing (fresh host memory costs page faults on every update).
 
+    ``version``: the version ``module`` holds (what the last successful call
+    returned), so that an engine with ``delta`` on may send only what changed
+    since; a delta is staged as it arrives (positions and values only) and
+    written into the module like any tensor, after the whole update arrived
+    when ``atomic``. None (default): the update is dense.
+
     Returns:
         The update's version.
 
@@ -60,11 +68,22 @@ async def apply_to_module(
     received: dict[str, torch.Tensor] = {}
     unknown: list[str] = []
     reuse = atomic and staging is not None
+    deltas: dict[str, Delta] = {}
     with torch.no_grad():
-        async for name, tensor in updates.receive_weights(copy=atomic and not reuse):
+        stream = updates.receive_weights(copy=atomic and not reuse, base_version=version)
+        async for name, tensor in stream:
             target = targets.get(name)
             if target is None:
                 unknown.append(name)
+                continue
+            if isinstance(tensor, Delta):
+                _check(name, target, tensor)
+                if atomic:  # its values may be a view of the bucket: keep a copy
+                    tensor.values = tensor.values.clone()
+                    deltas[name] = tensor
+                else:
+                    tensor.apply_(target)
+                received[name] = target
                 continue
             _check(name, target, tensor)
             if reuse:
@@ -86,5 +105,8 @@ async def apply_to_module(
             )
         if atomic:
             for name, tensor in received.items():
-                targets[name].copy_(tensor)
+                if name in deltas:
+                    deltas[name].apply_(targets[name])
+                else:
+                    targets[name].copy_(tensor)
     return updates.last_version

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ._delta import Delta, DeltaMirror, check_delta_mode
 from ._errors import CheckpointEngineError
 from ._sizes import parse_bucket_size
 from ._wire import (
@@ -37,14 +38,35 @@ class TransferStats:
     """What one ``send_weights`` moved."""
 
     bytes: int
+    """Bytes of the weights the update carried (the model's bytes)."""
     tensors: int
     buckets: int
     seconds: float
+    wire_bytes: int | None = None
+    """Bytes that actually travelled (bucket bytes plus tensors read in place);
+    less than ``bytes`` for a delta update. None on construction means ``bytes``."""
+    base: int | None = None
+    """The version a delta update was computed from; None for a dense update."""
+    changed: int = 0
+    """Elements that differed from the base (delta updates only)."""
+    elements: int = 0
+    """Elements in the update."""
+
+    def __post_init__(self) -> None:
+        if self.wire_bytes is None:
+            object.__setattr__(self, "wire_bytes", self.bytes)
 
     @property
     def gbps(self) -> float:
-        """GB/s (1e9 bytes per second) over the whole update; 0 for an empty one."""
+        """GB/s (1e9 bytes per second) of weights updated; 0 for an empty update."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def density(self) -> float | None:
+        """Fraction of elements that changed since the base (None for a dense update)."""
+        if self.base is None:
+            return None
+        return self.changed / self.elements if self.elements else 0.0
 
 
 class CheckpointEngine(abc.ABC):
@@ -69,6 +91,13 @@ class CheckpointEngine(abc.ABC):
         timeout: seconds any wait may block before raising ``CheckpointEngineTimeout``.
         checksum: send a CRC-32 per bucket and verify it on receipt.
         is_master: this member sends.
+        delta: ``"off"`` (default), ``"on"`` or ``"auto"``: send only the elements
+            that changed since the last update when every receiver holds it (see
+            :meth:`receive_weights`' ``base_version``); costs the sender one copy of
+            the weights (its mirror). ``"auto"`` stops once a delta was not smaller
+            than half the dense update (e.g. fp32 weights under Adam change almost
+            everywhere). Bucketed backends only (``supports_delta``); the master's
+            choice holds for the group.
     """
 
     name: ClassVar[str] = ""
@@ -81,6 +110,8 @@ class CheckpointEngine(abc.ABC):
     zero_copy: ClassVar[bool] = False
     """``share_weights`` moves the sender's tensors into shared memory once; later updates
     send them without packing and receivers read them in place."""
+    supports_delta: ClassVar[bool] = False
+    """It can send lossless delta updates (``delta="on"``/``"auto"``)."""
 
     def __init__(
         self,
@@ -89,6 +120,7 @@ class CheckpointEngine(abc.ABC):
         timeout: float = DEFAULT_TIMEOUT_S,
         checksum: bool = False,
         is_master: bool = False,
+        delta: str = "off",
     ) -> None:
         if not (
             isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
@@ -98,8 +130,16 @@ class CheckpointEngine(abc.ABC):
         self.timeout = float(timeout)
         self.checksum = bool(checksum)
         self.is_master = bool(is_master)
+        check_delta_mode(delta)
+        if delta != "off" and not self.supports_delta:
+            raise ValueError(
+                f"delta: {delta!r} is not offered by the {self.name} backend (it sends whole "
+                "weights); use 'off', or a bucketed backend: gloo, shm, nccl, hccl, cuda_ipc"
+            )
+        self.delta = DeltaMirror(delta if self.is_master else "off")
         self.rank: int | None = None
         self.world_size: int | None = None
+        self._exchange = False  # members say which version they hold before each update
         self.last_version: int | None = None
 
     # --- lifecycle -----------------------------------------------------------------
@@ -122,10 +162,12 @@ class CheckpointEngine(abc.ABC):
                 "rank 0 is the master"
             )
         self.rank, self.world_size = rank, world_size
+        self._exchange = self.delta.enabled  # receivers learn it from the master below
         if rank > 0 and isinstance(master_metadata, dict):
             # The sender's choice: receivers take the master's bucket size ("auto" measured
             # on each member would disagree; slots must match what is sent).
             self.bucket_size = master_metadata.get("bucket_size", self.bucket_size)
+            self._exchange = master_metadata.get("delta", "off") != "off"
         if rank != -1:
             self._join(rank, world_size, master_metadata)
 
@@ -172,11 +214,17 @@ class CheckpointEngine(abc.ABC):
                 f"version {version} is lower than the last one sent ({self.last_version})"
             )
         start = time.perf_counter()
-        nbytes, tensors, buckets = await self._send(weights, version)
+        stats = await self._send(weights, version)
         self.last_version = version
-        return TransferStats(nbytes, tensors, buckets, time.perf_counter() - start)
+        return dataclasses.replace(stats, seconds=time.perf_counter() - start)
 
-    def receive_weights(self, *, copy: bool = True) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    def metadata(self) -> dict:
+        """What every member's metadata carries from the master's choices."""
+        return {"bucket_size": self.bucket_size, "delta": self.delta.mode}
+
+    def receive_weights(
+        self, *, copy: bool = True, base_version: int | None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor | Delta]]:
         """Yield every ``(name, tensor)`` of the next update, in sending order.
 
         Lifetime: with ``copy=True`` (default) every tensor is owned by the
@@ -187,21 +235,35 @@ class CheckpointEngine(abc.ABC):
         what you need (``param.copy_(tensor)``) before asking for the next item.
         ``last_version`` is set once the update has been fully consumed; a
         receiver must consume the whole update.
+
+        ``base_version``: the version of the weights this receiver holds (the
+        ``last_version`` of the last update it applied), to take a delta update
+        when the master sends deltas: an item may then be a
+        :class:`~rlwire.ckpt_engine.Delta` instead of a tensor, to be applied onto
+        the held tensor of that name (``delta.apply_(tensor)``). None (default):
+        every item is a whole tensor; if any receiver passes None or holds
+        another version than the master's last update, the update is dense for all.
         """
         self._check_joined("receive_weights")
+        if base_version is not None and (
+            isinstance(base_version, bool) or not isinstance(base_version, int)
+        ):
+            raise CheckpointEngineError(f"base_version: {base_version!r} is not an int or None")
         if not self.active:
             return _empty()
         if self.rank == 0:
             raise CheckpointEngineError("receive_weights on the master (rank 0)")
-        return self._receive(copy)
+        return self._receive(copy, base_version)
 
     @abc.abstractmethod
-    async def _send(self, weights: Weights, version: int) -> tuple[int, int, int]:
-        """Backend: send; return (bytes, tensors, buckets)."""
+    async def _send(self, weights: Weights, version: int) -> TransferStats:
+        """Backend: send; return what moved (``seconds`` is filled in by the caller)."""
 
     @abc.abstractmethod
-    def _receive(self, copy: bool) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Backend: yield one update."""
+    def _receive(
+        self, copy: bool, base_version: int | None
+    ) -> AsyncIterator[tuple[str, torch.Tensor | Delta]]:
+        """Backend: yield one update (deltas only where the backend supports them)."""
 
 
 async def _empty() -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -250,33 +312,50 @@ class BucketedEngine(CheckpointEngine):
         """Receiver: the sender's shared arena number ``arena`` as ``uint8``."""
         raise CheckpointEngineError(f"{self.name}: no shared arena {arena}")
 
-    async def _send(self, weights: Weights, version: int) -> tuple[int, int, int]:
+    async def _exchange_held(self, held: int | None) -> list[int | None]:
+        """Every member says which version it holds (receivers: ``base_version``; the
+        master: None); the master gets the receivers' answers in rank order. A backend
+        that implements it sets ``supports_delta``."""
+        raise NotImplementedError(f"{self.name}: no version exchange, so no delta updates")
+
+    async def _send(self, weights: Weights, version: int) -> TransferStats:
+        base = None
+        if self._exchange:
+            held = await self._exchange_held(None)
+            base = self.delta.base_for(held) if self.delta.enabled else None
+        try:
+            stats = await self._pack_and_send(weights, version, base)
+        except BaseException:
+            self.delta.invalidate()
+            raise
+        if self.delta.enabled:
+            self.delta.finish(
+                version, wire=stats.wire_bytes, dense=stats.bytes, was_delta=base is not None
+            )
+        return stats
+
+    async def _pack_and_send(self, weights: Weights, version: int, base: int | None):
         entries: list[Entry] = []
         used = 0
         slot = self._seq % 2  # bucket seq always lives in slot seq % 2, on every member
-        nbytes = tensors = buckets = 0
+        nbytes = wire = tensors = buckets = changed = elements = 0
         await self._acquire(slot, self._seq)
 
         async def flush(last: bool) -> None:
             nonlocal entries, used, slot, buckets
             buf = self.slots[slot]
             crc = checksum(buf[:used]) if self.checksum else None
-            await self._emit(slot, BucketMeta(self._seq, version, used, last, entries, crc))
+            meta = BucketMeta(self._seq, version, used, last, entries, crc, base)
+            await self._emit(slot, meta)
             buckets += 1
             self._seq += 1
             entries, used, slot = [], 0, self._seq % 2
             if not last:
                 await self._acquire(slot, self._seq)
 
-        async for name, tensor in aiter_weights(weights):
-            src = as_bytes(tensor)
-            dname, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
-            direct = self._in_arena(tensor)
-            if direct is not None:  # receivers read it in place: no copy into a slot
-                entries.append(Entry(name, dname, shape, direct[1], 0, src.numel(), direct[0]))
-                nbytes += src.numel()
-                tensors += 1
-                continue
+        async def pack(src: torch.Tensor, entry: Entry) -> None:
+            """Copy ``src`` (bytes) into buckets, one ``entry`` per chunk."""
+            nonlocal used
             pos = 0
             for flush_first, offset, length in plan_chunks(used, src.numel(), self.bucket_size):
                 if flush_first:
@@ -284,25 +363,58 @@ class BucketedEngine(CheckpointEngine):
                 if length:
                     self.slots[slot][offset : offset + length].copy_(src[pos : pos + length])
                     used = offset + length
-                entries.append(Entry(name, dname, shape, offset, pos, length))
+                entries.append(
+                    dataclasses.replace(entry, offset=offset, chunk_offset=pos, chunk_nbytes=length)
+                )
                 pos += length
+
+        async for name, tensor in aiter_weights(weights):
+            src = as_bytes(tensor)
+            dname, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
             nbytes += src.numel()
             tensors += 1
+            elements += tensor.numel()
+            if base is not None:
+                encoded = self.delta.encode(name, tensor.detach().contiguous())
+                if encoded is not None:
+                    fmt, k, payload = encoded
+                    info = (fmt, k, payload.numel())
+                    changed += k
+                    wire += payload.numel()
+                    await pack(payload, Entry(name, dname, shape, 0, 0, 0, None, info))
+                    continue
+            elif self.delta.enabled:
+                self.delta.remember(name, tensor.detach())
+            wire += src.numel()
+            direct = self._in_arena(tensor) if base is None else None
+            if direct is not None:  # receivers read it in place: no copy into a slot
+                entries.append(Entry(name, dname, shape, direct[1], 0, src.numel(), direct[0]))
+                continue
+            await pack(src, Entry(name, dname, shape, 0, 0, 0))
         await flush(last=True)
         await self._drain(self._seq - 1)
-        return nbytes, tensors, buckets
+        return TransferStats(nbytes, tensors, buckets, 0.0, wire, base, changed, elements)
 
-    async def _receive(self, copy: bool) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    async def _receive(
+        self, copy: bool, base_version: int | None
+    ) -> AsyncIterator[tuple[str, torch.Tensor | Delta]]:
+        if self._exchange:
+            await self._exchange_held(base_version)
         unpacker = Unpacker()
         while True:
             meta, buf = await self._next(self._seq)
             self._seq += 1
-            for name, tensor, is_view in unpacker.unpack(
+            if meta.base is not None and meta.base != base_version:
+                raise CheckpointEngineError(
+                    f"bucket {meta.index} is a delta from version {meta.base}, but this "
+                    f"receiver holds {base_version}"
+                )
+            for name, item, is_view in unpacker.unpack(
                 meta, buf, copy=copy, verify=self.checksum, arenas=self._arena
             ):
-                yield name, tensor
-                if is_view:
-                    tensor.set_()  # a retained view becomes empty, never silently stale
+                yield name, item
+                if is_view:  # a retained view becomes empty, never silently stale
+                    item._release() if isinstance(item, Delta) else item.set_()
             await self._release(meta)
             if meta.last:
                 break

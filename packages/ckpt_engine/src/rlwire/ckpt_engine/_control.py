@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import json
 
 import torch
 
@@ -63,6 +64,7 @@ class StoreControlledEngine(BucketedEngine):
     """
 
     uses_store = True
+    supports_delta = True
 
     def __init__(self, *, host: str = "127.0.0.1", **kwargs) -> None:
         super().__init__(**kwargs)
@@ -113,7 +115,7 @@ class StoreControlledEngine(BucketedEngine):
         return {
             "host": self.host,
             "port": self._store.port,
-            "bucket_size": self.bucket_size,
+            **self.metadata(),
             **metadata,
         }
 
@@ -137,6 +139,29 @@ class StoreControlledEngine(BucketedEngine):
         self._store = None
 
     # --- the protocol -------------------------------------------------------------------
+    async def _exchange_held(self, held: int | None) -> list[int | None]:
+        # Keyed by the first bucket of the update, which every member knows.
+        prefix = f"held/{self._seq}"
+        if self.rank != 0:
+            await blocking(
+                lambda: self._store.set(f"{prefix}/{self.rank}", json.dumps(held)),
+                f"{self.name}: saying which version this receiver holds",
+                self.timeout,
+            )
+            return []
+        keys = [f"{prefix}/{r}" for r in self._receivers]
+
+        def collect() -> list[int | None]:
+            self._store.wait(keys, datetime.timedelta(seconds=self.timeout))
+            answers = [json.loads(self._store.get(k)) for k in keys]
+            for k in keys:
+                self._store.delete_key(k)
+            return answers
+
+        return await blocking(
+            collect, f"{self.name}: asking every receiver which version it holds", self.timeout
+        )
+
     async def _wait_acks(self, seq: int) -> None:
         keys = [f"ack/{seq}/{r}" for r in self._receivers]
         timeout = datetime.timedelta(seconds=self.timeout)

@@ -75,6 +75,8 @@ class BackendCapabilities:
     """Receivers connect to a TCP store on the master (give the master a reachable ``host``)."""
     zero_copy: bool
     """It offers ``share_weights`` (the sender's tensors in shared memory, read in place)."""
+    delta: bool = False
+    """It sends lossless delta updates (``delta="on"`` or ``"auto"``)."""
 
 
 class _ClassOrInstance:
@@ -215,7 +217,10 @@ class CheckpointEngineRegistry:
             module_name, _, attr = self._lazy[name][0].partition(":")
             cls = getattr(importlib.import_module(module_name), attr)
         return BackendCapabilities(
-            device_type=cls.device_type, uses_store=cls.uses_store, zero_copy=cls.zero_copy
+            device_type=cls.device_type,
+            uses_store=cls.uses_store,
+            zero_copy=cls.zero_copy,
+            delta=cls.supports_delta,
         )
 
     @_ClassOrInstance

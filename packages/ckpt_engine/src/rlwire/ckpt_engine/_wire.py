@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ._delta import Delta, decode
 from ._errors import CheckpointEngineError
 
 __all__ = [
@@ -93,6 +94,9 @@ class Entry:
     """Set for a tensor read in place from the sender's shared arena number
     ``arena`` (``offset`` is then the byte offset in that arena); such a
     tensor occupies no bucket space."""
+    delta: tuple[str, int, int] | None = None
+    """Set for a tensor sent as a delta (see ``_delta``): ``(format, changed
+    elements, payload bytes)``; the chunks then carry the payload, not the tensor."""
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +105,11 @@ class Entry:
         for s in self.shape:
             numel *= s
         return numel * dtype_from_name(self.dtype).itemsize
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes that travel for the whole tensor: its delta payload's, or its own."""
+        return self.delta[2] if self.delta is not None else self.nbytes
 
 
 @dataclasses.dataclass(slots=True)
@@ -113,22 +122,32 @@ class BucketMeta:
     last: bool
     entries: list[Entry]
     checksum: int | None = None
+    base: int | None = None
+    """The version the update's delta entries were computed from (None: a dense update)."""
 
     def to_bytes(self) -> bytes:
         entries = []
         for e in self.entries:
             row = [e.name, e.dtype, list(e.shape), e.offset, e.chunk_offset, e.chunk_nbytes]
-            if e.arena is not None:
+            if e.arena is not None or e.delta is not None:
                 row.append(e.arena)
+            if e.delta is not None:
+                row.append(list(e.delta))
             entries.append(row)
         head = [self.index, self.version, self.nbytes, self.last, self.checksum, entries]
+        if self.base is not None:
+            head.append(self.base)
         return json.dumps(head, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> BucketMeta:
-        index, version, nbytes, last, crc, rows = json.loads(data)
-        entries = [Entry(r[0], r[1], tuple(r[2]), r[3], r[4], r[5], *r[6:]) for r in rows]
-        return cls(index, version, nbytes, last, entries, crc)
+        index, version, nbytes, last, crc, rows, *base = json.loads(data)
+        entries = []
+        for r in rows:
+            arena = r[6] if len(r) > 6 else None
+            delta = tuple(r[7]) if len(r) > 7 else None
+            entries.append(Entry(r[0], r[1], tuple(r[2]), r[3], r[4], r[5], arena, delta))
+        return cls(index, version, nbytes, last, entries, crc, *base)
 
 
 def plan_chunks(used: int, nbytes: int, bucket_size: int) -> Iterator[tuple[int, int, int]]:
@@ -157,7 +176,10 @@ def plan_chunks(used: int, nbytes: int, bucket_size: int) -> Iterator[tuple[int,
 
 
 class Unpacker:
-    """Receiver side: turns buckets back into ``(name, tensor)`` in sending order."""
+    """Receiver side: turns buckets back into ``(name, tensor)`` in sending order.
+
+    A delta entry becomes a :class:`~rlwire.ckpt_engine._delta.Delta` instead of a tensor.
+    """
 
     def __init__(self) -> None:
         self._partial: dict[str, tuple[torch.Tensor, int]] = {}
@@ -170,10 +192,10 @@ class Unpacker:
         copy: bool,
         verify: bool,
         arenas: Callable[[int], torch.Tensor] | None = None,
-    ) -> Iterator[tuple[str, torch.Tensor, bool]]:
-        """Yield ``(name, tensor, is_view)`` for every tensor completed by this bucket.
+    ) -> Iterator[tuple[str, torch.Tensor | Delta, bool]]:
+        """Yield ``(name, tensor or delta, is_view)`` for every tensor completed by this bucket.
 
-        ``is_view`` tensors alias ``buf`` (or a shared arena, via ``arenas``);
+        ``is_view`` items alias ``buf`` (or a shared arena, via ``arenas``);
         the others are owned (reassembled chunks, copies, empty tensors).
 
         Raises:
@@ -189,35 +211,48 @@ class Unpacker:
                 )
         for e in meta.entries:
             dtype = dtype_from_name(e.dtype)
-            total = e.nbytes
-            if total == 0:
+            if e.payload_nbytes == 0:
                 yield e.name, torch.empty(e.shape, dtype=dtype, device=buf.device), False
                 continue
-            source = buf
-            if e.arena is not None:
-                if arenas is None:
-                    raise CheckpointEngineError(
-                        f"{e.name!r} refers to a shared arena this backend does not have"
-                    )
-                source = arenas(e.arena)
-            chunk = source[e.offset : e.offset + e.chunk_nbytes]
-            if e.chunk_offset == 0 and e.chunk_nbytes == total:
-                view = chunk.view(dtype).view(e.shape)
-                if copy:
-                    yield e.name, view.clone(), False
-                else:
-                    yield e.name, view, True
+            whole = self._assemble(e, buf, copy, arenas)
+            if whole is None:
                 continue
-            target, have = self._partial.get(e.name, (None, 0))
-            if target is None:
-                target = torch.empty(total, dtype=torch.uint8, device=buf.device)
-            target[e.chunk_offset : e.chunk_offset + e.chunk_nbytes].copy_(chunk)
-            have += e.chunk_nbytes
-            if have < total:
-                self._partial[e.name] = (target, have)
-                continue
-            self._partial.pop(e.name, None)
-            yield e.name, target.view(dtype).view(e.shape), False
+            data, is_view = whole
+            if e.delta is not None:
+                yield e.name, decode(*e.delta[:2], e.shape, dtype, data), is_view
+            else:
+                yield e.name, data.view(dtype).view(e.shape), is_view
+
+    def _assemble(
+        self,
+        e: Entry,
+        buf: torch.Tensor,
+        copy: bool,
+        arenas: Callable[[int], torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, bool] | None:
+        """The entry's whole ``uint8`` payload and whether it is a view, or None until its
+        last chunk has arrived."""
+        source = buf
+        if e.arena is not None:
+            if arenas is None:
+                raise CheckpointEngineError(
+                    f"{e.name!r} refers to a shared arena this backend does not have"
+                )
+            source = arenas(e.arena)
+        chunk = source[e.offset : e.offset + e.chunk_nbytes]
+        total = e.payload_nbytes
+        if e.chunk_offset == 0 and e.chunk_nbytes == total:
+            return (chunk.clone(), False) if copy else (chunk, True)
+        target, have = self._partial.get(e.name, (None, 0))
+        if target is None:
+            target = torch.empty(total, dtype=torch.uint8, device=buf.device)
+        target[e.chunk_offset : e.chunk_offset + e.chunk_nbytes].copy_(chunk)
+        have += e.chunk_nbytes
+        if have < total:
+            self._partial[e.name] = (target, have)
+            return None
+        self._partial.pop(e.name, None)
+        return target, False
 
     def check_complete(self) -> None:
         if self._partial:

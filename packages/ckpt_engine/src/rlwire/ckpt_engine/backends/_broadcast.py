@@ -178,16 +178,16 @@ class BroadcastEngine(StoreControlledEngine):
             with contextlib.suppress(Exception):  # already torn down by NCCL itself
                 self._pg.abort()
 
-    async def _send(self, weights, version: int) -> tuple[int, int, int]:
+    async def _send(self, weights, version: int):
         try:
             return await super()._send(weights, version)
         except Exception:
             self._abort()
             raise
 
-    async def _receive(self, copy: bool):
+    async def _receive(self, copy: bool, base_version: int | None):
         try:
-            async for item in super()._receive(copy):
+            async for item in super()._receive(copy, base_version):
                 yield item
         except Exception:
             self._abort()

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from .._base import CheckpointEngine, Weights
+from .._base import CheckpointEngine, TransferStats, Weights
 from .._errors import CheckpointEngineError, CheckpointEngineTimeout
 from .._wire import aiter_weights, as_bytes, checksum, dtype_from_name, dtype_name
 
@@ -91,7 +91,7 @@ class FilesystemEngine(CheckpointEngine):
             await asyncio.sleep(self.poll_interval)
         return result
 
-    async def _send(self, weights: Weights, version: int) -> tuple[int, int, int]:
+    async def _send(self, weights: Weights, version: int) -> TransferStats:
         st = _safetensors()
         final = os.path.join(self.root, f"v{version}")
         tmp = os.path.join(self.root, f".v{version}.tmp-{os.getpid()}")
@@ -158,9 +158,11 @@ class FilesystemEngine(CheckpointEngine):
         )
         for old in self._versions()[: -self.keep]:
             shutil.rmtree(os.path.join(self.root, f"v{old}"), ignore_errors=True)
-        return nbytes, tensors, shards
+        return TransferStats(nbytes, tensors, shards, 0.0)
 
-    async def _receive(self, copy: bool) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    async def _receive(
+        self, copy: bool, base_version: int | None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         st = _safetensors()
         last = self.last_version if self.last_version is not None else -1
 

@@ -13,6 +13,8 @@ from .._wire import BucketMeta, to_bytes
 
 __all__ = ["GlooEngine"]
 
+_NONE = -(2**63)  # "holds no usable version" in the version exchange
+
 
 class GlooEngine(BucketedEngine):
     """Broadcast buckets in the engine's own gloo group (rank 0 to all).
@@ -29,6 +31,7 @@ class GlooEngine(BucketedEngine):
 
     name = "gloo"
     uses_store = True
+    supports_delta = True
 
     def __init__(self, *, host: str = "127.0.0.1", **kwargs) -> None:
         super().__init__(**kwargs)
@@ -43,7 +46,7 @@ class GlooEngine(BucketedEngine):
         if not self.is_master:
             return {}
         self._store = master_store(self.host, self.timeout)
-        return {"host": self.host, "port": self._store.port, "bucket_size": self.bucket_size}
+        return {"host": self.host, "port": self._store.port, **self.metadata()}
 
     def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
         if not self.slots or self.slots[0].numel() != self.bucket_size:
@@ -65,6 +68,16 @@ class GlooEngine(BucketedEngine):
 
     def _wait(self, work) -> None:
         work.wait(datetime.timedelta(seconds=self.timeout))
+
+    async def _exchange_held(self, held: int | None) -> list[int | None]:
+        mine = torch.tensor([_NONE if held is None else held], dtype=torch.int64)
+        every = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
+        await blocking(
+            lambda: self._wait(self._pg.allgather([every], [mine])),
+            "gloo: asking every receiver which version it holds",
+            self.timeout,
+        )
+        return [None if int(t) == _NONE else int(t) for t in every[1:]]
 
     async def _acquire(self, slot: int, seq: int) -> None:
         work, self._inflight[slot] = self._inflight[slot], None

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from .._base import CheckpointEngine, Weights
+from .._base import CheckpointEngine, TransferStats, Weights
 from .._errors import CheckpointEngineError
 from .._store import blocking
 from .._wire import aiter_weights
@@ -90,7 +90,7 @@ class NaiveEngine(CheckpointEngine):
 
         return await blocking(joined, "naive: waiting for receivers to join", self.timeout)
 
-    async def _send(self, weights: Weights, version: int) -> tuple[int, int, int]:
+    async def _send(self, weights: Weights, version: int) -> TransferStats:
         queues = await self._wait_receivers()
         nbytes = tensors = 0
 
@@ -117,9 +117,11 @@ class NaiveEngine(CheckpointEngine):
                 f"naive: waiting for receiver {rank} to finish",
                 self.timeout,
             )
-        return nbytes, tensors, 1
+        return TransferStats(nbytes, tensors, 1, 0.0)
 
-    async def _receive(self, copy: bool) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    async def _receive(
+        self, copy: bool, base_version: int | None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         q = self._channel.queues[self.rank]
         while True:
             try:
