@@ -65,15 +65,16 @@ DELTA_VERSIONS = (1, 2, 3, 4, 5)
 
 def make_delta_state(version: int) -> list[tuple[str, torch.Tensor]]:
     """``make_state(1)`` changed at a few random elements of every tensor per version, as an
-    optimizer step changes bf16 weights: 1% of the elements, 20% for ``bf16_odd`` (which
-    then travels as a bitmask), all of ``fp16`` (which then travels dense)."""
+    optimizer step changes bf16 weights: 1% of the elements (at least one), 20% for
+    ``bf16_odd`` (which then travels as a bitmask), all of ``fp16`` (which then travels
+    dense), none of ``fp32_after_odd`` (an empty delta)."""
     state = make_state(1)
     g = torch.Generator().manual_seed(1000)
     for v in range(2, version + 1):
         for name, t in state:
             flat = t.view(-1) if t.is_contiguous() else t.t().view(-1)  # a view either way
-            share = {"bf16_odd": 0.2, "fp16": 1.0}.get(name, 0.01)
-            k = max(1, int(flat.numel() * share)) if flat.numel() else 0
+            share = {"bf16_odd": 0.2, "fp16": 1.0, "fp32_after_odd": 0.0}.get(name, 0.01)
+            k = max(1, int(flat.numel() * share)) if flat.numel() and share else 0
             where = torch.randperm(flat.numel(), generator=g)[:k]
             if t.dtype == torch.bool:
                 flat[where] = ~flat[where]

@@ -551,17 +551,68 @@ def test_delta_encoding_is_the_smallest_form_and_round_trips(dtype, n, share, fm
         positions, values = diff(new.view(words), prev)
         assert positions.numel() == values.numel() == k and torch.equal(prev, new.view(words))
     mirror = base.clone()
-    encoded = encode(new, mirror)
+    got_fmt, changed, payload = encode(new, mirror)
     assert torch.equal(mirror.view(words), new.view(words))  # the mirror caught up
-    if fmt is None:  # everything changed: dense is smaller
-        assert encoded is None
+    assert changed == k
+    if fmt is None:  # everything changed: dense is smaller, the tensor itself goes
+        assert got_fmt is None and payload is new
         return
-    got_fmt, changed, payload = encoded
     size = new.element_size()
     head = k * 4 if fmt == "idx" else -(-n // 8)
-    assert (got_fmt, changed, payload.numel()) == (fmt, k, -(-head // 8) * 8 + k * size)
+    assert (got_fmt, payload.numel()) == (fmt, -(-head // 8) * 8 + k * size)
     target = base.clone()
     decode(got_fmt, changed, (n,), dtype, payload).apply_(target)
     assert torch.equal(target.view(words), new.view(words))
     with pytest.raises(CheckpointEngineError, match=r"^delta for \(333,\)|^delta for \(4001,\)"):
         decode(got_fmt, changed, (n,), dtype, payload).apply_(torch.empty(n + 1, dtype=dtype))
+
+
+def test_apply_to_module_takes_deltas_atomically_through_shm_in_one_process():
+    """Sender and receiver in one event loop (shm's control runs in threads): every
+    update after the first is a delta; a tensor that did not change travels as an empty one."""
+    from rlwire.ckpt_engine import apply_to_module
+
+    torch.manual_seed(0)
+    sent = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7)).bfloat16()
+    held = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7)).bfloat16()
+    tx = registry.new("shm", is_master=True, delta="on", bucket_size=4096, timeout=20)
+    rx = registry.new("shm", bucket_size=4096, timeout=20)
+    meta = tx.prepare()
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            loop.run_in_executor(
+                None, lambda: tx.init_process_group(rank=0, world_size=2, master_metadata=meta)
+            ),
+            loop.run_in_executor(
+                None, lambda: rx.init_process_group(rank=1, world_size=2, master_metadata=meta)
+            ),
+        )
+        staging, version, stats = {}, None, []
+        for v in range(1, 5):
+            with torch.no_grad():
+                for name, p in sent.named_parameters():
+                    if name != "1.bias" or v == 2:  # 1.bias changes once only
+                        p[torch.rand(p.shape) < 0.05] += 1
+            s, version = await asyncio.gather(
+                tx.send_weights(list(sent.state_dict().items()), version=v),
+                apply_to_module(held, rx, staging=staging, version=version),
+            )
+            assert version == v
+            for (name, a), b in zip(
+                sent.state_dict().items(), held.state_dict().values(), strict=True
+            ):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (v, name)
+            stats.append(s)
+        return stats
+
+    try:
+        stats = asyncio.run(run())
+    finally:
+        tx.finalize()
+        rx.finalize()
+    nbytes = sum(p.numel() * 2 for p in sent.parameters())
+    assert [s.base for s in stats] == [None, 1, 2, 3]
+    assert stats[0].wire_bytes == nbytes and all(s.wire_bytes < nbytes // 4 for s in stats[1:])
+    assert tx.delta.nbytes == nbytes

@@ -30,23 +30,28 @@ def test_fsdp1_and_fsdp2_agree_on_the_first_step_and_its_gradient_norm(
     assert fsdp1[0]["grad_norm"] == pytest.approx(fsdp2[0]["grad_norm"], rel=1e-5)
 
 
-def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy(ray_cluster, tmp_path):
+def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy_by_deltas(ray_cluster, tmp_path):
     """On CPUs on one host ``ckpt_engine.backend=auto`` is ``shm`` with its zero-copy path:
-    the weights go through the shared arena laid out on the first sync."""
+    the weights go through the shared arena laid out on the first sync. With ``delta=on``
+    every sync after the first sends only the bf16 elements the step changed."""
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "bf16"
     records, _ = train_cli(
         run,
         "model.dtype=bfloat16",
-        "trainer.steps=2",
+        "trainer.steps=3",
+        "actor.optim.lr=1e-4",
         "ckpt_engine.digest=true",
+        "ckpt_engine.delta=on",
         cluster=ray_cluster,
     )
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:  # the hf rollout copy holds exactly the weights sent, in bfloat16
         assert r["weight_digest_rollout"] == [r["weight_digest_actor"]]
-    assert records[0]["weight_digest_actor"] != records[1]["weight_digest_actor"]
+        assert 0 < r["weight_sync_delta_density"] < 1, r
+        assert r["weight_sync_wire_bytes"] < r["weight_sync_bytes"], r
+    assert len({r["weight_digest_actor"] for r in records}) == 3
     assert "checkpoint engine: shm" in (run / "train.log").read_text()
     model = AutoModelForCausalLM.from_pretrained(run / "hf_model")
     assert next(model.parameters()).dtype == torch.bfloat16

@@ -78,9 +78,8 @@ async def apply_to_module(
                 continue
             if isinstance(tensor, Delta):
                 _check(name, target, tensor)
-                if atomic:  # its values may be a view of the bucket: keep a copy
-                    tensor.values = tensor.values.clone()
-                    deltas[name] = tensor
+                if atomic:  # it may be a view of the bucket: keep a copy
+                    deltas[name] = tensor.clone()
                 else:
                     tensor.apply_(target)
                 received[name] = target

@@ -375,11 +375,10 @@ class BucketedEngine(CheckpointEngine):
             tensors += 1
             elements += tensor.numel()
             if base is not None:
-                encoded = self.delta.encode(name, tensor.detach().contiguous())
-                if encoded is not None:
-                    fmt, k, payload = encoded
+                fmt, k, payload = self.delta.encode(name, tensor.detach().contiguous())
+                changed += k
+                if fmt is not None:
                     info = (fmt, k, payload.numel())
-                    changed += k
                     wire += payload.numel()
                     await pack(payload, Entry(name, dname, shape, 0, 0, 0, None, info))
                     continue

@@ -104,7 +104,7 @@ def _unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
     return bits.view(-1)[:n].nonzero().view(-1)
 
 
-def encode(cur: torch.Tensor, prev: torch.Tensor) -> tuple[str, int, torch.Tensor] | None:
+def encode(cur: torch.Tensor, prev: torch.Tensor) -> tuple[str | None, int, torch.Tensor]:
     """The smallest delta form of ``cur`` against ``prev``, which is brought up to ``cur``.
 
     Args:
@@ -113,14 +113,15 @@ def encode(cur: torch.Tensor, prev: torch.Tensor) -> tuple[str, int, torch.Tenso
             shape, dtype and device); updated in place.
 
     Returns:
-        ``(format, changed, payload)`` with a ``uint8`` payload, or None when
-        the dense tensor is no larger (send it whole).
+        ``(format, changed elements, payload)`` with a ``uint8`` payload; format
+        None when the dense tensor is no larger (send ``cur`` whole).
     """
     cw, pw = _words(cur), _words(prev)
-    if cw is None or cw.numel() == 0:
-        if cw is None:
-            prev.copy_(cur)
-        return None
+    if cw is None:  # a width we do not compare: count it as changed everywhere
+        prev.copy_(cur)
+        return None, cur.numel(), cur
+    if cw.numel() == 0:
+        return None, 0, cur
     diff = _diff_cpu if cur.device.type == "cpu" else _diff_torch
     positions, values = diff(cw, pw)
     n, k, size = cw.numel(), positions.numel(), cw.element_size()
@@ -131,7 +132,7 @@ def encode(cur: torch.Tensor, prev: torch.Tensor) -> tuple[str, int, torch.Tenso
     fmt, head = ("idx", idx_head) if idx_head <= bits_head else ("bits", bits_head)
     total = _round_up(head) + k * size
     if total >= dense:
-        return None
+        return None, k, cur
     payload = torch.empty(total, dtype=torch.uint8, device=cur.device)
     if fmt == "idx":
         payload[:head].view(index).copy_(positions)
@@ -177,8 +178,15 @@ class Delta:
         )
         return target
 
+    def clone(self) -> Delta:
+        """A delta that owns its tensors (one received with ``copy=False`` may be a view
+        of the engine's buffer, valid only until the next item)."""
+        return Delta(self.shape, self.dtype, self.positions.clone(), self.values.clone())
+
     def _release(self) -> None:
-        self.values.set_()  # a retained view of the bucket becomes empty, never stale
+        # A retained view of the bucket becomes empty, never stale.
+        self.positions.set_()
+        self.values.set_()
 
 
 def decode(
@@ -190,6 +198,14 @@ def decode(
     n = 1
     for s in shape:
         n *= s
+    if changed == 0 and payload.numel() == 0:  # unchanged (its empty chunk may be unaligned)
+        device = payload.device
+        return Delta(
+            tuple(shape),
+            dtype,
+            torch.empty(0, dtype=torch.int64, device=device),
+            torch.empty(0, dtype=word, device=device),
+        )
     if fmt == "idx":
         index = torch.int32 if n < 2**31 else torch.int64
         head = changed * torch.empty(0, dtype=index).element_size()
@@ -243,12 +259,13 @@ class DeltaMirror:
             self.tensors[name] = kept
         kept.copy_(tensor)
 
-    def encode(self, name: str, tensor: torch.Tensor) -> tuple[str, int, torch.Tensor] | None:
-        """The delta of ``tensor`` against what was last sent as ``name`` (None: send dense)."""
+    def encode(self, name: str, tensor: torch.Tensor) -> tuple[str | None, int, torch.Tensor]:
+        """:func:`encode` ``tensor`` against what was last sent as ``name`` (a name not
+        sent before, or sent with another shape or dtype, goes dense, all changed)."""
         kept = self.tensors.get(name)
         if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
             self.remember(name, tensor)
-            return None
+            return None, tensor.numel(), tensor
         return encode(tensor, kept)
 
     def finish(self, version: int, *, wire: int, dense: int, was_delta: bool) -> None:

@@ -211,7 +211,7 @@ class Unpacker:
                 )
         for e in meta.entries:
             dtype = dtype_from_name(e.dtype)
-            if e.payload_nbytes == 0:
+            if e.delta is None and e.nbytes == 0:
                 yield e.name, torch.empty(e.shape, dtype=dtype, device=buf.device), False
                 continue
             whole = self._assemble(e, buf, copy, arenas)

@@ -147,7 +147,9 @@ def _coerce(key: str, annotation: Any, value: Any) -> Any:
         if isinstance(value, str) and _number(value) is not None:
             return float(value)  # YAML 1.1 reads "3e-4" in a file as a string
     elif hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if isinstance(value, bool):  # YAML 1.1 reads a bare on/off (yes/no) as a boolean
+            return "on" if value else "off"
+        if isinstance(value, (str, int, float)):
             return str(value)
     elif typing.get_origin(hint) is dict:
         if isinstance(value, Mapping):

@@ -249,6 +249,8 @@ class Job:
             time_weight_sync_s=t_sync - t_update,
             weight_sync_gbps=synced["weight_sync_gbps"],
             weight_sync_bytes=synced.get("weight_sync_bytes"),
+            weight_sync_wire_bytes=synced.get("weight_sync_wire_bytes"),
+            weight_sync_delta_density=synced.get("weight_sync_delta_density"),
             tokens_per_s=result.tokens / (t_sync - t0),
             samples_per_s=samples / (t_sync - t0),
             weight_version=version,

@@ -60,7 +60,11 @@ class StepMetrics(UpdateMetrics):
     time_weight_sync_s: float
     weight_sync_gbps: float
     weight_sync_bytes: int | None = None
-    """Bytes the checkpoint engine sent on a sync step (None on steps without one)."""
+    """Bytes of the weights updated on a sync step (None on steps without one)."""
+    weight_sync_wire_bytes: int | None = None
+    """Bytes that travelled for them: less than ``weight_sync_bytes`` for a delta update."""
+    weight_sync_delta_density: float | None = None
+    """A delta update's share of elements that changed since the previous sync."""
     tokens_per_s: float
     samples_per_s: float
     weight_version: int

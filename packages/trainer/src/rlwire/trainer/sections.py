@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, parse_bucket_size
+from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, DELTA_MODES, parse_bucket_size
 from rlwire.grad_sync import GradSyncConfig
 
 from .actor.base import ACTOR_ENGINES, actor_engine_class
@@ -303,6 +303,14 @@ class CheckpointEngineConfig:
     timeout: float = DEFAULT_TIMEOUT_S
     """Seconds any weight-sync wait may block before the run stops with an error (the
     library's default, ``rlwire.ckpt_engine.DEFAULT_TIMEOUT_S``)."""
+    delta: str = "auto"
+    """Lossless delta updates (``rlwire.ckpt_engine``'s ``delta``): ``on`` sends only the
+    elements that changed since the last sync when every rollout worker holds it (the
+    ``hf`` backend does; ``vllm`` always takes whole weights, its parameters are fused);
+    ``auto`` does so until a delta is not below half the dense bytes (fp32 weights under
+    AdamW change almost everywhere: then dense from there on); ``off``. Costs actor rank 0
+    one copy of the full weights. Bucketed backends only (``gloo``, ``shm``, ``nccl``,
+    ``cuda_ipc``); with another backend ``auto`` means ``off``."""
     digest: bool = False
     """After every sync, hash the weights on the sending and on each receiving side
     (SHA-256 of the fp32 bytes; ``hf`` backend) and record both in the metrics. Costs
@@ -314,6 +322,7 @@ class CheckpointEngineConfig:
         except ValueError as err:  # "bucket_size: ... is not allowed; use ..."
             raise ConfigError(f"ckpt_engine.{err}") from None
         _check(self.timeout > 0, "ckpt_engine.timeout", self.timeout, "use seconds > 0")
+        _check_choice(self.delta, "ckpt_engine.delta", DELTA_MODES)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

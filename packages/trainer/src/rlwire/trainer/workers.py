@@ -181,12 +181,17 @@ class ActorWorker:
         if self.rank != 0:
             return {}
         # Receivers of a store-controlled backend reach the master's store at this node.
-        where = {"host": _host()} if registry.capabilities(backend).uses_store else {}
+        capabilities = registry.capabilities(backend)
+        where = {"host": _host()} if capabilities.uses_store else {}
+        delta = self.config.ckpt_engine.delta
+        if delta == "auto" and not capabilities.delta:
+            delta = "off"
         self.engine = registry.new(
             backend,
             is_master=True,
             bucket_size=self.config.ckpt_engine.bucket_size,
             timeout=self.config.ckpt_engine.timeout,
+            delta=delta,
             **where,
         )
         return self.engine.prepare()
@@ -239,6 +244,8 @@ class ActorWorker:
             "weight_sync_s": stats.seconds,
             "weight_sync_gbps": stats.gbps,
             "weight_sync_bytes": stats.bytes,
+            "weight_sync_wire_bytes": stats.wire_bytes,
+            "weight_sync_delta_density": stats.density,
             "digest": digest.hexdigest() if digest is not None else None,
         }
 

@@ -121,11 +121,15 @@ class HFEngine(PartialRolloutEngine):
         self.model = load_hf_model(model_path, config.model.dtype, device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.staging: dict[str, torch.Tensor] = {}  # reused by every update (atomic apply)
+        self.held: int | None = None  # the version the model holds: deltas apply onto it
 
     async def apply(self, engine) -> int:
         from rlwire.ckpt_engine import apply_to_module
 
-        return await apply_to_module(self.model, engine, staging=self.staging)
+        self.held = await apply_to_module(
+            self.model, engine, staging=self.staging, version=self.held
+        )
+        return self.held
 
     def digest(self) -> str | None:
         return weights_digest(self.model.state_dict().items())
