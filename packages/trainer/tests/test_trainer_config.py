@@ -72,11 +72,29 @@ def test_unknown_key_lists_valid_keys_and_closest_match():
             "a string such as '512MiB' or '2GB' (units B, KB, MB, GB, KiB, MiB, GiB), or 'auto'",
         ),
         ("ckpt_engine.timeout=0", "ckpt_engine.timeout: 0.0 is not allowed; use seconds > 0"),
+        (
+            "ckpt_engine.delta=sometimes",
+            "ckpt_engine.delta: 'sometimes' is not allowed; use 'off', 'auto' or 'on'",
+        ),
+        (  # a bare YAML on/off is a boolean: it arrives as the word
+            "ckpt_engine.delta=yes",
+            "ckpt_engine.delta: 'on' is not allowed; ckpt_engine.backend 'naive' sends whole "
+            "weights only; use 'auto' or 'off'",
+        ),
+        (
+            "ckpt_engine.delta=on",
+            "ckpt_engine.delta: 'on' is not allowed; rollout.backend 'vllm' takes whole weights "
+            "only; use 'auto' or 'off'",
+        ),
     ],
 )
 def test_bad_values_name_the_key(override, message):
+    context = {  # what makes the value impossible
+        "ckpt_engine.delta=yes": ["ckpt_engine.backend=naive"],
+        "ckpt_engine.delta=on": ["rollout.backend=vllm"],
+    }.get(override, [])
     with pytest.raises(ConfigError) as err:
-        load_config(overrides=[override])
+        load_config(overrides=[*context, override])
     assert str(err.value) == message
 
 

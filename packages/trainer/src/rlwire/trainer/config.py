@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlwire.ckpt_engine import registry as engine_registry
+
 from .rollout.base import rollout_engine_class
 from .sections import (
     ActorConfig,
@@ -83,6 +85,26 @@ class TrainerConfig:
                 True,
                 f"rollout.backend {self.rollout.backend!r} cannot continue responses "
                 f"(not a rlwire.trainer.rollout.PartialRolloutEngine); set it to false",
+            )
+
+        if self.ckpt_engine.delta == "on":
+            _check(
+                rollout_engine_class(self.rollout.backend).takes_deltas,
+                "ckpt_engine.delta",
+                "on",
+                f"rollout.backend {self.rollout.backend!r} takes whole weights only; use "
+                "'auto' or 'off'",
+            )
+            backend = self.ckpt_engine.backend
+            try:
+                sends_deltas = backend == "auto" or engine_registry.capabilities(backend).delta
+            except (ValueError, ImportError) as err:  # unknown, or its dependency is missing
+                raise ConfigError(f"ckpt_engine.backend: {err}") from None
+            _check(
+                sends_deltas,
+                "ckpt_engine.delta",
+                "on",
+                f"ckpt_engine.backend {backend!r} sends whole weights only; use 'auto' or 'off'",
             )
 
     def mini_batch_rows(self) -> int:

@@ -310,7 +310,8 @@ class CheckpointEngineConfig:
     ``auto`` does so until a delta is not below half the dense bytes (fp32 weights under
     AdamW change almost everywhere: then dense from there on); ``off``. Costs actor rank 0
     one copy of the full weights. Bucketed backends only (``gloo``, ``shm``, ``nccl``,
-    ``cuda_ipc``); with another backend ``auto`` means ``off``."""
+    ``cuda_ipc``); with another backend, or a rollout backend that takes whole weights
+    only, ``auto`` means ``off`` and ``on`` is refused."""
     digest: bool = False
     """After every sync, hash the weights on the sending and on each receiving side
     (SHA-256 of the fp32 bytes; ``hf`` backend) and record both in the metrics. Costs

@@ -184,8 +184,9 @@ class ActorWorker:
         capabilities = registry.capabilities(backend)
         where = {"host": _host()} if capabilities.uses_store else {}
         delta = self.config.ckpt_engine.delta
-        if delta == "auto" and not capabilities.delta:
-            delta = "off"
+        takes = rollout_engine_class(self.config.rollout.backend).takes_deltas
+        if delta == "auto" and not (capabilities.delta and takes):
+            delta = "off"  # no mirror to keep when no delta can be sent
         self.engine = registry.new(
             backend,
             is_master=True,

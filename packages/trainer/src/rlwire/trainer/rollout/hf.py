@@ -111,6 +111,7 @@ class HFEngine(PartialRolloutEngine):
     """``rollout.backend=hf``: a plain Hugging Face copy of the policy, ``generate`` sampling."""
 
     name = "hf"
+    takes_deltas = True
 
     def __init__(
         self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
