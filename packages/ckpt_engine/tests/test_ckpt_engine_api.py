@@ -23,7 +23,7 @@ from rlwire.ckpt_engine import (
     parse_bucket_size,
     registry,
 )
-from rlwire.ckpt_engine._base import BucketedEngine
+from rlwire.ckpt_engine._bucketed import BucketedEngine
 from rlwire.ckpt_engine._wire import ALIGN, BucketMeta, as_bytes
 
 # --- registry -----------------------------------------------------------------------

@@ -58,6 +58,14 @@ def _run_group(backend: str, scenario: str, tmp_path: Path, world: int = WORLD) 
     return reports
 
 
+def _changed(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements of ``a`` and ``b`` whose bytes differ."""
+    width = a.element_size()
+    rows_a = as_bytes(a).view(-1, width) if a.numel() else as_bytes(a).view(0, width)
+    rows_b = as_bytes(b).view(-1, width) if b.numel() else as_bytes(b).view(0, width)
+    return int((rows_a != rows_b).any(dim=1).sum())
+
+
 def _assert_bit_identical(got: list, expected: list) -> None:
     assert [n for n, _ in got] == [n for n, _ in expected]
     for (name, a), (_, b) in zip(got, expected, strict=True):
@@ -147,9 +155,14 @@ def test_delta_updates_arrive_bit_identical_over_five_versions(backend, tmp_path
     # the version before, and sends less than the dense bytes.
     assert [s.base for s in stats] == [None, 1, 2, 3, 4]
     assert stats[0].wire_bytes == stats[0].bytes == nbytes
-    for s in stats[1:]:
+    for version, s in zip(DELTA_VERSIONS[1:], stats[1:], strict=True):
         assert s.bytes == nbytes and 0 < s.wire_bytes < nbytes // 2, s
-        assert 0 < s.density < 0.1, s
+        # Exactly the elements whose bits differ from the version before.
+        before, after = make_delta_state(version - 1), make_delta_state(version)
+        assert s.changed == sum(
+            _changed(a, b) for (_, a), (_, b) in zip(before, after, strict=True)
+        ), s
+        assert s.elements == sum(t.numel() for _, t in after)
     assert sender["mirror_bytes"] == nbytes  # the sender's extra memory: one copy
     for report in receivers:
         assert report.get("error") is None, report

@@ -17,7 +17,7 @@ import json
 
 import torch
 
-from ._base import BucketedEngine
+from ._bucketed import BucketedEngine
 from ._errors import CheckpointEngineError
 from ._store import blocking, connect_store, master_store, peer_errors
 from ._wire import BucketMeta

@@ -30,7 +30,9 @@ __all__ = ["DELTA_MODES", "Delta", "DeltaMirror", "check_delta_mode", "decode", 
 DELTA_MODES = ("off", "auto", "on")
 AUTO_GIVE_UP = 0.5
 """``delta="auto"`` stops comparing (and frees the mirror) after a delta update
-whose bytes were more than this share of the dense update's."""
+whose bytes were more than this share of the dense update's, or that took longer
+than the last dense update (finding the changes reads the weights twice over, so
+where the link is as fast as memory, shared memory on one host, dense wins)."""
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _BLOCK = 1 << 20  # elements compared per step on the CPU: the mask stays in cache
@@ -235,6 +237,7 @@ class DeltaMirror:
         self.mode = check_delta_mode(mode)
         self.tensors: dict[str, torch.Tensor] = {}
         self.version: int | None = None
+        self._dense_seconds: float | None = None  # the last dense update's
 
     @property
     def enabled(self) -> bool:
@@ -268,10 +271,16 @@ class DeltaMirror:
             return None, tensor.numel(), tensor
         return encode(tensor, kept)
 
-    def finish(self, version: int, *, wire: int, dense: int, was_delta: bool) -> None:
+    def finish(
+        self, version: int, *, wire: int, dense: int, seconds: float, was_delta: bool
+    ) -> None:
         """The update reached every receiver: they now hold ``version``."""
         self.version = version
-        if self.mode == "auto" and was_delta and wire > AUTO_GIVE_UP * dense:
+        if not was_delta:
+            self._dense_seconds = seconds
+            return
+        slower = self._dense_seconds is not None and seconds > self._dense_seconds
+        if self.mode == "auto" and (wire > AUTO_GIVE_UP * dense or slower):
             self.mode, self.tensors, self.version = "off", {}, None
 
     def invalidate(self) -> None:

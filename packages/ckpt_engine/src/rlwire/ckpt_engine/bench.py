@@ -1,30 +1,57 @@
-"""Benchmark: end-to-end weight-update time against a plain copy of the same bytes.
+"""Benchmark: end-to-end weight updates against a plain copy of the same bytes.
 
-    python -m rlwire.ckpt_engine.bench --backend shm --gib 1 --receivers 2
+    python -m rlwire.ckpt_engine.bench --backend shm,gloo --shapes qwen2.5-0.5b
+    python -m rlwire.ckpt_engine.bench --backend shm --gib 0.25,1,4
+    python -m rlwire.ckpt_engine.bench --backend gloo --shapes qwen2.5-0.5b --delta --changed 0.01
 
-Starts one sender and ``--receivers`` receiver processes. Each update sends
-``--gib`` GiB of fp32 tensors (``--tensor-mib`` each); every receiver copies
-each tensor into its own preallocated destination (``copy=False`` views, so
-this is the only receiver-side copy). Reported: end-to-end seconds from the
-start of ``send_weights`` until every receiver has written the last tensor
-(median over ``--updates`` after one warm-up update), GB/s, and the ratio to
-a plain ``dst.copy_(src)`` of the same bytes in the sender process (the
-memory-bandwidth limit), measured in the same run.
+One sender and ``--receivers`` receiver processes per row. The weights are a
+real model's state dict (``--shapes``: names, shapes and bf16, generated
+locally) or that model scaled to ``--gib`` GiB (``_shapes.scaled``). Every
+receiver writes each tensor into its own preallocated destination (``copy=False``
+views, so that is its only copy) or applies the delta onto it. Per row:
+
+- ``seconds``: end-to-end, from ``send_weights`` until every receiver has
+  written the last tensor (median of ``--updates`` after a warm-up update);
+- ``copy_seconds``: a plain ``dst.copy_(src)`` of the same bytes in the sender
+  process, same run (the memory-bandwidth limit), and ``ratio_to_copy``;
+- ``wire_bytes``: bytes that travelled (less than ``bytes`` for deltas);
+- ``overlap``: ``seconds`` over the slowest stage alone: packing (sender time
+  in copies or delta encoding, reported by the engine), transfer (an update
+  whose receivers consume without writing) and applying (the slowest
+  receiver's time writing); 1.0 = the stages fully overlap;
+- ``peak_extra_buckets``: a receiver's peak memory beyond its destination
+  (anonymous plus shared-memory pages it touched, sampled every millisecond
+  during one more update; the sender's zero-copy arena excluded) over the bucket size.
+
+``--delta`` adds, per ``--changed`` fraction, a row with ``delta="on"`` in which
+that fraction of every tensor's elements changes between updates (the lowest
+bit flips at random positions: a small optimizer step on bf16), with
+``dense_seconds`` from the dense row of the same run. Each row ends by
+checking every receiver's destination against the sender's weights (CRC-32).
+``--json`` prints one JSON object per row instead of the table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import multiprocessing as mp
 import os
-import statistics
+import shutil
 import tempfile
+import threading
 import time
+import zlib
 
 import torch
 
+from ._delta import Delta, _words
 from ._registry import registry
+from ._shapes import Layout, nbytes, scaled, shapes_by_name
+from ._sizes import parse_bucket_size
+from ._wire import as_bytes
 
 _CUDA_BACKENDS = ("cuda_ipc", "nccl")
 
@@ -38,153 +65,310 @@ def _device(backend: str, rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _weights(gib: float, tensor_mib: int, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-    total = int(gib * (1 << 30)) // 4
-    per = tensor_mib * (1 << 20) // 4
-    sizes = [per] * (total // per) + ([total % per] if total % per else [])
-    return [
-        (f"layer.{i}.weight", torch.full((n,), float(i), device=device))
-        for i, n in enumerate(sizes)
-    ]
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _options(args: argparse.Namespace, master: bool, root: str) -> dict:
+def _allocate(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape, dtype in layout}
+
+
+def _crc(tensors: dict[str, torch.Tensor]) -> int:
+    crc = 0
+    for t in tensors.values():
+        raw = as_bytes(t.cpu())
+        crc = zlib.crc32(memoryview(raw.numpy()), crc)
+    return crc
+
+
+def _private_bytes() -> int:
+    """This process's anonymous plus shared-memory resident bytes (``/proc/self/status``)."""
+    total = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssShmem:")):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+class _PeakSampler:
+    """The peak of :func:`_private_bytes` while active, sampled every millisecond."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _private_bytes())
+            time.sleep(0.001)
+
+    def __enter__(self) -> _PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _private_bytes())
+
+
+def _options(args, backend: str, delta: bool, master: bool, root: str) -> dict:
     options = {"bucket_size": args.bucket_size, "timeout": args.timeout, "is_master": master}
-    if args.backend == "filesystem":
+    if delta:
+        options["delta"] = "on"
+    if backend == "filesystem":
         options["root"] = root
     return options
 
 
-def _receiver(rank: int, args, root: str, meta_q, done_q) -> None:
+def _receiver(rank: int, args, row: dict, layout: Layout, root: str, meta_q, cmd_q, done_q):
     torch.set_num_threads(args.threads)
-    device = _device(args.backend, rank)
-    engine = registry.new(args.backend, **_options(args, False, root))
+    device = _device(row["backend"], rank)
+    dest = _allocate(layout, device)  # touched (zeroed): part of the baseline
+    baseline = _private_bytes()
+    engine = registry.new(
+        row["backend"], **_options(args, row["backend"], row["delta"], False, root)
+    )
     engine.prepare()
     meta = meta_q.get(timeout=args.timeout)
     engine.init_process_group(rank=rank, world_size=args.receivers + 1, master_metadata=meta)
-    dest = {name: torch.empty_like(t) for name, t in _weights(args.gib, args.tensor_mib, device)}
+    held = None
 
-    async def run() -> None:
-        for _ in range(args.updates + 1):
-            async for name, tensor in engine.receive_weights(copy=False):
-                dest[name].copy_(tensor)
-            _sync(device)  # "written into its destination" means on the device
-            done_q.put((rank, engine.last_version, time.monotonic()))
+    async def update(write: bool) -> float:
+        nonlocal held
+        spent = 0.0
+        base = held if row["delta"] else None
+        async for name, item in engine.receive_weights(copy=False, base_version=base):
+            if write:
+                start = time.perf_counter()
+                if isinstance(item, Delta):
+                    item.apply_(dest[name])
+                else:
+                    dest[name].copy_(item)
+                _sync(device)
+                spent += time.perf_counter() - start
+        held = engine.last_version if write else None
+        return spent
 
-    asyncio.run(run())
+    for command in iter(cmd_q.get, None):
+        if command == "crc":
+            done_q.put((rank, _crc(dest)))
+            continue
+        if command == "memory":
+            with _PeakSampler() as sampler:
+                asyncio.run(update(True))
+            arena = sum(t.numel() for t in getattr(engine, "_mapped", {}).values())
+            done_q.put((rank, time.monotonic(), sampler.peak - baseline - arena))
+            continue
+        spent = asyncio.run(update(command == "apply"))
+        done_q.put((rank, time.monotonic(), spent))
     engine.finalize()
 
 
-def _plain_copy_seconds(weights: list[tuple[str, torch.Tensor]], device: torch.device) -> float:
-    dst = [torch.empty_like(t) for _, t in weights]
+def _plain_copy_seconds(weights: dict[str, torch.Tensor], device: torch.device) -> float:
+    dst = {name: torch.empty_like(t) for name, t in weights.items()}
     times = []
-    for _ in range(5):
+    for _ in range(3):
         _sync(device)
         start = time.perf_counter()
-        for d, (_, s) in zip(dst, weights, strict=True):
-            d.copy_(s)
+        for name, t in weights.items():
+            dst[name].copy_(t)
         _sync(device)
         times.append(time.perf_counter() - start)
-    return min(times)  # the best of five: the machine's limit
+    return min(times)  # the best of three: the machine's limit
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--backend", default="shm", choices=["gloo", "shm", "filesystem", *_CUDA_BACKENDS]
-    )
-    parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--receivers", type=int, default=2)
-    parser.add_argument("--tensor-mib", type=int, default=16)
-    parser.add_argument("--bucket-size", default="64MiB")
-    parser.add_argument("--updates", type=int, default=3, help="timed updates after a warm-up")
-    parser.add_argument("--timeout", type=float, default=120.0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    parser.add_argument(
-        "--share",
-        action="store_true",
-        help="shm: move the sender's weights into shared memory first",
-    )
-    args = parser.parse_args(argv)
+def _change(weights: dict[str, torch.Tensor], share: float, gen: torch.Generator) -> None:
+    """Flip the lowest bit of ``share`` of every tensor's elements, at random positions."""
+    for t in weights.values():
+        words = _words(t)
+        k = round(words.numel() * share)
+        if k:
+            where = torch.randint(0, words.numel(), (k,), generator=gen)
+            words[where] = words[where] ^ 1
 
-    if args.backend in _CUDA_BACKENDS and not torch.cuda.is_available():
-        print(f"rlwire.ckpt_engine.bench: {args.backend} needs CUDA; none on this machine")
-        return
-    if args.backend == "nccl" and args.receivers + 1 > torch.cuda.device_count():
-        print(
-            f"rlwire.ckpt_engine.bench: nccl needs one GPU per member ({args.receivers + 1}); "
-            f"this machine has {torch.cuda.device_count()}"
-        )
-        return
-    device = _device(args.backend, 0)
-    weights = _weights(args.gib, args.tensor_mib, device)
-    nbytes = sum(t.numel() * 4 for _, t in weights)
-    # A plain copy of the same bytes: host memory bandwidth on the CPU, device-to-device on GPUs.
-    plain = _plain_copy_seconds(
-        weights, device
-    )  # with torch's default threads: the machine's limit
-    # Sender and receivers share the cores: one thread each avoids OpenMP
-    # oversubscription (idle-spinning threads stalling every parallel copy).
+
+def _run_row(args, row: dict, layout: Layout, weights: dict[str, torch.Tensor]) -> dict:
+    """One group: warm-up, ``args.updates`` timed updates, one memory update, one transfer-only
+    update, and the CRC check."""
     torch.set_num_threads(args.threads)
     root = tempfile.mkdtemp(prefix="rlwire-ckpt-bench-")
     ctx = mp.get_context("spawn")
     meta_q, done_q = ctx.Queue(), ctx.Queue()
+    cmd_qs = [ctx.Queue() for _ in range(args.receivers)]
     procs = [
-        ctx.Process(target=_receiver, args=(r, args, root, meta_q, done_q), daemon=True)
+        ctx.Process(
+            target=_receiver,
+            args=(r, args, row, layout, root, meta_q, cmd_qs[r - 1], done_q),
+            daemon=True,
+        )
         for r in range(1, args.receivers + 1)
     ]
     for p in procs:
         p.start()
-    engine = registry.new(args.backend, **_options(args, True, root))
+    engine = registry.new(
+        row["backend"], **_options(args, row["backend"], row["delta"], True, root)
+    )
     meta = engine.prepare()
     for _ in procs:
         meta_q.put(meta)
     engine.init_process_group(rank=0, world_size=args.receivers + 1, master_metadata=meta)
-    if args.share:
-        engine.share_weights(weights)  # once, before the timed updates
+    if row["share"]:
+        engine.share_weights(weights.items())  # once, before the timed updates
+    gen = torch.Generator().manual_seed(0)
+    items = list(weights.items())
 
-    async def run() -> list[float]:
-        seconds = []
-        for version in range(args.updates + 1):
-            start = time.monotonic()
-            await engine.send_weights(weights, version=version)
-            ends = [done_q.get(timeout=args.timeout)[2] for _ in procs]
-            if version > 0:
-                seconds.append(max(ends) - start)
-        return seconds
+    async def update(version: int, command: str) -> tuple[float, object, list]:
+        if row["delta"] and version > 0:
+            _change(weights, row["changed"], gen)  # between updates, not timed
+        for q in cmd_qs:
+            q.put(command)
+        start = time.monotonic()
+        stats = await engine.send_weights(items, version=version)
+        answers = [done_q.get(timeout=args.timeout) for _ in procs]
+        return max(a[1] for a in answers) - start, stats, answers
+
+    async def run() -> dict:
+        await update(0, "apply")  # warm-up (and the dense first update of a delta row)
+        timed = [await update(v, "apply") for v in range(1, args.updates + 1)]
+        _, _, memory = await update(args.updates + 1, "memory")
+        for q in cmd_qs:
+            q.put("crc")
+        crcs = {done_q.get(timeout=args.timeout)[1] for _ in procs}
+        identical = crcs == {_crc(weights)}
+        transfer, _, _ = await update(args.updates + 2, "consume")
+        middle = sorted(timed, key=lambda t: t[0])[len(timed) // 2]
+        seconds, stats, answers = middle
+        apply_s = max(a[2] for a in answers)
+        return {
+            "seconds": seconds,
+            "wire_bytes": stats.wire_bytes,
+            "overlap": seconds / max(stats.pack_seconds, transfer, apply_s),
+            "pack_seconds": stats.pack_seconds,
+            "transfer_seconds": transfer,
+            "apply_seconds": apply_s,
+            "peak_extra": max(a[2] for a in memory),
+            "bit_identical": identical,
+            "density": stats.density,
+        }
 
     try:
-        seconds = statistics.median(asyncio.run(run()))
+        result = asyncio.run(run())
     finally:
+        for q in cmd_qs:
+            q.put(None)
         engine.finalize()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        if args.backend == "filesystem":
-            import shutil
+        shutil.rmtree(root, ignore_errors=True)
+    return result
 
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            os.rmdir(root)
+
+def _layouts(args) -> list[tuple[str, Layout]]:
+    if args.shapes:
+        return [(args.shapes, shapes_by_name(args.shapes))]
+    return [(f"qwen2-scaled-{g:g}GiB", scaled(g)) for g in args.gib]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="shm", help="comma-separated: gloo, shm, ...")
+    parser.add_argument("--shapes", default=None, help="a real model's layout: qwen2.5-0.5b")
+    parser.add_argument("--gib", type=_floats, default=[1.0], help="scaled sizes, e.g. 0.25,1,4")
+    parser.add_argument("--receivers", type=int, default=2)
+    parser.add_argument("--bucket-size", default="512MiB")
+    parser.add_argument("--updates", type=int, default=3, help="timed updates after a warm-up")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--share", action="store_true", help="shm: zero-copy (share_weights)")
+    parser.add_argument("--delta", action="store_true", help="add delta rows (--changed)")
+    parser.add_argument("--changed", type=_floats, default=[0.01], help="changed fractions")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    args = parser.parse_args(argv)
+    backends = [b for b in args.backend.split(",") if b]
+    for backend in backends:
+        if backend in _CUDA_BACKENDS and not torch.cuda.is_available():
+            parser.error(f"{backend} needs CUDA; none on this machine")
+    bucket = parse_bucket_size(args.bucket_size)
+
+    rows = []
+    for label, layout in _layouts(args):
+        device = _device(backends[0], 0)
+        weights = _allocate(layout, device)
+        gen = torch.Generator().manual_seed(1)
+        for t in weights.values():
+            t.copy_(torch.randn(t.shape, generator=gen))
+        size = nbytes(layout)
+        copy_s = _plain_copy_seconds(weights, device)
+        for backend in backends:
+            plans = [dict(backend=backend, delta=False, changed=None, share=args.share)]
+            if args.delta:
+                plans += [
+                    dict(backend=backend, delta=True, changed=c, share=False) for c in args.changed
+                ]
+            dense_s = None
+            for plan in plans:
+                result = _run_row(args, plan, layout, {n: t.clone() for n, t in weights.items()})
+                row = {
+                    "backend": backend + (" (zero-copy)" if plan["share"] else ""),
+                    "shapes": label,
+                    "tensors": len(layout),
+                    "receivers": args.receivers,
+                    "bucket_size": bucket,
+                    "bytes": size,
+                    "copy_seconds": copy_s,
+                    **result,
+                    "gbps": size / result["seconds"] / 1e9,
+                    "ratio_to_copy": copy_s / result["seconds"],
+                    "peak_extra_buckets": result["peak_extra"] / bucket,
+                }
+                if plan["delta"]:
+                    row.update(
+                        changed=plan["changed"],
+                        dense_seconds=dense_s,
+                        speedup_vs_dense=dense_s / result["seconds"],
+                    )
+                else:
+                    dense_s = result["seconds"]
+                rows.append(row)
+                if args.json:
+                    print(json.dumps(row), flush=True)
+        del weights
+    if not args.json:
+        _table(rows, args)
+
+
+def _table(rows: list[dict], args) -> None:
     print(
-        f"{args.backend}: {nbytes / 2**30:.2f} GiB in {len(weights)} fp32 tensors to "
-        f"{args.receivers} receivers, bucket {args.bucket_size}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__}"
+        f"{args.receivers} receivers, bucket {args.bucket_size}, {args.threads} torch thread(s) "
+        f"per process, {os.cpu_count()} CPUs, torch {torch.__version__}"
     )
-    label = args.backend + (" (share_weights)" if args.share else "")
-    print("| backend | receivers | end-to-end s | GB/s | plain copy s | ratio to plain copy |")
-    print("|---|---:|---:|---:|---:|---:|")
     print(
-        f"| {label} | {args.receivers} | {seconds:.3f} | {nbytes / seconds / 1e9:.2f} "
-        f"| {plain:.3f} | {plain / seconds:.2f} |"
+        "| backend | shapes | GiB | changed | wire MB | end-to-end s | GB/s | plain copy s | "
+        "ratio to copy | vs dense | overlap | peak extra (buckets) | bit-identical |"
     )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        changed = f"{r['changed']:g}" if "changed" in r else "dense"
+        versus = f"{r['speedup_vs_dense']:.2f}x" if "changed" in r else ""
+        print(
+            f"| {r['backend']} | {r['shapes']} | {r['bytes'] / 2**30:.2f} | {changed} "
+            f"| {r['wire_bytes'] / 1e6:.1f} | {r['seconds']:.3f} | {r['gbps']:.2f} "
+            f"| {r['copy_seconds']:.3f} | {r['ratio_to_copy']:.2f} | {versus} "
+            f"| {r['overlap']:.2f} | {r['peak_extra_buckets']:.2f} "
+            f"| {'yes' if r['bit_identical'] else 'NO'} |"
+        )
 
 
 if __name__ == "__main__":
-    main()
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

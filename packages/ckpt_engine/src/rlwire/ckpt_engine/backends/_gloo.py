@@ -7,7 +7,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .._base import BucketedEngine
+from .._bucketed import BucketedEngine
 from .._store import blocking, connect_store, master_store, peer_errors
 from .._wire import BucketMeta, to_bytes
 

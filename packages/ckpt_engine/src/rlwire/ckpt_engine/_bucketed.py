@@ -1,0 +1,188 @@
+"""The bucket pipeline shared by the packing backends: chunking, checksums, deltas, views."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from ._base import CheckpointEngine, TransferStats, Weights
+from ._delta import Delta
+from ._errors import CheckpointEngineError
+from ._wire import (
+    BucketMeta,
+    Entry,
+    Unpacker,
+    aiter_weights,
+    as_bytes,
+    checksum,
+    dtype_name,
+    plan_chunks,
+)
+
+__all__ = ["BucketedEngine"]
+
+
+class BucketedEngine(CheckpointEngine):
+    """A backend that moves fixed-size byte buckets through two reusable slots.
+
+    Subclasses provide the slots and four transport steps; the packing,
+    chunking, checksums, view lifetimes and ordering live here once.
+    """
+
+    slots: list[torch.Tensor]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._seq = 0  # bucket sequence number, continuing across updates
+
+    @abc.abstractmethod
+    async def _acquire(self, slot: int, seq: int) -> None:
+        """Sender: wait until ``slot`` may be overwritten (receivers are done with it)."""
+
+    @abc.abstractmethod
+    async def _emit(self, slot: int, meta: BucketMeta) -> None:
+        """Sender: make ``slot[:meta.nbytes]`` and ``meta`` available to every receiver."""
+
+    @abc.abstractmethod
+    async def _drain(self, last_seq: int) -> None:
+        """Sender: wait until every receiver has consumed bucket ``last_seq``."""
+
+    @abc.abstractmethod
+    async def _next(self, seq: int) -> tuple[BucketMeta, torch.Tensor]:
+        """Receiver: the metadata and bytes of bucket ``seq``."""
+
+    @abc.abstractmethod
+    async def _release(self, meta: BucketMeta) -> None:
+        """Receiver: the consumer is done with this bucket's memory."""
+
+    def _in_arena(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """Sender: ``(arena, byte offset)`` if receivers can read ``tensor`` in place."""
+        return None
+
+    def _arena(self, arena: int) -> torch.Tensor:
+        """Receiver: the sender's shared arena number ``arena`` as ``uint8``."""
+        raise CheckpointEngineError(f"{self.name}: no shared arena {arena}")
+
+    async def _exchange_held(self, held: int | None) -> list[int | None]:
+        """Every member says which version it holds (receivers: ``base_version``; the
+        master: None); the master gets the receivers' answers in rank order. A backend
+        that implements it sets ``supports_delta``."""
+        raise NotImplementedError(f"{self.name}: no version exchange, so no delta updates")
+
+    async def _send(self, weights: Weights, version: int) -> TransferStats:
+        base = None
+        if self._exchange:
+            held = await self._exchange_held(None)
+            base = self.delta.base_for(held) if self.delta.enabled else None
+        start = time.perf_counter()
+        try:
+            stats = await self._pack_and_send(weights, version, base)
+        except BaseException:
+            self.delta.invalidate()
+            raise
+        if self.delta.enabled:
+            self.delta.finish(
+                version,
+                wire=stats.wire_bytes,
+                dense=stats.bytes,
+                seconds=time.perf_counter() - start,
+                was_delta=base is not None,
+            )
+        return stats
+
+    async def _pack_and_send(self, weights: Weights, version: int, base: int | None):
+        entries: list[Entry] = []
+        used = 0
+        slot = self._seq % 2  # bucket seq always lives in slot seq % 2, on every member
+        nbytes = wire = tensors = buckets = changed = elements = 0
+        packing = 0.0
+        await self._acquire(slot, self._seq)
+
+        async def flush(last: bool) -> None:
+            nonlocal entries, used, slot, buckets
+            buf = self.slots[slot]
+            crc = checksum(buf[:used]) if self.checksum else None
+            meta = BucketMeta(self._seq, version, used, last, entries, crc, base)
+            await self._emit(slot, meta)
+            buckets += 1
+            self._seq += 1
+            entries, used, slot = [], 0, self._seq % 2
+            if not last:
+                await self._acquire(slot, self._seq)
+
+        async def pack(src: torch.Tensor, entry: Entry) -> None:
+            """Copy ``src`` (bytes) into buckets, one ``entry`` per chunk."""
+            nonlocal used, packing
+            pos = 0
+            for flush_first, offset, length in plan_chunks(used, src.numel(), self.bucket_size):
+                if flush_first:
+                    await flush(last=False)
+                if length:
+                    start = time.perf_counter()
+                    self.slots[slot][offset : offset + length].copy_(src[pos : pos + length])
+                    packing += time.perf_counter() - start
+                    used = offset + length
+                entries.append(
+                    dataclasses.replace(entry, offset=offset, chunk_offset=pos, chunk_nbytes=length)
+                )
+                pos += length
+
+        async for name, tensor in aiter_weights(weights):
+            src = as_bytes(tensor)
+            dname, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
+            nbytes += src.numel()
+            tensors += 1
+            elements += tensor.numel()
+            start = time.perf_counter()
+            if base is not None:
+                fmt, k, payload = self.delta.encode(name, tensor.detach().contiguous())
+                packing += time.perf_counter() - start
+                changed += k
+                if fmt is not None:
+                    info = (fmt, k, payload.numel())
+                    wire += payload.numel()
+                    await pack(payload, Entry(name, dname, shape, 0, 0, 0, None, info))
+                    continue
+            elif self.delta.enabled:
+                self.delta.remember(name, tensor.detach())
+                packing += time.perf_counter() - start
+            wire += src.numel()
+            direct = self._in_arena(tensor) if base is None else None
+            if direct is not None:  # receivers read it in place: no copy into a slot
+                entries.append(Entry(name, dname, shape, direct[1], 0, src.numel(), direct[0]))
+                continue
+            await pack(src, Entry(name, dname, shape, 0, 0, 0))
+        await flush(last=True)
+        await self._drain(self._seq - 1)
+        return TransferStats(nbytes, tensors, buckets, 0.0, wire, base, changed, elements, packing)
+
+    async def _receive(
+        self, copy: bool, base_version: int | None
+    ) -> AsyncIterator[tuple[str, torch.Tensor | Delta]]:
+        if self._exchange:
+            await self._exchange_held(base_version)
+        unpacker = Unpacker()
+        while True:
+            meta, buf = await self._next(self._seq)
+            self._seq += 1
+            if meta.base is not None and meta.base != base_version:
+                raise CheckpointEngineError(
+                    f"bucket {meta.index} is a delta from version {meta.base}, but this "
+                    f"receiver holds {base_version}"
+                )
+            for name, item, is_view in unpacker.unpack(
+                meta, buf, copy=copy, verify=self.checksum, arenas=self._arena
+            ):
+                yield name, item
+                if is_view:  # a retained view becomes empty, never silently stale
+                    item._release() if isinstance(item, Delta) else item.set_()
+            await self._release(meta)
+            if meta.last:
+                break
+        unpacker.check_complete()
+        self.last_version = meta.version
