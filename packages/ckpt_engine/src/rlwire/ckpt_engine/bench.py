@@ -194,7 +194,7 @@ def _change(weights: dict[str, torch.Tensor], share: float, gen: torch.Generator
 def _run_row(args, row: dict, layout: Layout, weights: dict[str, torch.Tensor]) -> dict:
     """One group: warm-up, ``args.updates`` timed updates, one memory update, one transfer-only
     update, and the CRC check."""
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.sender_threads or args.threads)
     root = tempfile.mkdtemp(prefix="rlwire-ckpt-bench-")
     ctx = mp.get_context("spawn")
     meta_q, done_q = ctx.Queue(), ctx.Queue()
@@ -288,7 +288,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-size", default="512MiB")
     parser.add_argument("--updates", type=int, default=3, help="timed updates after a warm-up")
     parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per receiver")
+    parser.add_argument(
+        "--sender-threads",
+        type=int,
+        default=None,
+        help="torch threads of the sender (packing, delta encoding; default --threads)",
+    )
     parser.add_argument("--share", action="store_true", help="shm: zero-copy (share_weights)")
     parser.add_argument("--delta", action="store_true", help="add delta rows (--changed)")
     parser.add_argument("--changed", type=_floats, default=[0.01], help="changed fractions")
@@ -349,8 +355,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def _table(rows: list[dict], args) -> None:
     print(
-        f"{args.receivers} receivers, bucket {args.bucket_size}, {args.threads} torch thread(s) "
-        f"per process, {os.cpu_count()} CPUs, torch {torch.__version__}"
+        f"{args.receivers} receivers, bucket {args.bucket_size}, torch threads: "
+        f"{args.sender_threads or args.threads} sender, {args.threads} per receiver; "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}"
     )
     print(
         "| backend | shapes | GiB | changed | wire MB | end-to-end s | GB/s | plain copy s | "
