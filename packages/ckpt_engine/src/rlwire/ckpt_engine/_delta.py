@@ -94,6 +94,12 @@ def _diff_torch(cur: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, to
 
 def _pack_bits(positions: torch.Tensor, n: int) -> torch.Tensor:
     """A little-endian bitmask (``uint8``, ``ceil(n / 8)`` bytes) with ``positions`` set."""
+    if positions.device.type == "cpu":
+        import numpy as np
+
+        mask = np.zeros(n, dtype=bool)
+        mask[positions.numpy()] = True
+        return torch.from_numpy(np.packbits(mask, bitorder="little"))
     mask = torch.zeros(_round_up(n), dtype=torch.uint8, device=positions.device)
     mask[positions] = 1
     weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
@@ -101,6 +107,12 @@ def _pack_bits(positions: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """The positions set in a bitmask made by :func:`_pack_bits` (``int64``)."""
+    if mask.device.type == "cpu":
+        import numpy as np
+
+        bits = np.unpackbits(mask.numpy(), count=n, bitorder="little")
+        return torch.from_numpy(np.flatnonzero(bits))
     shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
     bits = (mask.unsqueeze(1) >> shifts) & 1
     return bits.view(-1)[:n].nonzero().view(-1)
