@@ -396,13 +396,13 @@ class Tiny(nn.Module):
         self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
 
 
-def _apply(module, weights, atomic, staging=None):
+def _apply(module, weights, atomic, staging=None, swap=False):
     tx, (rx,) = _naive_group(receivers=1, timeout=5.0)
 
     async def run():
         return await asyncio.gather(
             tx.send_weights(weights, version=7),
-            apply_to_module(module, rx, atomic=atomic, staging=staging),
+            apply_to_module(module, rx, atomic=atomic, staging=staging, swap=swap),
             return_exceptions=True,
         )
 
@@ -427,6 +427,38 @@ def test_apply_to_module_reuses_a_kept_staging_copy_and_stays_atomic():
     before = {k: v.clone() for k, v in module.state_dict().items()}
     bad = [("lin.weight", torch.randn(2, 3)), ("lin.bias", torch.randn(5))]
     _, err = _apply(module, bad, True, staging)
+    assert isinstance(err, CheckpointEngineError)
+    for name, value in module.state_dict().items():  # nothing applied
+        assert torch.equal(value, before[name])
+
+
+def test_apply_to_module_swap_commits_by_storage_and_trades_it_with_staging():
+    module, staging = Tiny(), {}
+    module.tied = nn.Linear(3, 2)
+    module.tied.weight = module.lin.weight  # one Parameter under two names
+    param = module.lin.weight
+    names = ["lin.weight", "lin.bias", "steps", "tied.weight", "tied.bias"]
+    storages = [param.data_ptr()]
+    for seed in (1, 2, 3):
+        g = torch.Generator().manual_seed(seed)
+        new = {name: torch.randn(2, 3, generator=g) for name in ("lin.weight", "tied.weight")}
+        new["tied.weight"] = new["lin.weight"]
+        new |= {"lin.bias": torch.randn(2, generator=g), "tied.bias": torch.randn(2, generator=g)}
+        new["steps"] = torch.tensor(seed)
+        _, version = _apply(module, [(n, new[n]) for n in names], True, staging, swap=True)
+        assert version == 7 and module.lin.weight is param is module.tied.weight
+        for name, value in module.state_dict().items():
+            assert torch.equal(value, new[name]), name
+        storages.append(param.data_ptr())
+        # The module's storage and the kept staging never alias.
+        assert param.data_ptr() not in {t.data_ptr() for t in staging.values()}
+    # Swapped, not copied in: double-buffered between the module's first storage and the
+    # staging allocated once.
+    original, first, second, third = storages
+    assert first != original and second == original and third == first
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    bad = [("lin.weight", torch.randn(2, 3)), ("lin.bias", torch.randn(5))]
+    _, err = _apply(module, bad, True, staging, swap=True)
     assert isinstance(err, CheckpointEngineError)
     for name, value in module.state_dict().items():  # nothing applied
         assert torch.equal(value, before[name])

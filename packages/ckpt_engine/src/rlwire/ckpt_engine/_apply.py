@@ -33,6 +33,7 @@ async def apply_to_module(
     atomic: bool = True,
     staging: dict[str, torch.Tensor] | None = None,
     version: int | None = None,
+    swap: bool = False,
 ) -> int:
     """Receive one update from ``updates`` into ``module``'s state-dict entries by name.
 
@@ -55,6 +56,12 @@ async def apply_to_module(
     since; a delta is staged as it arrives (positions and values only) and
     written into the module like any tensor, after the whole update arrived
     when ``atomic``. None (default): the update is dense.
+
+    ``swap`` (atomic only): commit by swapping each tensor's storage with its staged
+    copy (``tensor.data``; module objects keep their identity) instead of copying it
+    in: one pass over the weights less, still all-or-nothing. With ``staging`` the
+    module's previous storage becomes the next update's staging. Not for modules whose
+    storage is captured elsewhere (CUDA graphs, views of parameters kept by the caller).
 
     Returns:
         The update's version.
@@ -103,9 +110,16 @@ async def apply_to_module(
                 f"{sorted(unknown)}; missing names: {missing}"
             )
         if atomic:
+            swapped: set[int] = set()
             for name, tensor in received.items():
+                target = targets[name]
                 if name in deltas:
-                    deltas[name].apply_(targets[name])
-                else:
-                    targets[name].copy_(tensor)
+                    deltas[name].apply_(target)
+                elif not swap:
+                    target.copy_(tensor)
+                elif id(target) not in swapped:  # a tied tensor is swapped once
+                    swapped.add(id(target))
+                    old, target.data = target.data, tensor
+                    if reuse:
+                        staging[name] = old
     return updates.last_version

@@ -127,8 +127,10 @@ class HFEngine(PartialRolloutEngine):
     async def apply(self, engine) -> int:
         from rlwire.ckpt_engine import apply_to_module
 
+        # Atomic; committed by swapping storages with the staging copy (one pass over the
+        # weights, not two): nothing here captures parameter storage.
         self.held = await apply_to_module(
-            self.model, engine, staging=self.staging, version=self.held
+            self.model, engine, staging=self.staging, version=self.held, swap=True
         )
         return self.held
 
