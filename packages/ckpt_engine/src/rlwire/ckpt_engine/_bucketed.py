@@ -76,11 +76,11 @@ class BucketedEngine(CheckpointEngine):
 
     async def _send(self, weights: Weights, version: int) -> TransferStats:
         base = None
-        if self._exchange:
-            held = await self._exchange_held(None)
-            base = self.delta.base_for(held) if self.delta.enabled else None
         start = time.perf_counter()
         try:
+            if self._exchange:
+                held = await self._exchange_held(None)
+                base = self.delta.base_for(held) if self.delta.enabled else None
             stats = await self._pack_and_send(weights, version, base)
         except BaseException:
             self.delta.invalidate()
