@@ -235,6 +235,11 @@ def decode(
             f"delta payload holds {positions.numel()} positions and {values.numel()} values, "
             f"metadata says {changed}"
         )
+    if changed and not (int(positions[0]) >= 0 and int(positions[-1]) < n):  # ascending
+        raise CheckpointEngineError(
+            f"delta positions {int(positions[0])}..{int(positions[-1])} are outside a tensor "
+            f"of {n} elements"
+        )
     return Delta(tuple(shape), dtype, positions, values)
 
 
