@@ -161,7 +161,7 @@ class CheckpointEngine(abc.ABC):
             # The sender's choice: receivers take the master's bucket size ("auto" measured
             # on each member would disagree; slots must match what is sent).
             self.bucket_size = master_metadata.get("bucket_size", self.bucket_size)
-            self._exchange = master_metadata.get("delta", "off") != "off"
+            self._exchange = check_delta_mode(master_metadata.get("delta", "off")) != "off"
         if rank != -1:
             self._join(rank, world_size, master_metadata)
 

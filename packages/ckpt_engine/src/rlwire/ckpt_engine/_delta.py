@@ -43,7 +43,20 @@ def check_delta_mode(mode: object) -> str:
     if mode not in DELTA_MODES:
         allowed = ", ".join(repr(m) for m in DELTA_MODES)
         raise ValueError(f"delta: {mode!r} is not allowed; use {allowed}")
+    if mode != "off":
+        _numpy()  # needed on the CPU by every member: say so when the engine is built
     return mode  # type: ignore[return-value]
+
+
+def _numpy():
+    try:
+        import numpy
+    except ImportError as err:
+        raise ImportError(
+            "delta updates need numpy (finding changed elements on the CPU): "
+            "pip install 'rlwire-ckpt-engine[delta]'"
+        ) from err
+    return numpy
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -66,8 +79,7 @@ def _diff_cpu(cur: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torc
     Block by block so that the mask stays in cache; numpy, because its
     ``flatnonzero`` is several times faster than torch's ``nonzero`` on the CPU.
     """
-    import numpy as np
-
+    np = _numpy()
     c, p = cur.numpy(), prev.numpy()
     mask = np.empty(min(_BLOCK, c.size), dtype=bool)
     positions, values = [], []
@@ -95,8 +107,7 @@ def _diff_torch(cur: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, to
 def _pack_bits(positions: torch.Tensor, n: int) -> torch.Tensor:
     """A little-endian bitmask (``uint8``, ``ceil(n / 8)`` bytes) with ``positions`` set."""
     if positions.device.type == "cpu":
-        import numpy as np
-
+        np = _numpy()
         mask = np.zeros(n, dtype=bool)
         mask[positions.numpy()] = True
         return torch.from_numpy(np.packbits(mask, bitorder="little"))
@@ -109,8 +120,7 @@ def _pack_bits(positions: torch.Tensor, n: int) -> torch.Tensor:
 def _unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
     """The positions set in a bitmask made by :func:`_pack_bits` (``int64``)."""
     if mask.device.type == "cpu":
-        import numpy as np
-
+        np = _numpy()
         bits = np.unpackbits(mask.numpy(), count=n, bitorder="little")
         return torch.from_numpy(np.flatnonzero(bits))
     shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)

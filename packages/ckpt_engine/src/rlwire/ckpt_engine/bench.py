@@ -43,7 +43,6 @@ import shutil
 import tempfile
 import threading
 import time
-import zlib
 
 import torch
 
@@ -51,7 +50,7 @@ from ._delta import Delta, _words
 from ._registry import registry
 from ._shapes import Layout, nbytes, scaled, shapes_by_name
 from ._sizes import parse_bucket_size
-from ._wire import as_bytes
+from ._wire import as_bytes, checksum
 
 _CUDA_BACKENDS = ("cuda_ipc", "nccl")
 
@@ -74,12 +73,8 @@ def _allocate(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
     return {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape, dtype in layout}
 
 
-def _crc(tensors: dict[str, torch.Tensor]) -> int:
-    crc = 0
-    for t in tensors.values():
-        raw = as_bytes(t.cpu())
-        crc = zlib.crc32(memoryview(raw.numpy()), crc)
-    return crc
+def _crc(tensors: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    return tuple(checksum(as_bytes(t.cpu())) for t in tensors.values())
 
 
 def _private_bytes() -> int:
