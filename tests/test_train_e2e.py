@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +43,18 @@ def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
         "algorithm.kl_coef=0.1",  # with a frozen reference policy (the initial weights)
         # Offload between phases: without an accelerator the same calls, moving nothing.
         "actor.offload=true",
+        "actor.micro_batch_size=8",  # 4 micro-batches per rank: gradients held between them
     ]
     first = _train(*common, "trainer.steps=2")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
+    # The closing lines: what was trained, how fast, how well, and where it is.
+    assert re.search(
+        r"^trained 2 steps in [\d.]+ s \(training loop [\d.]+ s, \d+ samples/s\); reward "
+        r"[\d.]+ \(mean of the last 10% of steps\)$",
+        first.stdout,
+        re.M,
+    ), first.stdout
+    assert f"run directory: {run}  (metrics.jsonl" in first.stdout
     records = _metrics(run)
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
@@ -61,6 +71,15 @@ def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
     second = _train(*common, "trainer.steps=3")
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3]  # continued, not restarted
+    assert "trained 1 steps in" in second.stdout  # the summary covers this call's steps
+    # The same command again: nothing to train, said in one line, before starting anything.
+    again = _train(*common, "trainer.steps=3")
+    assert again.returncode == 0 and again.stdout == (
+        f"rlwire-train: {run} already holds a finished run (3 of trainer.steps=3): nothing "
+        "to train. To go on, raise trainer.steps; to start a new run, choose another "
+        "trainer.output_dir (or trainer.resume=never to overwrite this one)\n"
+    ), again.stdout + again.stderr[-2000:]
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3]
     for rank in range(2):
         state = torch.load(
             run / "checkpoints" / "step_3" / f"actor_rank{rank}.pt", weights_only=False

@@ -16,7 +16,7 @@ def test_defaults_and_overrides_merge_in_order(tmp_path):
     assert load_config(path).actor.optim.lr == 0.01  # "1e-2" in YAML 1.1 is a string: read as float
     assert config.actor.optim.lr == 3e-4  # the override wins over the file
     assert config.rollout.n == 4 and config.trainer.steps == 5 and config.ray.address is None
-    assert config.actor.micro_batch_size == 8  # default kept
+    assert config.actor.micro_batch_size is None  # default kept: one pass per mini-batch
     assert to_dict(config)["actor"]["optim"] == {"lr": 3e-4, "weight_decay": 0.0, "grad_clip": 1.0}
 
 
@@ -100,10 +100,23 @@ def test_bad_values_name_the_key(override, message):
 
 def test_impossible_batch_split_is_refused():
     with pytest.raises(ConfigError) as err:
-        load_config(overrides=["actor.world_size=3", "data.train_batch_size=2", "rollout.n=4"])
+        load_config(
+            overrides=[
+                "actor.world_size=3",
+                "actor.micro_batch_size=8",
+                "data.train_batch_size=2",
+                "rollout.n=4",
+            ]
+        )
     assert str(err.value) == (
         "data.train_batch_size: 2 is not allowed; train_batch_size x rollout.n (8) must be a "
         "multiple of actor.world_size x actor.micro_batch_size (24)"
+    )
+    with pytest.raises(ConfigError) as err:  # one micro-batch per rank: ranks must split it
+        load_config(overrides=["actor.world_size=3", "data.train_batch_size=2", "rollout.n=4"])
+    assert str(err.value) == (
+        "data.train_batch_size: 2 is not allowed; train_batch_size x rollout.n (8) must be a "
+        "multiple of actor.world_size (3)"
     )
 
 
@@ -141,7 +154,7 @@ def test_ppo_mini_batches_must_split_the_batch_and_partial_rollouts_need_a_capab
     config = load_config(overrides=["actor.ppo_mini_batch_size=2", "actor.ppo_epochs=3"])
     assert config.mini_batch_rows() == 2 * 8 and config.actor.ppo_epochs == 3
     with pytest.raises(ConfigError) as err:
-        load_config(overrides=["actor.ppo_mini_batch_size=3"])
+        load_config(overrides=["actor.micro_batch_size=8", "actor.ppo_mini_batch_size=3"])
     assert str(err.value) == (
         "actor.ppo_mini_batch_size: 3 is not allowed; it must divide data.train_batch_size "
         "(8), and ppo_mini_batch_size x rollout.n must be a multiple of actor.world_size x "

@@ -42,6 +42,17 @@ def test_missing_model_directory(tmp_path):
         resolve_model(config, tmp_path)
 
 
+def test_the_tiny_model_follows_trainer_seed_in_an_old_run_directory(tmp_path):
+    from safetensors.torch import load_file
+
+    first = resolve_model(load_config(overrides=["trainer.seed=0"]), tmp_path)
+    again = resolve_model(load_config(overrides=["trainer.seed=0"]), tmp_path)
+    other = resolve_model(load_config(overrides=["trainer.seed=1"]), tmp_path)
+    assert first == again != other and other.parent == tmp_path  # same seed: built once
+    a, b = (load_file(d / "model.safetensors") for d in (first, other))
+    assert not torch.equal(a["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
+
+
 def test_builtin_data_is_deterministic_per_step(tiny_dir):
     batches = load_data(load_config(), tiny_dir)
     assert batches(3) == batches(3) and batches(3) != batches(4)

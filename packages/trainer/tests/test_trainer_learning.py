@@ -237,3 +237,58 @@ def test_rollout_worker_stitches_partial_responses_in_order_with_per_token_versi
         mine = mask & (out.versions == version)
         recomputed = compute_old_logprobs(model, out, micro_batch_size=8, temperature=1.0)
         torch.testing.assert_close(out.logprobs[mine], recomputed[mine], atol=1e-5, rtol=0)
+
+
+def test_on_policy_update_reuses_the_training_forward_bit_for_bit(tiny):
+    """Exactly on-policy, the proximal log-probs are the training forward's own: skipping the
+    separate forward pass changes nothing, losses, clip fraction and gradients bit for bit."""
+    from rlwire.trainer.config import load_config
+
+    model, tokenizer = tiny
+    rollout = hf_generate(
+        model, tokenizer, ["a:", "bc:", "d:"], n=4, max_new_tokens=6, temperature=1.0, seed=3
+    )
+    advantages = group_advantages(torch.arange(12, dtype=torch.float32) % 3, 4)
+    runs = []
+    for separate in (True, False):
+        policy = copy.deepcopy(model)
+        grads = {}
+
+        def capture(policy=policy, grads=grads) -> float:
+            grads.update({n: p.grad.clone() for n, p in policy.named_parameters()})
+            return 0.0
+
+        old = compute_old_logprobs(policy, rollout, micro_batch_size=5, temperature=1.0)
+        recorded = torch.full_like(rollout.logprobs, float("nan"))
+        metrics = grpo_update(
+            policy,
+            None,
+            rollout,
+            old if separate else None,
+            advantages,
+            micro_batch_size=5,  # 3 micro-batches, the last one short
+            temperature=1.0,
+            clip_ratio=0.2,
+            optimizer_step=capture,
+            record=None if separate else recorded,
+        )
+        runs.append((metrics, grads))
+        if not separate:  # what it recorded is what the forward pass would have returned
+            assert torch.equal(recorded, old)
+    (with_pass, grads_with), (without, grads_without) = runs
+    for key in ("policy_loss", "clip_fraction", "entropy"):
+        assert with_pass[key] == without[key], key
+    assert grads_with.keys() == grads_without.keys()
+    for name, grad in grads_with.items():
+        assert torch.equal(grad, grads_without[name]), name
+    # The trainer skips the pass exactly where the update is on-policy.
+    assert load_config().reuses_training_logprobs()
+    for override in (
+        "trainer.mode=fully_async",
+        "actor.ppo_epochs=2",
+        "actor.ppo_mini_batch_size=4",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=token",
+        "algorithm.rollout_correction.bypass_mode=true",
+    ):
+        assert not load_config(overrides=[override]).reuses_training_logprobs(), override

@@ -28,53 +28,14 @@ actor, the Ray calls, applying on the rollout side).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
+from .summary import WINDOW, summarise, time_to_target
+from .summary import records as summary_records
+
 __all__ = ["main", "summarise", "time_to_target"]
-
-_WINDOW = 10  # steps in the reward's moving mean
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _step_seconds(record: dict) -> float:
-    # a step's time: getting its samples (generating, or waiting for the queue), the
-    # update and the weight sync; samples_per_s was measured over exactly that span
-    return record["time_rollout_s"] + record["time_update_s"] + record["time_weight_sync_s"]
-
-
-def time_to_target(records: list[dict], target: float, window: int = _WINDOW) -> float | None:
-    """Training-loop seconds until the reward's ``window``-step moving mean first reaches
-    ``target`` (counted to the end of that step); None if it never does."""
-    elapsed = 0.0
-    for i, record in enumerate(records):
-        elapsed += _step_seconds(record)
-        recent = records[max(0, i + 1 - window) : i + 1]
-        if len(recent) == window and sum(r["reward_mean"] for r in recent) / window >= target:
-            return elapsed
-    return None
-
-
-def summarise(run_dir: Path) -> dict[str, float]:
-    """Loop throughput, sync share, lag and final reward from a run's metrics.jsonl."""
-    records = _records(run_dir)
-    seconds = [_step_seconds(r) for r in records]
-    samples = sum(r["samples_per_s"] * t for r, t in zip(records, seconds, strict=True))
-    loop_s = sum(seconds)
-    tail = records[-max(1, len(records) // 10) :]
-    return {
-        "steps": len(records),
-        "loop_s": loop_s,
-        "samples_per_s": samples / loop_s,
-        "sync_fraction": sum(r["time_weight_sync_s"] for r in records) / loop_s,
-        "lag_mean": sum(r["version_lag_mean"] for r in records) / len(records),
-        "reward_final": sum(r["reward_mean"] for r in tail) / len(tail),
-    }
 
 
 def _variant(text: str) -> tuple[str, list[str]]:
@@ -139,7 +100,7 @@ def weight_sync(args: argparse.Namespace, root: Path) -> int:
                 ]
             )
             run(config, progress=False)
-            records = _records(out)[2:]  # warmed up (the first syncs lay out arenas, import)
+            records = summary_records(out)[2:]  # warmed up (first syncs lay out arenas, import)
             nbytes = records[0]["weight_sync_bytes"]
             seconds = statistics.median(nbytes / (r["weight_sync_gbps"] * 1e9) for r in records)
             whole = statistics.median(r["time_weight_sync_s"] for r in records)
@@ -197,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         start = time.perf_counter()
         run(config, progress=False)
-        rows[label] = {**summarise(out), "wall_s": time.perf_counter() - start}
-        records[label] = _records(out)
+        rows[label] = {**summarise(summary_records(out)), "wall_s": time.perf_counter() - start}
+        records[label] = summary_records(out)
     base = rows["colocated"]
     target = args.target if args.target is not None else 0.8 * base["reward_final"]
     reach = {label: time_to_target(records[label], target) for label in rows}
     print(f"{args.steps} steps, {args.workers} rollout worker(s), overrides: {args.overrides}")
-    print(f"target: reward {target:.3f} ({_WINDOW}-step moving mean)")
+    print(f"target: reward {target:.3f} ({WINDOW}-step moving mean)")
     print(
         "| run | samples/s | vs colocated | weight sync share | mean version lag "
         "| reward (last 10%) | vs colocated | loop s to target | vs colocated | wall s |"

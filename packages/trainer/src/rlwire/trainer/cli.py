@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 __all__ = ["main"]
 
@@ -58,14 +59,24 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
-    from .driver import RunError, run
+    from .driver import AlreadyFinished, RunError, run
 
+    started = time.perf_counter()
     try:
-        run_dir = run(config, progress=not args.no_progress)
+        result = run(config, progress=not args.no_progress)
+    except AlreadyFinished as note:
+        print(f"rlwire-train: {note}")
+        return 0
     except RunError as err:
         return _fail(str(err))
+    summary = result.summary
+    print(
+        f"trained {summary['steps']} steps in {time.perf_counter() - started:.1f} s "
+        f"(training loop {summary['loop_s']:.1f} s, {summary['samples_per_s']:.0f} samples/s); "
+        f"reward {summary['reward_final']:.3f} (mean of the last 10% of steps)"
+    )
     outputs = "metrics.jsonl, plot.png, train.log, checkpoints/, hf_model/"
-    print(f"run directory: {run_dir}  ({outputs})")
+    print(f"run directory: {result.run_dir}  ({outputs})")
     return 0
 
 

@@ -59,14 +59,15 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         prompts, actor = self.data.train_batch_size, self.actor
         mini = actor.ppo_mini_batch_size or prompts
-        per_step = actor.world_size * actor.micro_batch_size
+        per_step = actor.world_size * (actor.micro_batch_size or 1)
+        split = "actor.world_size" + (" x actor.micro_batch_size" if actor.micro_batch_size else "")
         if mini == prompts:
             _check(
                 prompts * self.rollout.n % per_step == 0,
                 "data.train_batch_size",
                 prompts,
                 f"train_batch_size x rollout.n ({prompts * self.rollout.n}) must be a multiple "
-                f"of actor.world_size x actor.micro_batch_size ({per_step})",
+                f"of {split} ({per_step})",
             )
         else:
             _check(
@@ -74,8 +75,7 @@ class TrainerConfig:
                 "actor.ppo_mini_batch_size",
                 mini,
                 f"it must divide data.train_batch_size ({prompts}), and ppo_mini_batch_size x "
-                f"rollout.n must be a multiple of actor.world_size x actor.micro_batch_size "
-                f"({per_step})",
+                f"rollout.n must be a multiple of {split} ({per_step})",
             )
         if self.async_.partial_rollout and self.trainer.mode == "fully_async":
             engine = rollout_engine_class(self.rollout.backend)
@@ -107,10 +107,31 @@ class TrainerConfig:
                 f"ckpt_engine.backend {backend!r} sends whole weights only; use 'auto' or 'off'",
             )
 
+    def reuses_training_logprobs(self) -> bool:
+        """Whether the update is exactly on-policy, so that the proximal log-probs are the
+        training forward's own (detached) and no separate forward pass is run for them:
+        colocated (the rollout holds the actor's weights), one mini-batch, one epoch, and
+        no off-policy correction that needs them before the loss (``rollout_is``,
+        ``rollout_rs``, ``bypass_mode``)."""
+        correction = self.algorithm.rollout_correction
+        return (
+            self.trainer.mode == "colocated"
+            and self.actor.ppo_mini_batch_size in (None, self.data.train_batch_size)
+            and self.actor.ppo_epochs == 1
+            and correction.is_level(fully_async=False) is None
+            and correction.rollout_rs is None
+            and not correction.bypass_mode
+        )
+
     def mini_batch_rows(self) -> int:
         """Samples per optimizer step on one actor rank."""
         mini = self.actor.ppo_mini_batch_size or self.data.train_batch_size
         return mini * self.rollout.n // self.actor.world_size
+
+    def micro_batch_rows(self) -> int:
+        """Samples per forward/backward on one actor rank (``actor.micro_batch_size``, or
+        the whole mini-batch share)."""
+        return self.actor.micro_batch_size or self.mini_batch_rows()
 
 
 def _key(field_name: str) -> str:

@@ -4,6 +4,7 @@ cluster, inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -11,20 +12,33 @@ from .cluster import init_ray, ray_environment
 from .colocated import run_colocated
 from .config import TrainerConfig, to_dict
 from .data import load_data
-from .errors import RunError
+from .errors import AlreadyFinished, RunError
 from .fully_async import run_fully_async
-from .inputs import latest_checkpoint, resolve_model
+from .inputs import checkpoint_step, latest_checkpoint, resolve_model
 from .job import Job
 from .loggers import open_trackers
 from .rewards import load_reward
+from .summary import records, summarise
 
-__all__ = ["RunError", "run"]
+__all__ = ["AlreadyFinished", "RunError", "RunResult", "run"]
 
 log = logging.getLogger("rlwire.trainer")
 
 
-def run(config: TrainerConfig, *, progress: bool = True) -> Path:
-    """Run the job; return the run directory. Raises :class:`RunError` for bad input."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunResult:
+    run_dir: Path
+    summary: dict[str, float]
+    """:func:`rlwire.trainer.summary.summarise` over the steps this call trained."""
+
+
+def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
+    """Run the job; return the run directory and a summary of the steps trained.
+
+    Raises:
+        AlreadyFinished: ``trainer.resume=auto`` found the run already at ``trainer.steps``.
+        RunError: bad input, or a worker failed (one line, naming it).
+    """
     ray_environment()
     import ray
 
@@ -36,6 +50,14 @@ def run(config: TrainerConfig, *, progress: bool = True) -> Path:
     resume_from = None
     if config.trainer.resume == "auto":
         resume_from = latest_checkpoint(run_dir)
+        done = checkpoint_step(resume_from) if resume_from is not None else 0
+        if done >= config.trainer.steps:
+            raise AlreadyFinished(
+                f"{run_dir} already holds a finished run ({done} of trainer.steps="
+                f"{config.trainer.steps}): nothing to train. To go on, raise trainer.steps; "
+                "to start a new run, choose another trainer.output_dir (or trainer.resume=never "
+                "to overwrite this one)"
+            )
     elif config.trainer.resume != "never":
         resume_from = Path(config.trainer.resume).resolve()
         if not (resume_from / "COMPLETE").exists():
@@ -60,7 +82,7 @@ def run(config: TrainerConfig, *, progress: bool = True) -> Path:
         ray.shutdown()
 
 
-def _train(config, run_dir, inputs, progress) -> Path:
+def _train(config, run_dir, inputs, progress) -> RunResult:
     from tqdm import tqdm
 
     from .plot import plot_run
@@ -83,4 +105,5 @@ def _train(config, run_dir, inputs, progress) -> Path:
         bar.close()
         job.close()
     plot_run(run_dir)
-    return run_dir
+    trained = [r for r in records(run_dir) if r["step"] > job.start_step]
+    return RunResult(run_dir, summarise(trained))

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["RunError"]
+__all__ = ["AlreadyFinished", "RunError"]
 
 
 class RunError(RuntimeError):
     """The run cannot start or continue; the message says why (no traceback needed)."""
+
+
+class AlreadyFinished(RunError):
+    """``trainer.resume=auto`` found a run that already reached ``trainer.steps``: nothing
+    to do. The command says so in one line and exits 0 before starting anything."""

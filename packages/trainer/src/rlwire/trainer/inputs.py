@@ -9,7 +9,7 @@ from pathlib import Path
 from .config import TrainerConfig
 from .errors import RunError
 
-__all__ = ["latest_checkpoint", "resolve_model"]
+__all__ = ["checkpoint_step", "latest_checkpoint", "resolve_model"]
 
 
 def resolve_model(config: TrainerConfig, run_dir: Path) -> Path:
@@ -17,7 +17,9 @@ def resolve_model(config: TrainerConfig, run_dir: Path) -> Path:
     if config.model.path == "tiny":
         from .tiny import build_tiny_model
 
-        return build_tiny_model(run_dir / "tiny-model", seed=config.trainer.seed)
+        # One directory per seed: a new trainer.seed on an old run directory gets its model.
+        seed = config.trainer.seed
+        return build_tiny_model(run_dir / f"tiny-model-seed{seed}", seed=seed)
     path = Path(config.model.path).resolve()
     if not (path / "config.json").is_file():
         raise RunError(
@@ -38,3 +40,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             if (m := _STEP_DIR.match(child.name)) and (child / "COMPLETE").exists():
                 found.append((int(m[1]), child))
     return max(found)[1] if found else None
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step a ``checkpoints/step_<n>`` directory was saved at."""
+    return int(_STEP_DIR.match(checkpoint.name)[1])

@@ -33,6 +33,13 @@ from .workers import ActorWorker, RolloutWorker
 __all__ = ["Job"]
 
 # What the actor ranks report and the step records as their mean.
+_SLOWEST_RANK = (  # phase times: the update waits for the slowest actor rank
+    "time_old_logprob_s",
+    "time_ref_s",
+    "time_forward_backward_s",
+    "time_optimizer_s",
+    "time_actor_s",
+)
 _MEAN_OVER_RANKS = (
     "policy_loss",
     "clip_fraction",
@@ -195,7 +202,9 @@ class Job:
         the update on every actor rank, each on its shard (``actor.ppo_mini_batch_size``
         and ``actor.ppo_epochs`` set its optimizer steps)."""
         n = self.config.rollout.n
+        start = time.perf_counter()
         rewards, reward_extra = self.reward_fn(batch.examples, batch.texts)
+        reward_s = time.perf_counter() - start
         batch.rewards = rewards
         batch.advantages = group_advantages(
             rewards, n, norm_by_std=self.config.algorithm.norm_adv_by_std
@@ -223,6 +232,8 @@ class Job:
             version_span_max=int(spans.max()),
             continued_fraction=float((spans > 0).float().mean()),
             tokens=tokens,
+            time_reward_s=reward_s,
+            **{k: max(r[k] for r in results) for k in _SLOWEST_RANK},
         )
 
     @staticmethod
@@ -251,6 +262,7 @@ class Job:
             weight_sync_bytes=synced.get("weight_sync_bytes"),
             weight_sync_wire_bytes=synced.get("weight_sync_wire_bytes"),
             weight_sync_delta_density=synced.get("weight_sync_delta_density"),
+            time_weight_export_s=synced.get("time_weight_export_s"),
             tokens_per_s=result.tokens / (t_sync - t0),
             samples_per_s=samples / (t_sync - t0),
             weight_version=version,

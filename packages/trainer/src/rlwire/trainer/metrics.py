@@ -47,6 +47,22 @@ class UpdateMetrics:
     grad_sync_policy: str
     tokens: int
     """Response tokens in the batch (not recorded; rates are computed from it)."""
+    time_reward_s: float
+    """Scoring the batch (the reward function, in the driver)."""
+    time_old_logprob_s: float
+    """The actor's proximal forward pass (0 when the update is exactly on-policy and
+    reuses the training forward's log-probs; see ``TrainerConfig.reuses_training_logprobs``)."""
+    time_ref_s: float
+    """The reference model's forward pass (0 without one)."""
+    time_forward_backward_s: float
+    """Forward and backward passes of the update's micro-batches."""
+    time_optimizer_s: float
+    """Gradient clipping and optimizer steps."""
+    time_actor_s: float
+    """The whole update call on the slowest actor rank (the phases above plus moving the
+    batch to the device, the correction and offloading); ``time_update_s`` minus this and
+    ``time_reward_s`` is the driver's share: advantages, sharding, Ray calls and moving the
+    batch between processes."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -65,6 +81,9 @@ class StepMetrics(UpdateMetrics):
     """Bytes that travelled for them: less than ``weight_sync_bytes`` for a delta update."""
     weight_sync_delta_density: float | None = None
     """A delta update's share of elements that changed since the previous sync."""
+    time_weight_export_s: float | None = None
+    """On a sync step: actor rank 0 gathering the full weights (and copying them into the
+    shared arena) beyond the checkpoint engine's own time."""
     tokens_per_s: float
     samples_per_s: float
     weight_version: int

@@ -9,6 +9,7 @@ so the configured sync policy (defer / every / auto) applies for real.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import torch
@@ -45,7 +46,7 @@ def grpo_update(
     model,
     optimizer: torch.optim.Optimizer | None,
     rollout: Rollout,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     *,
     micro_batch_size: int,
@@ -59,8 +60,15 @@ def grpo_update(
     optimizer_step: Callable[[], float] | None = None,
     weights: torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,
+    record: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """One optimizer step over this rank's share of the rollout.
+
+    ``old_logprobs`` None: the update is exactly on-policy (see
+    ``TrainerConfig.reuses_training_logprobs``), so the proximal log-probs are each
+    micro-batch's own training forward, detached (what :func:`compute_old_logprobs`
+    would return, without its forward pass); they are written into ``record``
+    (``(B, T)``) when given, for the metrics that need them.
 
     Each micro-batch's loss is scaled by its share of the batch so that the
     accumulated gradient equals the full-batch gradient. With ``ref_logprobs``
@@ -78,8 +86,10 @@ def grpo_update(
     total = rollout.response_ids.shape[0]
     slices = [slice(s, min(s + micro_batch_size, total)) for s in range(0, total, micro_batch_size)]
     held: list[int] = []
+    timing = {"forward_backward": 0.0}
 
     def step(s: slice) -> tuple[float, float, float, float]:
+        start = time.perf_counter()
         logp, entropy = sequence_logprobs(
             model,
             rollout.prompt_ids[s],
@@ -88,10 +98,16 @@ def grpo_update(
             temperature=temperature,
             with_entropy=True,
         )
+        if old_logprobs is None:  # on-policy: this forward's own, as compute_old_logprobs'
+            old = logp.detach() * rollout.response_mask[s]
+            if record is not None:
+                record[s] = old
+        else:
+            old = old_logprobs[s]
         mask = (rollout.response_mask if loss_mask is None else loss_mask)[s]
         loss, clip_frac = policy_loss(
             logp,
-            old_logprobs[s],
+            old,
             advantages[s],
             mask,
             clip_ratio=clip_ratio,
@@ -105,6 +121,7 @@ def grpo_update(
         weight = (s.stop - s.start) / total
         (loss * weight).backward()
         held.append(retained_grad_bytes(model))
+        timing["forward_backward"] += time.perf_counter() - start
         return (
             loss.item() * weight,
             clip_frac.item() * weight,
@@ -113,10 +130,12 @@ def grpo_update(
         )
 
     results = run_micro_batches(model, slices, step, policy=grad_sync)
+    start = time.perf_counter()
     if optimizer_step is not None:
         grad_norm = optimizer_step()
     else:
         grad_norm = clip_and_step(model, optimizer, grad_clip)
+    optimizer_s = time.perf_counter() - start
     return {
         "policy_loss": sum(r[0] for r in results),
         "clip_fraction": sum(r[1] for r in results),
@@ -125,12 +144,14 @@ def grpo_update(
         "grad_norm": float(grad_norm),
         "retained_grad_bytes": max(held),
         "grad_sync_policy": str(decide_policy(model, grad_sync)),
+        "time_forward_backward_s": timing["forward_backward"],
+        "time_optimizer_s": optimizer_s,
     }
 
 
 def ppo_update(
     rollout: Rollout,
-    proximal: torch.Tensor,
+    proximal: torch.Tensor | None,
     *,
     mini_batch_size: int,
     epochs: int,
@@ -144,8 +165,9 @@ def ppo_update(
     its ``(B, ...)`` tensor arguments (``advantages``, ``ref_logprobs``, ``weights``,
     ``loss_mask``; None passes through), cut to each mini-batch like the rollout. Returns
     the steps' mean ``policy_loss``, ``clip_fraction``, ``entropy``, ``kl_ref`` and
-    ``grad_norm``, the most ``retained_grad_bytes``, the ``grad_sync_policy`` and
-    ``optimizer_steps``.
+    ``grad_norm``, the most ``retained_grad_bytes``, the ``grad_sync_policy``,
+    ``optimizer_steps`` and the summed ``time_forward_backward_s`` and ``time_optimizer_s``.
+    ``proximal`` None: on-policy, each step's own forward (one mini-batch, one epoch).
     """
     total = len(rollout)
     steps = []
@@ -153,10 +175,13 @@ def ppo_update(
         for start in range(0, total, mini_batch_size):
             rows = slice(start, min(start + mini_batch_size, total))
             cut = {k: None if v is None else v[rows] for k, v in per_row.items()}
-            steps.append(update(rollout=rollout.select(rows), old_logprobs=proximal[rows], **cut))
+            old = None if proximal is None else proximal[rows]
+            steps.append(update(rollout=rollout.select(rows), old_logprobs=old, **cut))
     means = ("policy_loss", "clip_fraction", "entropy", "kl_ref", "grad_norm")
+    sums = ("time_forward_backward_s", "time_optimizer_s")
     return {
         **{k: sum(m[k] for m in steps) / len(steps) for k in means},
+        **{k: sum(m[k] for m in steps) for k in sums},
         "retained_grad_bytes": max(m["retained_grad_bytes"] for m in steps),
         "grad_sync_policy": steps[-1]["grad_sync_policy"],
         "optimizer_steps": len(steps),

@@ -15,6 +15,7 @@ import datetime
 import functools
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -107,9 +108,11 @@ class ActorWorker:
 
     # --- a training step -----------------------------------------------------------------
     def train(self, batch: Rollout) -> dict[str, float]:
-        """Proximal log-probs (forward only, unless ``bypass_mode``), the off-policy
+        """Proximal log-probs (a forward pass, unless ``bypass_mode``, or the update is
+        exactly on-policy and they are the training forward's own), the off-policy
         correction against the behaviour log-probs, then PPO mini-batches and epochs over
-        this rank's shard of the batch (with its ``advantages``)."""
+        this rank's shard of the batch (with its ``advantages``). Times its phases."""
+        began = time.perf_counter()
         cfg, actor = self.config, self.actor
         correction = cfg.algorithm.rollout_correction
         if cfg.actor.offload:
@@ -120,45 +123,68 @@ class ActorWorker:
         forward = functools.partial(
             compute_old_logprobs,
             rollout=rollout,
-            micro_batch_size=cfg.actor.micro_batch_size,
+            micro_batch_size=cfg.micro_batch_rows(),
             temperature=temperature,
         )
-        proximal = rollout.logprobs if correction.bypass_mode else forward(actor.model)
+        fully_async = cfg.trainer.mode == "fully_async"
+        start = time.perf_counter()
+        reuse = cfg.reuses_training_logprobs()
+        if correction.bypass_mode:
+            proximal = rollout.logprobs
+        elif reuse:  # exactly on-policy: the training forward's own, recorded during it
+            proximal = torch.zeros_like(rollout.logprobs)
+        else:
+            proximal = forward(actor.model)
+        old_logprob_s = time.perf_counter() - start
         ref = forward(actor.reference) if actor.reference is not None else None
-        weights = correction_weights(
-            proximal,
-            rollout.logprobs,
-            rollout.response_mask,
-            correction,
-            fully_async=cfg.trainer.mode == "fully_async",
-        )
+        ref_s = time.perf_counter() - start - old_logprob_s
+        weights = None
+        if not reuse:
+            weights = correction_weights(
+                proximal,
+                rollout.logprobs,
+                rollout.response_mask,
+                correction,
+                fully_async=fully_async,
+            )
         update = functools.partial(
             grpo_update,
             actor.model,
             None,
-            micro_batch_size=cfg.actor.micro_batch_size,
+            micro_batch_size=cfg.micro_batch_rows(),
             temperature=temperature,
             clip_ratio=cfg.algorithm.clip_ratio,
             loss_agg=cfg.algorithm.loss_agg,
             grad_sync=cfg.actor.grad_sync,
             kl_coef=cfg.algorithm.kl_coef,
             optimizer_step=actor.optimizer_step,
+            record=proximal if reuse else None,
         )
         metrics = ppo_update(
             rollout,
-            proximal,
+            None if reuse else proximal,
             mini_batch_size=cfg.mini_batch_rows(),
             epochs=cfg.actor.ppo_epochs,
             update=update,
             advantages=rollout.advantages,
             ref_logprobs=ref,
-            weights=weights.weights,
-            loss_mask=weights.mask,
+            weights=None if weights is None else weights.weights,
+            loss_mask=None if weights is None else weights.mask,
         )
+        if weights is None:  # the correction is off: its metrics, from the recorded ones
+            weights = correction_weights(
+                proximal,
+                rollout.logprobs,
+                rollout.response_mask,
+                correction,
+                fully_async=fully_async,
+            )
+        metrics |= {"time_old_logprob_s": old_logprob_s, "time_ref_s": ref_s}
         mask = rollout.response_mask.float()
         kl_rollout = ((rollout.logprobs - proximal) * mask).sum() / mask.sum()
         if cfg.actor.offload:
             actor.offload()
+        metrics["time_actor_s"] = time.perf_counter() - began
         return {**metrics, **weights.metrics, "kl_rollout": float(kl_rollout)}
 
     @contextlib.contextmanager
@@ -236,12 +262,15 @@ class ActorWorker:
                     digest.add(name, value)
                 yield name, value
 
+        start = time.perf_counter()
         with self._resident(optimizer=False):
             items = weights()
             if self._zero_copy():
                 items = self._into_arena(items)
             stats = asyncio.run(self.engine.send_weights(items, version=version))
         return {
+            # gathering the full weights (and copying them into the arena) beyond the engine
+            "time_weight_export_s": max(0.0, time.perf_counter() - start - stats.seconds),
             "weight_sync_s": stats.seconds,
             "weight_sync_gbps": stats.gbps,
             "weight_sync_bytes": stats.bytes,
