@@ -3,6 +3,7 @@
 python -m rlwire.trainer.bench [--steps 100] [--workers 1] [--target R]
                                [--variant LABEL:key=value,...] [key=value ...]
 python -m rlwire.trainer.bench --weight-sync [--models 64x2,1024x8] [--backends auto,gloo]
+python -m rlwire.trainer.bench --vs trl --trl-python PATH [--models 64x2,640x8] [--seeds 0,1,2]
 
 Runs the default job (or the given overrides) with the same steps, seed and resources
 as: colocated; fully async with its default off-policy correction (token-level truncated
@@ -23,11 +24,19 @@ each worker computes, after a warm-up copy; median of 5) measured in the same ru
 is the checkpoint engine's own time (the send until every receiver consumed the update);
 "trainer s" the step's whole sync as the trainer waits for it (gathering and exporting on the
 actor, the Ray calls, applying on the rollout side).
+
+With ``--vs trl`` it runs the default job (``--steps``, each ``--seeds`` seed, each model size
+of ``--models``) as a user would, ``rlwire-train`` from the command line, and then the same
+job under TRL's ``GRPOTrainer`` with matched settings (:mod:`rlwire.trainer.vs_trl`, run by
+``--trl-python``, an environment with TRL: ``.ci/trl``), one after the other; it prints each
+one's training-loop samples/s, whole-command wall time and final reward (mean of the last 10%
+of steps) with rlwire's ratios to TRL's, and rlwire's per-step time breakdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -123,12 +132,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", type=_variant, action="append", default=[])
     parser.add_argument("--out", default=None, help="run directories (default: a temp dir)")
     parser.add_argument("--weight-sync", action="store_true", help="measure weight syncs")
-    parser.add_argument("--models", default="64x2,1024x8", help="HIDDENxLAYERS,... (sync)")
+    parser.add_argument(
+        "--models",
+        default=None,
+        help="HIDDENxLAYERS,... (default 64x2,1024x8 with --weight-sync, 64x2 with --vs trl)",
+    )
     parser.add_argument("--backends", default="auto,gloo", help="checkpoint engines (sync)")
+    parser.add_argument("--vs", choices=["trl"], default=None, help="compare with TRL")
+    parser.add_argument("--trl-python", default=None, help="a Python with trl (--vs trl)")
+    parser.add_argument("--seeds", default="0", help="seeds (--vs trl)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     if args.weight_sync:
+        args.models = args.models or "64x2,1024x8"
         return weight_sync(args, Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-")))
+    if args.vs == "trl":
+        args.models = args.models or "64x2"
+        return vs_trl(args, Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-")))
 
     from .config import load_config
     from .driver import run
@@ -181,6 +201,115 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['reward_final'] / base['reward_final']:.2f}x | {to_target} | {ratio} "
             f"| {r['wall_s']:.1f} |"
         )
+    return 0
+
+
+_PHASES = (  # rlwire's per-step breakdown (metrics.jsonl), in the order a step runs them
+    ("generate", "time_rollout_s"),
+    ("reward", "time_reward_s"),
+    ("old log-probs", "time_old_logprob_s"),
+    ("reference", "time_ref_s"),
+    ("forward+backward", "time_forward_backward_s"),
+    ("optimizer", "time_optimizer_s"),
+    ("update, driver's share", None),
+    ("weight export", "time_weight_export_s"),
+    ("weight sync", "time_weight_sync_s"),
+)
+
+
+def _breakdown(rows: list[dict]) -> str:
+    """Mean milliseconds per step of each phase; the driver's share of the update is the
+    update minus the reward and the slowest actor's call (Ray, moving the batch)."""
+
+    def mean(key: str) -> float:
+        return 1000 * sum(r.get(key) or 0.0 for r in rows) / len(rows)
+
+    parts = []
+    for label, key in _PHASES:
+        value = (
+            mean("time_update_s") - mean("time_reward_s") - mean("time_actor_s")
+            if key is None
+            else mean(key)
+        )
+        parts.append(f"{label} {value:.1f}")
+    return ", ".join(parts) + " (ms per step)"
+
+
+def vs_trl(args: argparse.Namespace, root: Path) -> int:
+    """The ``--vs trl`` table (see the module docstring)."""
+    import subprocess
+    import sys
+
+    from .tiny import build_tiny_model
+
+    if not args.trl_python:
+        print("--vs trl needs --trl-python: a Python with trl installed (see .ci/trl)")
+        return 2
+    print(f"rlwire-train vs TRL GRPOTrainer, {args.steps} steps, overrides: {args.overrides}")
+    print(
+        "| model | seed | framework | loop samples/s | vs TRL | whole command s | vs TRL "
+        "| reward (last 10%) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    breakdowns = []
+    for spec in args.models.split(","):
+        hidden, layers = (int(x) for x in spec.split("x"))
+        model = build_tiny_model(root / f"model-{spec}", hidden=hidden, layers=layers)
+        for seed in (int(s) for s in args.seeds.split(",")):
+            out = root / f"rlwire-{spec}-{seed}"
+            common = [f"model.path={model}", f"trainer.seed={seed}", f"trainer.steps={args.steps}"]
+            start = time.perf_counter()
+            ours = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "rlwire.trainer.cli",
+                    "--no-progress",
+                    f"trainer.output_dir={out}",
+                    *common,
+                    *args.overrides,
+                ],
+                capture_output=True,
+                text=True,
+            )
+            wall = time.perf_counter() - start
+            if ours.returncode:
+                print(ours.stderr[-2000:])
+                return 1
+            rows = summary_records(out)
+            mine = {**summarise(rows), "wall_s": wall}
+            breakdowns.append(f"{spec}, seed {seed}: {_breakdown(rows)}")
+            report = root / f"trl-{spec}-{seed}.json"
+            start = time.perf_counter()
+            theirs = subprocess.run(
+                [
+                    args.trl_python,
+                    "-m",
+                    "rlwire.trainer.vs_trl",
+                    str(model),
+                    str(report),
+                    "--steps",
+                    str(args.steps),
+                    "--seed",
+                    str(seed),
+                ],
+                capture_output=True,
+                text=True,
+            )
+            wall = time.perf_counter() - start
+            if theirs.returncode:
+                print(theirs.stderr[-2000:])
+                return 1
+            trl = json.loads(report.read_text())
+            tail = trl["rewards"][-max(1, len(trl["rewards"]) // 10) :]
+            trl |= {"wall_s": wall, "reward_final": sum(tail) / len(tail)}
+            for label, r in (("rlwire", mine), (f"TRL {trl['trl']}", trl)):
+                print(
+                    f"| {spec} | {seed} | {label} | {r['samples_per_s']:.0f} "
+                    f"| {r['samples_per_s'] / trl['samples_per_s']:.2f}x | {r['wall_s']:.1f} "
+                    f"| {r['wall_s'] / trl['wall_s']:.2f}x | {r['reward_final']:.3f} |"
+                )
+    print("rlwire's step:", *breakdowns, sep="\n  ")
     return 0
 
 

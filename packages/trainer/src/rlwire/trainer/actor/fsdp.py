@@ -35,6 +35,9 @@ class _FSDPEngine(ActorEngine):
             self.model.parameters(),
             lr=config.actor.optim.lr,
             weight_decay=config.actor.optim.weight_decay,
+            # torch picks the per-tensor loop on CPUs; the multi-tensor path halves the step
+            # on the default job's FSDP2 model (2.98 -> 1.32 ms, DTensor dispatch per op).
+            foreach=True,
         )
         if config.algorithm.kl_coef > 0:  # the frozen reference policy: the initial weights
             reference = load_hf_model(model_path, config.model.dtype, device)
