@@ -71,39 +71,48 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
     log.setLevel(logging.INFO)
 
     trackers = open_trackers(config, run_dir, to_dict(config))  # a missing package fails here
-    init_ray(config)
-    try:
-        inputs = (str(model_path), batches, reward_fn, resume_from, trackers)
-        return _train(config, run_dir, inputs, progress)
-    finally:
-        for tracker in trackers:
-            tracker.close()
-        log.removeHandler(handler)
-        ray.shutdown()
-
-
-def _train(config, run_dir, inputs, progress) -> RunResult:
     from tqdm import tqdm
 
+    # At once, saying what start-up waits for (the description changes with each phase).
+    bar = tqdm(total=config.trainer.steps, disable=not progress, desc="starting Ray", unit="step")
+    try:
+        _phase(bar, "starting Ray")
+        init_ray(config)
+        inputs = (str(model_path), batches, reward_fn, resume_from, trackers)
+        return _train(config, run_dir, inputs, bar)
+    finally:
+        bar.close()
+        for tracker in trackers:
+            tracker.close()
+        _phase(bar, "stopping Ray")
+        ray.shutdown()
+        log.info("done")
+        log.removeHandler(handler)
+
+
+def _phase(bar, what: str) -> None:
+    """A start-up or closing phase: logged (timestamps in train.log) and shown on the bar."""
+    log.info("%s", what)
+    bar.set_description_str(what)
+
+
+def _train(config, run_dir, inputs, bar) -> RunResult:
     from .plot import plot_run
 
+    _phase(bar, "starting workers, loading the model, first weight sync")
     job = Job(config, run_dir, *inputs)
-    bar = tqdm(
-        total=config.trainer.steps,
-        initial=job.start_step,
-        disable=not progress,
-        desc="rlwire-train",
-        unit="step",
-    )
+    bar.update(job.start_step)
+    _phase(bar, "rlwire-train")
     try:
         if config.trainer.mode == "fully_async":
             run_fully_async(job, bar)
         else:
             run_colocated(job, bar)
+        _phase(bar, "exporting hf_model/")
         job.export_model()
     finally:
-        bar.close()
         job.close()
+    _phase(bar, "plotting")
     plot_run(run_dir)
     trained = [r for r in records(run_dir) if r["step"] > job.start_step]
     return RunResult(run_dir, summarise(trained))

@@ -432,6 +432,13 @@ class RayConfig:
     """CPUs of the embedded local cluster (None: all, and at least one per worker)."""
     num_gpus: int | None = None
     """GPUs of the embedded local cluster (None: Ray detects them)."""
+    worker_threads: int = 1
+    """torch threads in every actor rank and rollout worker (each holds one Ray CPU). One
+    per process keeps processes that run side by side off each other's cores (fully async,
+    several workers). In colocated mode the phases alternate, so a compute-bound model gains
+    from as many as the node has: on this 2-core machine a 24M-parameter model's forward and
+    backward took 1077 ms with 1 and 703 ms with 2, while the default job ran at 1497
+    samples/s with 1 and 1365 with 2 (its steps are too short for a second thread)."""
     startup_timeout: float = 120.0
     """Seconds for the workers to be scheduled and start before the run stops."""
     task_timeout: float = 3600.0
@@ -443,3 +450,6 @@ class RayConfig:
         for key in ("startup_timeout", "task_timeout"):
             value = getattr(self, key)
             _check(value > 0, f"ray.{key}", value, "use seconds > 0")
+        _check(
+            self.worker_threads >= 1, "ray.worker_threads", self.worker_threads, "use an int >= 1"
+        )

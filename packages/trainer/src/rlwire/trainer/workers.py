@@ -59,7 +59,7 @@ class ActorWorker:
     export through the checkpoint engine, and checkpoints."""
 
     def __init__(self, config: TrainerConfig, model_path: str, rank: int) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(config.ray.worker_threads)
         self.config = config
         self.model_path = model_path
         self.rank = rank
@@ -340,7 +340,7 @@ class RolloutWorker:
     def __init__(
         self, config: TrainerConfig, model_path: str, index: int = 0, gpu_share: float = 1.0
     ) -> None:
-        torch.set_num_threads(1)
+        torch.set_num_threads(config.ray.worker_threads)
         self.config = config
         self.index = index
         self.device = _device()
