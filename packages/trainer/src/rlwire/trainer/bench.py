@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .summary import WINDOW, summarise, time_to_target
+from .summary import WINDOW, final_reward, summarise, time_to_target
 from .summary import records as summary_records
 
 __all__ = ["main", "summarise", "time_to_target"]
@@ -235,9 +235,20 @@ def _breakdown(rows: list[dict]) -> str:
     return ", ".join(parts) + " (ms per step)"
 
 
+def _timed(cmd: list[str]) -> float | None:
+    """Run ``cmd`` to its end; its wall seconds, or None (its error printed) if it failed."""
+    import subprocess
+
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        print(f"{cmd[:3]} failed:", done.stderr[-2000:])
+        return None
+    return time.perf_counter() - start
+
+
 def vs_trl(args: argparse.Namespace, root: Path) -> int:
     """The ``--vs trl`` table (see the module docstring)."""
-    import subprocess
     import sys
 
     from .tiny import build_tiny_model
@@ -258,51 +269,20 @@ def vs_trl(args: argparse.Namespace, root: Path) -> int:
         for seed in (int(s) for s in args.seeds.split(",")):
             out = root / f"rlwire-{spec}-{seed}"
             common = [f"model.path={model}", f"trainer.seed={seed}", f"trainer.steps={args.steps}"]
-            start = time.perf_counter()
-            ours = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "rlwire.trainer.cli",
-                    "--no-progress",
-                    f"trainer.output_dir={out}",
-                    *common,
-                    *args.overrides,
-                ],
-                capture_output=True,
-                text=True,
-            )
-            wall = time.perf_counter() - start
-            if ours.returncode:
-                print(ours.stderr[-2000:])
+            cli = [sys.executable, "-m", "rlwire.trainer.cli", "--no-progress"]
+            wall = _timed([*cli, f"trainer.output_dir={out}", *common, *args.overrides])
+            if wall is None:
                 return 1
             rows = summary_records(out)
             mine = {**summarise(rows), "wall_s": wall}
             breakdowns.append(f"{spec}, seed {seed}: {_breakdown(rows)}")
             report = root / f"trl-{spec}-{seed}.json"
-            start = time.perf_counter()
-            theirs = subprocess.run(
-                [
-                    args.trl_python,
-                    "-m",
-                    "rlwire.trainer.vs_trl",
-                    str(model),
-                    str(report),
-                    "--steps",
-                    str(args.steps),
-                    "--seed",
-                    str(seed),
-                ],
-                capture_output=True,
-                text=True,
-            )
-            wall = time.perf_counter() - start
-            if theirs.returncode:
-                print(theirs.stderr[-2000:])
+            job = [args.trl_python, "-m", "rlwire.trainer.vs_trl", str(model), str(report)]
+            wall = _timed([*job, "--steps", str(args.steps), "--seed", str(seed)])
+            if wall is None:
                 return 1
             trl = json.loads(report.read_text())
-            tail = trl["rewards"][-max(1, len(trl["rewards"]) // 10) :]
-            trl |= {"wall_s": wall, "reward_final": sum(tail) / len(tail)}
+            trl |= {"wall_s": wall, "reward_final": final_reward(trl["rewards"])}
             for label, r in (("rlwire", mine), (f"TRL {trl['trl']}", trl)):
                 print(
                     f"| {spec} | {seed} | {label} | {r['samples_per_s']:.0f} "

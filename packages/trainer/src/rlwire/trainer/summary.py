@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["WINDOW", "records", "step_seconds", "summarise", "time_to_target"]
+__all__ = ["WINDOW", "final_reward", "records", "step_seconds", "summarise", "time_to_target"]
 
 WINDOW = 10
 """Steps in the reward's moving mean (:func:`time_to_target`)."""
@@ -35,6 +35,12 @@ def time_to_target(rows: list[dict], target: float, window: int = WINDOW) -> flo
     return None
 
 
+def final_reward(rewards: list[float]) -> float:
+    """The mean of the last 10% of per-step rewards (at least one)."""
+    tail = rewards[-max(1, len(rewards) // 10) :]
+    return sum(tail) / len(tail)
+
+
 def summarise(rows: list[dict]) -> dict[str, float]:
     """Loop throughput (samples over loop seconds, not a mean of per-step rates, which
     over-weights fast steps), sync share, lag and final reward (mean of the last 10% of
@@ -42,12 +48,11 @@ def summarise(rows: list[dict]) -> dict[str, float]:
     seconds = [step_seconds(r) for r in rows]
     samples = sum(r["samples_per_s"] * t for r, t in zip(rows, seconds, strict=True))
     loop_s = sum(seconds)
-    tail = rows[-max(1, len(rows) // 10) :]
     return {
         "steps": len(rows),
         "loop_s": loop_s,
         "samples_per_s": samples / loop_s if loop_s > 0 else 0.0,
         "sync_fraction": sum(r["time_weight_sync_s"] for r in rows) / loop_s if loop_s else 0.0,
         "lag_mean": sum(r["version_lag_mean"] for r in rows) / len(rows),
-        "reward_final": sum(r["reward_mean"] for r in tail) / len(tail),
+        "reward_final": final_reward([r["reward_mean"] for r in rows]),
     }

@@ -138,15 +138,14 @@ class ActorWorker:
         old_logprob_s = time.perf_counter() - start
         ref = forward(actor.reference) if actor.reference is not None else None
         ref_s = time.perf_counter() - start - old_logprob_s
-        weights = None
-        if not reuse:
-            weights = correction_weights(
-                proximal,
-                rollout.logprobs,
-                rollout.response_mask,
-                correction,
-                fully_async=fully_async,
-            )
+        correct = functools.partial(
+            correction_weights,
+            behaviour=rollout.logprobs,
+            mask=rollout.response_mask,
+            config=correction,
+            fully_async=fully_async,
+        )
+        weights = None if reuse else correct(proximal)
         update = functools.partial(
             grpo_update,
             actor.model,
@@ -172,13 +171,7 @@ class ActorWorker:
             loss_mask=None if weights is None else weights.mask,
         )
         if weights is None:  # the correction is off: its metrics, from the recorded ones
-            weights = correction_weights(
-                proximal,
-                rollout.logprobs,
-                rollout.response_mask,
-                correction,
-                fully_async=fully_async,
-            )
+            weights = correct(proximal)
         metrics |= {"time_old_logprob_s": old_logprob_s, "time_ref_s": ref_s}
         mask = rollout.response_mask.float()
         kl_rollout = ((rollout.logprobs - proximal) * mask).sum() / mask.sum()
