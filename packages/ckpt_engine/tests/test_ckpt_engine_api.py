@@ -551,6 +551,11 @@ def test_delta_mode_is_checked_and_offered_only_by_backends_that_can():
         registry.new("naive", delta="on")
     with pytest.raises(ValueError, match=r"^delta: 'auto' is not offered by the loopback backend"):
         Loopback(delta="auto")  # a bucketed engine without the version exchange
+    with pytest.raises(TypeError, match="^Claims sets supports_delta but has no _exchange_held"):
+
+        class Claims(Loopback):  # offering deltas needs the version exchange
+            supports_delta = True
+
     assert registry.new("gloo", delta="auto", is_master=True).delta.mode == "auto"
 
 

@@ -31,10 +31,23 @@ class BucketedEngine(CheckpointEngine):
     """A backend that moves fixed-size byte buckets through two reusable slots.
 
     Subclasses provide the slots and four transport steps; the packing,
-    chunking, checksums, view lifetimes and ordering live here once.
+    chunking, checksums, deltas, view lifetimes and ordering live here once. A
+    subclass that sets ``supports_delta`` also provides
+    ``async _exchange_held(held: int | None) -> list[int | None]``: every member says
+    which version it holds (receivers their ``base_version``, the master None) and the
+    master gets the receivers' answers in rank order. It runs only when the group's
+    ``delta`` is on, which only such a subclass accepts.
     """
 
     slots: list[torch.Tensor]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.supports_delta and not hasattr(cls, "_exchange_held"):
+            raise TypeError(
+                f"{cls.__name__} sets supports_delta but has no _exchange_held, the version "
+                "exchange that delta updates need"
+            )
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -67,12 +80,6 @@ class BucketedEngine(CheckpointEngine):
     def _arena(self, arena: int) -> torch.Tensor:
         """Receiver: the sender's shared arena number ``arena`` as ``uint8``."""
         raise CheckpointEngineError(f"{self.name}: no shared arena {arena}")
-
-    async def _exchange_held(self, held: int | None) -> list[int | None]:
-        """Every member says which version it holds (receivers: ``base_version``; the
-        master: None); the master gets the receivers' answers in rank order. A backend
-        that implements it sets ``supports_delta``."""
-        raise NotImplementedError(f"{self.name}: no version exchange, so no delta updates")
 
     async def _send(self, weights: Weights, version: int) -> TransferStats:
         base = None
@@ -133,6 +140,7 @@ class BucketedEngine(CheckpointEngine):
                 pos += length
 
         async for name, tensor in aiter_weights(weights):
+            tensor = tensor.detach().contiguous()  # once: packing and encoding read it
             src = as_bytes(tensor)
             dname, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
             nbytes += src.numel()
@@ -140,7 +148,7 @@ class BucketedEngine(CheckpointEngine):
             elements += tensor.numel()
             start = time.perf_counter()
             if base is not None:
-                fmt, k, payload = self.delta.encode(name, tensor.detach().contiguous())
+                fmt, k, payload = self.delta.encode(name, tensor)
                 packing += time.perf_counter() - start
                 changed += k
                 if fmt is not None:
@@ -149,7 +157,7 @@ class BucketedEngine(CheckpointEngine):
                     await pack(payload, Entry(name, dname, shape, 0, 0, 0, None, info))
                     continue
             elif self.delta.enabled:
-                self.delta.remember(name, tensor.detach())
+                self.delta.remember(name, tensor)
                 packing += time.perf_counter() - start
             wire += src.numel()
             direct = self._in_arena(tensor) if base is None else None

@@ -84,7 +84,7 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
         bar.close()
         for tracker in trackers:
             tracker.close()
-        _phase(bar, "stopping Ray")
+        log.info("stopping Ray")  # the bar is closed: the command's own lines follow
         ray.shutdown()
         log.info("done")
         log.removeHandler(handler)
