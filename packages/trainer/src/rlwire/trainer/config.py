@@ -87,6 +87,14 @@ class TrainerConfig:
                 f"(not a rlwire.trainer.rollout.PartialRolloutEngine); set it to false",
             )
 
+        if self.rollout.hybrid_engine:
+            obstacles = self._hybrid_obstacles()
+            _check(
+                not obstacles,
+                "rollout.hybrid_engine",
+                True,
+                f"it cannot be on with {'; '.join(obstacles)}; set it to false or null",
+            )
         if self.ckpt_engine.delta == "on":
             _check(
                 rollout_engine_class(self.rollout.backend).takes_deltas,
@@ -106,6 +114,31 @@ class TrainerConfig:
                 "on",
                 f"ckpt_engine.backend {backend!r} sends whole weights only; use 'auto' or 'off'",
             )
+
+    def hybrid_engine(self) -> bool:
+        """Whether each rollout engine runs inside an actor rank's process
+        (``rollout.hybrid_engine``, resolved; see its description)."""
+        if self.rollout.hybrid_engine is not None:
+            return self.rollout.hybrid_engine
+        return not self._hybrid_obstacles()
+
+    def _hybrid_obstacles(self) -> list[str]:
+        """What keeps the rollout engines out of the actor ranks' processes."""
+        rollout, engine = self.rollout, rollout_engine_class(self.rollout.backend)
+        obstacles = {
+            f"trainer.mode={self.trainer.mode!r} (colocated only)": self.trainer.mode
+            != "colocated",
+            f"rollout.backend={rollout.backend!r} runs in its own process": not engine.hybrid,
+            f"rollout.num_workers={rollout.num_workers} (one engine per actor rank: "
+            f"actor.world_size={self.actor.world_size})": rollout.num_workers
+            != self.actor.world_size,
+            f"ckpt_engine.backend={self.ckpt_engine.backend!r} (in process: 'auto' or "
+            "'naive')": self.ckpt_engine.backend not in ("auto", "naive"),
+            "ckpt_engine.delta='on' (the in-process hand-over sends whole tensors)": (
+                self.ckpt_engine.delta == "on"
+            ),
+        }
+        return [what for what, blocks in obstacles.items() if blocks]
 
     def reuses_training_logprobs(self) -> bool:
         """Whether the update is exactly on-policy, so that the proximal log-probs are the

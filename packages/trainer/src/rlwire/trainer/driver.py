@@ -8,6 +8,8 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import torch
+
 from .cluster import init_ray, ray_environment
 from .colocated import run_colocated
 from .config import TrainerConfig, to_dict
@@ -75,12 +77,15 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
 
     # At once, saying what start-up waits for (the description changes with each phase).
     bar = tqdm(total=config.trainer.steps, disable=not progress, desc="starting Ray", unit="step")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.ray.driver_threads)
     try:
         _phase(bar, "starting Ray")
         init_ray(config)
         inputs = (str(model_path), batches, reward_fn, resume_from, trackers)
         return _train(config, run_dir, inputs, bar)
     finally:
+        torch.set_num_threads(threads)
         bar.close()
         for tracker in trackers:
             tracker.close()

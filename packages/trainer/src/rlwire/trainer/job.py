@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .cluster import (
@@ -28,7 +29,7 @@ from .grpo import group_advantages
 from .loggers import Tracker
 from .metrics import StepMetrics, UpdateMetrics
 from .rollout import Rollout, rollout_engine_class
-from .workers import ActorWorker, RolloutWorker
+from .workers import ActorWorker, HybridWorker, RolloutWorker
 
 __all__ = ["Job"]
 
@@ -69,26 +70,33 @@ class Job:
         self.batches, self.reward_fn = batches, reward_fn
         world, workers = config.actor.world_size, config.rollout.num_workers
         self.world = world
+        self.hybrid = config.hybrid_engine()  # rollout engines inside the actor ranks
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
-        layout = gpu_layout(world, workers, cluster_gpus, config.trainer.mode)
+        layout = gpu_layout(world, 0 if self.hybrid else workers, cluster_gpus, config.trainer.mode)
         # colocated on GPUs, an engine that can sleep frees its memory while the actor
         # trains (nothing to free elsewhere: no calls)
         engine = rollout_engine_class(config.rollout.backend)
         self.rollout_sleeps = engine.can_sleep and layout is not None
         self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
         place = placement(layout, config.ray.startup_timeout)
-        actor_class = ray.remote(num_cpus=1)(ActorWorker)
+        actor_class = ray.remote(num_cpus=1)(HybridWorker if self.hybrid else ActorWorker)
         rollout_class = ray.remote(num_cpus=1)(RolloutWorker)
         self.actors = [
             actor_class.options(**place("actor", r)).remote(config, model_path, r)
             for r in range(world)
         ]
-        self.rollouts = [
-            rollout_class.options(
-                name=f"rollout-{i}", namespace=self.namespace, **place("rollout", i)
-            ).remote(config, model_path, i, layout.rollout_share(i) if layout else 1.0)
-            for i in range(workers)
-        ]
+        self.rollouts = (
+            self.actors  # each rank generates, with the engine in its process
+            if self.hybrid
+            else [
+                rollout_class.options(
+                    name=f"rollout-{i}", namespace=self.namespace, **place("rollout", i)
+                ).remote(config, model_path, i, layout.rollout_share(i) if layout else 1.0)
+                for i in range(workers)
+            ]
+        )
+        # every worker process once
+        self.processes = self.actors if self.hybrid else [*self.actors, *self.rollouts]
         gpus = f", sharing {layout.gpus} GPU(s)" if layout else ""
         try:
             master = ray.get(self.actors[0].address.remote(), timeout=config.ray.startup_timeout)
@@ -100,8 +108,13 @@ class Job:
                 timeout=config.ray.startup_timeout,
             )
         except ray.exceptions.GetTimeoutError:
+            members = (
+                f"{world} actor ranks (each with its rollout engine)"
+                if self.hybrid
+                else f"{world} actor ranks and {workers} rollout worker(s)"
+            )
             raise RunError(
-                f"ray: the {world} actor ranks and {workers} rollout worker(s) (1 CPU each"
+                f"ray: the {members} (1 CPU each"
                 f"{gpus}) did not start within {config.ray.startup_timeout:g} s; the cluster "
                 f"has {ray.cluster_resources()}"
             ) from None
@@ -125,10 +138,9 @@ class Job:
             loads = [a.load.remote(str(resume_from)) for a in self.actors]
             self.start_step = self.call(loads, "loading the checkpoint")[0]
             log.info("resumed from %s at step %d", resume_from, self.start_step)
-        # The checkpoint engine: actor rank 0 sends, rollout worker i receives as rank 1 + i.
         if layout is not None:  # bundle indices, and the GPU ids Ray gave each process
             ids = self.watch.get(
-                [w.gpu_ids.remote() for w in [*self.actors, *self.rollouts]],
+                [w.gpu_ids.remote() for w in self.processes],
                 timeout=config.ray.startup_timeout,
                 what="setup",
             )
@@ -140,7 +152,7 @@ class Job:
                 ids[world:],
             )
         nodes = self.watch.get(
-            [w.node.remote() for w in [*self.actors, *self.rollouts]],
+            [w.node.remote() for w in self.processes],
             timeout=config.ray.startup_timeout,
             what="setup",
         )
@@ -148,16 +160,34 @@ class Job:
         log.info(
             "nodes: actor ranks on %s, rollout workers on %s; actor group store at %s:%d",
             [names[n] for n in nodes[:world]],
-            [names[n] for n in nodes[world:]],
+            "the actor ranks" if self.hybrid else [names[n] for n in nodes[world:]],
             *master,
         )
+        self.engine_backend = self._engine_setup(layout, len(names) == 1, model_path)
+        self.metrics_path = run_dir / "metrics.jsonl"
+        if self.start_step == 0 and self.metrics_path.exists():
+            self.metrics_path.unlink()
+
+    def _engine_setup(self, layout, one_host: bool, model_path: str) -> str:
+        """Join every member to the checkpoint engine; its backend. Hybrid: each rank hands
+        over to its own rollout engine in memory (``naive``); otherwise actor rank 0 sends,
+        rollout worker i receives as rank 1 + i."""
+        config = self.config
+        timeout = config.ray.startup_timeout + config.ckpt_engine.timeout
+        if self.hybrid:
+            log.info("checkpoint engine: naive (rollout engines in the actor ranks' processes)")
+            self.watch.get(
+                [a.engine_init_hybrid.remote() for a in self.actors],
+                timeout=timeout,
+                what="checkpoint engine setup",
+            )
+            return "naive"
         backend = engine_backend(
             config.ckpt_engine.backend,
             layout,
-            one_host=len(names) == 1,
+            one_host=one_host,
             shm_bytes=shm_bytes_needed(model_path, config.ckpt_engine.bucket_size),
         )
-        self.engine_backend = backend
         log.info("checkpoint engine: %s", backend)
         metadata = self.watch.get(
             self.actors[0].engine_prepare.remote(backend),
@@ -166,18 +196,72 @@ class Job:
         )
         if "host" in metadata:  # store-controlled backends: where receivers connect
             log.info("checkpoint engine master at %s:%d", metadata["host"], metadata["port"])
-        size = 1 + workers
+        size = 1 + len(self.rollouts)
         self.watch.get(
             [
                 *[r.engine_init.remote(backend, size, metadata) for r in self.rollouts],
                 *[a.engine_init.remote(backend, size, metadata) for a in self.actors],
             ],
-            timeout=config.ray.startup_timeout + config.ckpt_engine.timeout,
+            timeout=timeout,
             what="checkpoint engine setup",
         )
-        self.metrics_path = run_dir / "metrics.jsonl"
-        if self.start_step == 0 and self.metrics_path.exists():
-            self.metrics_path.unlink()
+        return backend
+
+    def start_sync(self, version: int) -> Callable[[], dict[str, Any]]:
+        """Start a weight sync, colocated: the actor's weights to every rollout engine as
+        ``version``. Returns what waits for it: rank 0's report with each engine's
+        (``pulls``). Calls queue on each worker behind those already made."""
+        if self.rollout_sleeps:
+            self.call([r.wake_up.remote() for r in self.rollouts], "waking the rollout engines")
+        if self.hybrid:
+            refs = [a.sync_weights.remote(version) for a in self.actors]
+        else:
+            refs = [
+                *[a.push_weights.remote(version) for a in self.actors],
+                *[r.pull_weights.remote() for r in self.rollouts],
+            ]
+
+        def done() -> dict[str, Any]:
+            # A receiver's failure ends the wait at once with its own error (the sender
+            # would only report a timeout, after ckpt_engine.timeout). No overall deadline:
+            # the engine bounds every wait of the transfer, and a large model may outlast
+            # any fixed budget.
+            reports = self.watch.get(refs, timeout=None, what="weight sync")
+            if self.hybrid:
+                return {**reports[0], "pulls": [r["pull"] for r in reports]}
+            return {**reports[0], "pulls": reports[len(self.actors) :]}
+
+        return done
+
+    def sync(self, version: int) -> dict[str, Any]:
+        """One weight sync, colocated (see :meth:`start_sync`)."""
+        return self.start_sync(version)()
+
+    def start_generation(self, step: int) -> Callable[[], Rollout]:
+        """Start generating step ``step``'s batch (``rollout.n`` samples of each prompt, the
+        prompts split over the rollout engines); returns what waits for it (with the
+        samples' ``examples``; on GPUs the engines are asleep after it)."""
+        config = self.config
+        examples = self.batches(step)
+        prompts = [e.prompt for e in examples]
+        workers = len(self.rollouts)
+        share = -(-len(prompts) // workers)
+        refs = [
+            r.generate.remote(prompts[i * share : (i + 1) * share], _seed(config, step, i))
+            for i, r in enumerate(self.rollouts)
+            if prompts[i * share : (i + 1) * share]
+        ]
+        # colocated on GPUs: free the engines' memory for the update
+        sleeps = [r.sleep.remote() for r in self.rollouts] if self.rollout_sleeps else []
+
+        def done() -> Rollout:
+            batch = Rollout.concat(self.call(refs, "generation"))
+            batch.examples = [e for e in examples for _ in range(config.rollout.n)]
+            if sleeps:
+                self.call(sleeps, "putting the rollout engines to sleep")
+            return batch
+
+        return done
 
     def call(self, refs, what: str):
         """Wait for calls to the workers, bounded by ``ray.task_timeout``; a failed or dead
@@ -194,13 +278,17 @@ class Job:
         """
         import ray
 
-        for worker in [*self.actors, *self.rollouts]:
+        for worker in self.processes:
             ray.kill(worker, no_restart=True)
 
     def update(self, batch: Rollout) -> UpdateMetrics:
-        """Score ``batch`` (with its ``examples``), compute advantages and run
-        the update on every actor rank, each on its shard (``actor.ppo_mini_batch_size``
-        and ``actor.ppo_epochs`` set its optimizer steps)."""
+        """Score ``batch`` and run the update (see :meth:`start_update`)."""
+        return self.start_update(batch)()
+
+    def start_update(self, batch: Rollout) -> Callable[[], UpdateMetrics]:
+        """Score ``batch`` (with its ``examples``), compute advantages and start the update
+        on every actor rank, each on its shard (``actor.ppo_mini_batch_size`` and
+        ``actor.ppo_epochs`` set its optimizer steps); returns what waits for it."""
         n = self.config.rollout.n
         start = time.perf_counter()
         rewards, reward_extra = self.reward_fn(batch.examples, batch.texts)
@@ -209,32 +297,34 @@ class Job:
         batch.advantages = group_advantages(
             rewards, n, norm_by_std=self.config.algorithm.norm_adv_by_std
         )
-        total = len(batch)
         # The actors need tensors only: the strings stay here.
         tensors = dataclasses.replace(batch, texts=[], examples=[])
         shards = [tensors.shard(r, self.world) for r in range(self.world)]
-        results = self.call(
-            [a.train.remote(s) for a, s in zip(self.actors, shards, strict=True)], "update"
-        )
-        tokens = int(batch.response_mask.sum())
-        mean = {k: sum(r[k] for r in results) / self.world for k in _MEAN_OVER_RANKS}
-        spans = batch.version_spans()
-        return UpdateMetrics(
-            reward_mean=rewards.mean().item(),
-            reward_std=rewards.std().item(),
-            reward_extra=reward_extra,
-            response_length=tokens / total,
-            **mean,
-            rollout_is_max=max(r["rollout_is_max"] for r in results),
-            retained_grad_bytes=max(r["retained_grad_bytes"] for r in results),
-            grad_sync_policy=results[0]["grad_sync_policy"],
-            optimizer_steps=results[0]["optimizer_steps"],
-            version_span_max=int(spans.max()),
-            continued_fraction=float((spans > 0).float().mean()),
-            tokens=tokens,
-            time_reward_s=reward_s,
-            **{k: max(r[k] for r in results) for k in _SLOWEST_RANK},
-        )
+        refs = [a.train.remote(s) for a, s in zip(self.actors, shards, strict=True)]
+
+        def done() -> UpdateMetrics:
+            results = self.call(refs, "update")
+            tokens = int(batch.response_mask.sum())
+            mean = {k: sum(r[k] for r in results) / self.world for k in _MEAN_OVER_RANKS}
+            spans = batch.version_spans()
+            return UpdateMetrics(
+                reward_mean=rewards.mean().item(),
+                reward_std=rewards.std().item(),
+                reward_extra=reward_extra,
+                response_length=tokens / len(batch),
+                **mean,
+                rollout_is_max=max(r["rollout_is_max"] for r in results),
+                retained_grad_bytes=max(r["retained_grad_bytes"] for r in results),
+                grad_sync_policy=results[0]["grad_sync_policy"],
+                optimizer_steps=results[0]["optimizer_steps"],
+                version_span_max=int(spans.max()),
+                continued_fraction=float((spans > 0).float().mean()),
+                tokens=tokens,
+                time_reward_s=reward_s,
+                **{k: max(r[k] for r in results) for k in _SLOWEST_RANK},
+            )
+
+        return done
 
     @staticmethod
     def step_record(
@@ -300,6 +390,11 @@ class Job:
     def save_if_due(self, done: int) -> None:
         if self.save_due(done):
             self.save(done)
+
+
+def _seed(config, step: int, worker: int) -> int:
+    """Rollout worker ``worker``'s sampling seed at ``step``."""
+    return config.trainer.seed * 7919 + step + worker * 1_000_003
 
 
 def _digests(push: dict, pulls: list[dict]) -> dict[str, Any]:

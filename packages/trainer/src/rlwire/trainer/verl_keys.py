@@ -82,6 +82,7 @@ ALIASES: tuple[Alias, ...] = (
             "actor.fsdp.use_no_sync_for_gradient_accumulation",
         )
     ),
+    Alias("actor_rollout_ref.hybrid_engine", "rollout.hybrid_engine"),
     Alias(_ROLLOUT + "name", "rollout.backend", _choices({"hf": "hf", "vllm": "vllm"})),
     Alias(_ROLLOUT + "n", "rollout.n"),
     Alias(_ROLLOUT + "temperature", "rollout.temperature"),

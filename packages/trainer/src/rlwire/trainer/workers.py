@@ -16,6 +16,7 @@ import functools
 import os
 import random
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from .correction import correction_weights
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
 from .step import compute_old_logprobs, grpo_update, ppo_update
 
-__all__ = ["ActorWorker", "RolloutWorker"]
+__all__ = ["ActorWorker", "HybridWorker", "RolloutWorker"]
 
 _TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -240,7 +241,13 @@ class ActorWorker:
             yield name, value.to(target)
 
     def push_weights(self, version: int) -> dict[str, Any]:
-        """Send the full weights as ``version`` (rank 0; the others join the gathers).
+        """Send the full weights as ``version`` (see :meth:`_push`)."""
+        return asyncio.run(self._push(version))
+
+    def _push(self, version: int) -> Coroutine[Any, Any, dict[str, Any]]:
+        """Send the full weights as ``version`` (rank 0; the others join the gathers): a
+        coroutine, to run alone or beside a receiver in this process (a method declared
+        ``async`` would make Ray run the whole class as an async actor).
 
         With a zero-copy backend (``shm``) rank 0 keeps one persistent copy of the full
         weights in the engine's shared arena, laid out on the first sync: each sync copies
@@ -255,22 +262,26 @@ class ActorWorker:
                     digest.add(name, value)
                 yield name, value
 
-        start = time.perf_counter()
-        with self._resident(optimizer=False):
-            items = weights()
-            if self._zero_copy():
-                items = self._into_arena(items)
-            stats = asyncio.run(self.engine.send_weights(items, version=version))
-        return {
-            # gathering the full weights (and copying them into the arena) beyond the engine
-            "time_weight_export_s": max(0.0, time.perf_counter() - start - stats.seconds),
-            "weight_sync_s": stats.seconds,
-            "weight_sync_gbps": stats.gbps,
-            "weight_sync_bytes": stats.bytes,
-            "weight_sync_wire_bytes": stats.wire_bytes,
-            "weight_sync_delta_density": stats.density,
-            "digest": digest.hexdigest() if digest is not None else None,
-        }
+        async def send() -> dict[str, Any]:
+            start = time.perf_counter()
+            with self._resident(optimizer=False):
+                items = weights()
+                if self._zero_copy():
+                    items = self._into_arena(items)
+                stats = await self.engine.send_weights(items, version=version)
+            return {
+                # gathering the full weights (and copying them into the arena) beyond the
+                # engine
+                "time_weight_export_s": max(0.0, time.perf_counter() - start - stats.seconds),
+                "weight_sync_s": stats.seconds,
+                "weight_sync_gbps": stats.gbps,
+                "weight_sync_bytes": stats.bytes,
+                "weight_sync_wire_bytes": stats.wire_bytes,
+                "weight_sync_delta_density": stats.density,
+                "digest": digest.hexdigest() if digest is not None else None,
+            }
+
+        return send()
 
     def _zero_copy(self) -> bool:
         from rlwire.ckpt_engine import registry
@@ -349,7 +360,11 @@ class RolloutWorker:
     gpu_ids = ActorWorker.gpu_ids
     node = ActorWorker.node
 
-    def engine_init(self, backend: str, world_size: int, metadata: dict) -> None:
+    def engine_init(
+        self, backend: str, world_size: int, metadata: dict, rank: int | None = None
+    ) -> None:
+        """Join the checkpoint engine as a receiver: rank ``rank``, by default ``1 + index``
+        (actor rank 0 sends to every rollout worker)."""
         from rlwire.ckpt_engine import registry
 
         self.engine = registry.new(
@@ -359,14 +374,24 @@ class RolloutWorker:
         )
         self.engine.prepare()
         self.engine.init_process_group(
-            rank=1 + self.index, world_size=world_size, master_metadata=metadata
+            rank=1 + self.index if rank is None else rank,
+            world_size=world_size,
+            master_metadata=metadata,
         )
 
     def pull_weights(self) -> dict[str, Any]:
         """Receive one update and apply it; its version and (if configured) the digest."""
-        self.version = asyncio.run(self.backend.apply(self.engine))
-        digest = self.backend.digest() if self.config.ckpt_engine.digest else None
-        return {"version": self.version, "digest": digest}
+        return asyncio.run(self._pull())
+
+    def _pull(self) -> Coroutine[Any, Any, dict[str, Any]]:
+        """Receive and apply one update: a coroutine (see :meth:`ActorWorker._push`)."""
+
+        async def receive() -> dict[str, Any]:
+            self.version = await self.backend.apply(self.engine)
+            digest = self.backend.digest() if self.config.ckpt_engine.digest else None
+            return {"version": self.version, "digest": digest}
+
+        return receive()
 
     def sleep(self) -> None:
         """Colocated on GPUs, for a :class:`~rlwire.trainer.rollout.SleepingRolloutEngine`:
@@ -445,3 +470,47 @@ class RolloutWorker:
             versions = [group.version for group in groups]
             ray.get(queue.put.remote(self.index, versions, groups), timeout=poll_timeout)
             chunks += 1
+
+
+class HybridWorker(ActorWorker):
+    """An actor rank with a rollout engine in its own process (``rollout.hybrid_engine``,
+    verl's hybrid engine): every rank generates its share of the prompts and takes the
+    weights from its own training engine in memory, through the ``naive`` checkpoint
+    engine (each rank the sender of a group of two: itself and its rollout engine)."""
+
+    def __init__(self, config: TrainerConfig, model_path: str, rank: int) -> None:
+        super().__init__(config, model_path, rank)
+        self.rollout = RolloutWorker(config, model_path, rank)
+
+    def ready(self) -> bool:
+        return True
+
+    def generate(self, prompts: list[str], seed: int) -> Rollout:
+        return self.rollout.generate(prompts, seed)
+
+    def sleep(self) -> None:
+        self.rollout.sleep()
+
+    def wake_up(self) -> None:
+        self.rollout.wake_up()
+
+    def engine_init_hybrid(self) -> None:
+        """This rank's in-process group: the training engine sends, the rollout engine
+        receives."""
+        from rlwire.ckpt_engine import registry
+
+        cfg = self.config.ckpt_engine
+        self.engine = registry.new("naive", is_master=True, timeout=cfg.timeout)
+        metadata = self.engine.prepare()
+        self.engine.init_process_group(rank=0, world_size=2, master_metadata=metadata)
+        self.rollout.engine_init("naive", 2, metadata, rank=1)
+
+    def sync_weights(self, version: int) -> dict[str, Any]:
+        """Hand the full weights to this rank's rollout engine as ``version`` (every rank
+        gathers them); what :meth:`push_weights` reports, with the engine's ``pull``."""
+
+        async def both():
+            return await asyncio.gather(self._push(version), self.rollout._pull())
+
+        push, pull = asyncio.run(both())
+        return {**push, "pull": pull}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import secrets
 import threading
@@ -17,6 +18,7 @@ from .._wire import aiter_weights
 __all__ = ["NaiveEngine"]
 
 _END = object()
+_TURNS = 4  # yields to this event loop's other tasks before waiting in a thread
 
 
 class _Channel:
@@ -75,6 +77,9 @@ class NaiveEngine(CheckpointEngine):
 
     async def _wait_receivers(self) -> dict[int, queue.Queue]:
         channel, expected = self._channel, set(range(1, self.world_size))
+        with channel.lock:  # joined already (the usual case): no thread to wait in
+            if expected <= channel.queues.keys():
+                return {r: channel.queues[r] for r in sorted(expected)}
 
         def joined() -> dict[int, queue.Queue]:
             import time
@@ -111,11 +116,8 @@ class NaiveEngine(CheckpointEngine):
             tensors += 1
         await put_all((_END, version))
         for rank in queues:
-            done = self._channel.done[rank]
-            await blocking(
-                lambda done=done: done.get(timeout=self.timeout),
-                f"naive: waiting for receiver {rank} to finish",
-                self.timeout,
+            await self._next(
+                self._channel.done[rank], f"naive: waiting for receiver {rank} to finish"
             )
         return TransferStats(nbytes, tensors, 1, 0.0)
 
@@ -124,19 +126,23 @@ class NaiveEngine(CheckpointEngine):
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
         q = self._channel.queues[self.rank]
         while True:
-            try:
-                name, tensor = q.get_nowait()
-            except queue.Empty:
-                name, tensor = await blocking(
-                    lambda: q.get(timeout=self.timeout),
-                    "naive: waiting for the sender",
-                    self.timeout,
-                )
+            name, tensor = await self._next(q, "naive: waiting for the sender")
             if name is _END:
                 self.last_version = tensor
                 self._channel.done[self.rank].put(True)
                 return
             yield name, (tensor.detach().clone() if copy else tensor.detach())
+
+    async def _next(self, q: queue.Queue, what: str):
+        """The next item of ``q``. A peer in this event loop (sender and receiver awaited
+        together in one thread) gets a few turns first, so that it needs no thread; a peer
+        in another thread is waited for in one, bounded by ``timeout``."""
+        for _ in range(_TURNS):
+            try:
+                return q.get_nowait()
+            except queue.Empty:
+                await asyncio.sleep(0)
+        return await blocking(lambda: q.get(timeout=self.timeout), what, self.timeout)
 
     def finalize(self) -> None:
         super().finalize()

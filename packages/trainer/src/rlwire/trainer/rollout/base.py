@@ -52,6 +52,9 @@ class RolloutEngine(abc.ABC):
     can_continue: ClassVar[bool] = False
     """Whether the engine continues unfinished responses (:class:`PartialRolloutEngine`),
     which ``async.partial_rollout`` needs."""
+    hybrid: ClassVar[bool] = False
+    """Whether the engine can run inside an actor rank's process (``rollout.hybrid_engine``),
+    next to the training engine and its process group."""
     takes_deltas: ClassVar[bool] = False
     """Whether ``apply`` passes the version it holds, so that a checkpoint engine with
     ``delta`` on may send only what changed (``ckpt_engine.delta=auto`` is off otherwise)."""

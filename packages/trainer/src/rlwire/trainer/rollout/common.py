@@ -80,6 +80,13 @@ class Rollout:
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 
+    def __reduce__(self):
+        # Between processes the tensors travel as numpy arrays: Ray sends those out of band
+        # as raw buffers, where a pickled torch tensor costs ~0.2 ms each (measured: a Ray
+        # call returning a 6-tensor batch 1.3 -> 0.9 ms, passing one 2.5 -> 0.9 ms).
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return (_rebuild_rollout, ({k: _to_array(v) for k, v in values.items()},))
+
     @property
     def version(self) -> int:
         """The oldest weight version among the samples' tokens."""
@@ -183,6 +190,28 @@ class Rollout:
         )
 
 
+def _to_array(value):
+    """A host tensor of a numpy dtype as its numpy array (same memory); anything else as is."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        try:
+            return value.detach().numpy()
+        except TypeError:  # a dtype numpy lacks (bfloat16): pickled as a tensor
+            return value
+    return value
+
+
+def _rebuild_rollout(values: dict) -> Rollout:
+    import numpy
+
+    def tensor(value):
+        if not isinstance(value, numpy.ndarray):
+            return value
+        # Ray hands out-of-band buffers back read-only: own a copy to stay writable.
+        return torch.from_numpy(value if value.flags.writeable else value.copy())
+
+    return Rollout(**{k: tensor(v) for k, v in values.items()})
+
+
 def sequence_logprobs(
     model,
     prompt_ids: torch.Tensor,
@@ -209,9 +238,6 @@ def sequence_logprobs(
         return token_logp
     entropy = -(logp.exp() * logp).sum(-1)
     return token_logp, entropy
-
-
-_SEQUENCE_KEYS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs")
 
 
 class WeightsDigest:

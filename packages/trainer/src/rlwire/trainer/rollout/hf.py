@@ -111,6 +111,7 @@ class HFEngine(PartialRolloutEngine):
     """``rollout.backend=hf``: a plain Hugging Face copy of the policy, ``generate`` sampling."""
 
     name = "hf"
+    hybrid = True
     takes_deltas = True
 
     def __init__(
