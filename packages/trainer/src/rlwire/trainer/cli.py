@@ -7,10 +7,12 @@ rlwire-train plot RUN_DIR
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import time
 
-__all__ = ["main"]
+__all__ = ["command", "main"]
 
 
 def _fail(message: str) -> int:
@@ -80,5 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def command() -> None:
+    """The ``rlwire-train`` executable: :func:`main`, then the process ends at once.
+
+    Everything the run writes is written and closed when :func:`main` returns, and Ray is
+    stopped; what is left is the interpreter's own teardown of torch's modules, which takes
+    0.6-0.8 s on this machine (measured: a script that only imports torch exits in 0.68 s,
+    with ``os._exit`` in 0.04 s). An exception from :func:`main` leaves the normal way."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    command()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .cluster import init_ray, ray_environment
+from .cluster import init_ray, ray_environment, stop_ray
 from .colocated import run_colocated
 from .config import TrainerConfig, to_dict
 from .data import load_data
@@ -42,11 +42,12 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
         RunError: bad input, or a worker failed (one line, naming it).
     """
     ray_environment()
-    import ray
 
     run_dir = Path(config.trainer.output_dir).resolve()  # workers may run elsewhere
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_path = resolve_model(config, run_dir)
+    # The tiny model is built by actor rank 0, which imports transformers anyway (the
+    # driver would spend ~2 s importing it, on the cores Ray and the workers start on).
+    model_path = resolve_model(config, run_dir, build=False)
     batches = load_data(config, model_path)
     reward_fn = load_reward(config)
     resume_from = None
@@ -82,15 +83,16 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
     try:
         _phase(bar, "starting Ray")
         init_ray(config)
-        inputs = (str(model_path), batches, reward_fn, resume_from, trackers)
-        return _train(config, run_dir, inputs, bar)
+        _phase(bar, "starting workers")
+        job = Job(config, run_dir, str(model_path))
+        return _train(job, (batches, reward_fn, resume_from, trackers), bar)
     finally:
         torch.set_num_threads(threads)
         bar.close()
         for tracker in trackers:
             tracker.close()
         log.info("stopping Ray")  # the bar is closed: the command's own lines follow
-        ray.shutdown()
+        stop_ray()
         log.info("done")
         log.removeHandler(handler)
 
@@ -101,11 +103,12 @@ def _phase(bar, what: str) -> None:
     bar.set_description_str(what)
 
 
-def _train(config, run_dir, inputs, bar) -> RunResult:
+def _train(job: Job, inputs, bar) -> RunResult:
     from .plot import plot_run
 
-    _phase(bar, "starting workers, loading the model, first weight sync")
-    job = Job(config, run_dir, *inputs)
+    config, run_dir = job.config, job.run_dir
+    _phase(bar, "loading the model, first weight sync")
+    job.start(*inputs)
     bar.update(job.start_step)
     _phase(bar, "rlwire-train")
     try:

@@ -12,14 +12,16 @@ from .errors import RunError
 __all__ = ["checkpoint_step", "latest_checkpoint", "resolve_model"]
 
 
-def resolve_model(config: TrainerConfig, run_dir: Path) -> Path:
-    """The model directory: the built-in tiny model (built once) or the user's."""
+def resolve_model(config: TrainerConfig, run_dir: Path, *, build: bool = True) -> Path:
+    """The model directory: the built-in tiny model (built once, unless ``build`` is false:
+    then only its place) or the user's."""
     if config.model.path == "tiny":
         from .tiny import build_tiny_model
 
         # One directory per seed: a new trainer.seed on an old run directory gets its model.
         seed = config.trainer.seed
-        return build_tiny_model(run_dir / f"tiny-model-seed{seed}", seed=seed)
+        directory = run_dir / f"tiny-model-seed{seed}"
+        return build_tiny_model(directory, seed=seed) if build else directory
     path = Path(config.model.path).resolve()
     if not (path / "config.json").is_file():
         raise RunError(

@@ -60,14 +60,12 @@ log = logging.getLogger("rlwire.trainer")
 class Job:
     """What both modes share: the Ray workers, the metrics file, scoring, updates, saves."""
 
-    def __init__(
-        self, config, run_dir, model_path, batches, reward_fn, resume_from, trackers: list[Tracker]
-    ) -> None:
+    def __init__(self, config, run_dir, model_path: str) -> None:
+        """Start the worker processes (they import what they need meanwhile; nothing reads
+        ``model_path`` before :meth:`start`)."""
         import ray
 
-        self.trackers = trackers
-        self.config, self.run_dir = config, run_dir
-        self.batches, self.reward_fn = batches, reward_fn
+        self.config, self.run_dir, self.model_path = config, run_dir, model_path
         world, workers = config.actor.world_size, config.rollout.num_workers
         self.world = world
         self.hybrid = config.hybrid_engine()  # rollout engines inside the actor ranks
@@ -97,10 +95,23 @@ class Job:
         )
         # every worker process once
         self.processes = self.actors if self.hybrid else [*self.actors, *self.rollouts]
+        self.layout = layout
+
+    def start(self, batches, reward_fn, resume_from, trackers: list[Tracker]) -> None:
+        """Load the model in every worker (``model_path`` exists now), resume from
+        ``resume_from`` if given, and join the checkpoint engine."""
+        import ray
+
+        config, layout, model_path = self.config, self.layout, self.model_path
+        world, workers = self.world, config.rollout.num_workers
+        self.trackers = trackers
+        self.batches, self.reward_fn = batches, reward_fn
         gpus = f", sharing {layout.gpus} GPU(s)" if layout else ""
         try:
+            if config.model.path == "tiny":
+                ray.get(self.actors[0].build_model.remote(), timeout=config.ray.startup_timeout)
             master = ray.get(self.actors[0].address.remote(), timeout=config.ray.startup_timeout)
-            ready = [r.ready.remote() for r in self.rollouts]
+            ready = [] if self.hybrid else [r.load_engine.remote() for r in self.rollouts]
             if layout is not None:  # on GPUs the rollout engines measure free memory first
                 ray.get(ready, timeout=config.ray.startup_timeout)
             ray.get(
@@ -164,7 +175,7 @@ class Job:
             *master,
         )
         self.engine_backend = self._engine_setup(layout, len(names) == 1, model_path)
-        self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics_path = self.run_dir / "metrics.jsonl"
         if self.start_step == 0 and self.metrics_path.exists():
             self.metrics_path.unlink()
 

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load_hf_model", "save_hf_model"]
+__all__ = ["load_hf_model", "preload_hf", "save_hf_model"]
+
+
+def preload_hf() -> None:
+    """Import what loading a Hugging Face model needs (about 2 s on this machine's CPUs):
+    a worker process does it as it starts, while the driver still prepares the model."""
+    import transformers.modeling_utils  # noqa: F401
 
 
 def load_hf_model(path: str, dtype: str, device: torch.device) -> torch.nn.Module:

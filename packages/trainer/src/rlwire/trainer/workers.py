@@ -25,6 +25,7 @@ import torch
 from .actor import ActorEngine, actor_engine_class
 from .config import TrainerConfig
 from .correction import correction_weights
+from .modeling import preload_hf
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
 from .step import compute_old_logprobs, grpo_update, ppo_update
 
@@ -61,6 +62,7 @@ class ActorWorker:
 
     def __init__(self, config: TrainerConfig, model_path: str, rank: int) -> None:
         torch.set_num_threads(config.ray.worker_threads)
+        preload_hf()  # while the driver prepares: the model is loaded by setup
         self.config = config
         self.model_path = model_path
         self.rank = rank
@@ -78,6 +80,13 @@ class ActorWorker:
         with socket.socket() as s:
             s.bind((host, 0))
             return host, s.getsockname()[1]
+
+    def build_model(self) -> None:
+        """Build the built-in tiny model at ``model_path`` (``model.path=tiny``) unless it is
+        there: in a worker, which imports transformers anyway."""
+        from .tiny import build_tiny_model
+
+        build_tiny_model(self.model_path, seed=self.config.trainer.seed)
 
     def setup(self, master: tuple[str, int]) -> None:
         import torch.distributed as dist
@@ -345,16 +354,24 @@ class RolloutWorker:
         self, config: TrainerConfig, model_path: str, index: int = 0, gpu_share: float = 1.0
     ) -> None:
         torch.set_num_threads(config.ray.worker_threads)
+        preload_hf()  # while the driver prepares: the model is loaded by load_engine
         self.config = config
+        self.model_path = model_path
         self.index = index
+        self.gpu_share = gpu_share
         self.device = _device()
-        engine_class = rollout_engine_class(config.rollout.backend)
-        # several engines on one GPU split their share (vLLM: gpu_memory_utilization)
-        self.backend = engine_class(config, model_path, self.device, gpu_share=gpu_share)
+        self.backend = None
         self.engine = None
         self.version = -1
 
-    def ready(self) -> bool:
+    def load_engine(self) -> bool:
+        """Build the generation engine on the model (the driver calls it once the model
+        directory exists)."""
+        engine_class = rollout_engine_class(self.config.rollout.backend)
+        # several engines on one GPU split their share (vLLM: gpu_memory_utilization)
+        self.backend = engine_class(
+            self.config, self.model_path, self.device, gpu_share=self.gpu_share
+        )
         return True
 
     gpu_ids = ActorWorker.gpu_ids
@@ -482,8 +499,9 @@ class HybridWorker(ActorWorker):
         super().__init__(config, model_path, rank)
         self.rollout = RolloutWorker(config, model_path, rank)
 
-    def ready(self) -> bool:
-        return True
+    def setup(self, master: tuple[str, int]) -> None:
+        super().setup(master)
+        self.rollout.load_engine()
 
     def generate(self, prompts: list[str], seed: int) -> Rollout:
         return self.rollout.generate(prompts, seed)
