@@ -381,6 +381,38 @@ def test_naive_three_updates_to_two_receivers():
     tx.finalize()
 
 
+def test_naive_peers_awaited_in_one_event_loop_hand_over_without_a_thread():
+    """Sender and receivers awaited together (one thread, as a hybrid engine does): every
+    wait is met by the peers' turns, none is sent to a thread; the same with the receivers
+    awaited first."""
+    import concurrent.futures
+
+    class NoThreads(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            raise AssertionError(f"a thread was asked to run {fn}")
+
+    tx, rxs = _naive_group()
+
+    async def run(version, receivers_first):
+        asyncio.get_running_loop().set_default_executor(NoThreads())
+        weights = [(f"w{i}", torch.full((4,), float(version + i))) for i in range(20)]
+        receive = [_collect(rx) for rx in rxs]
+        send = tx.send_weights(weights, version=version)
+        if receivers_first:
+            *got, _ = await asyncio.gather(*receive, send)
+        else:
+            _, *got = await asyncio.gather(send, *receive)
+        return weights, got
+
+    for version, receivers_first in ((1, False), (2, True)):
+        weights, got = asyncio.run(run(version, receivers_first))
+        for per_receiver in got:
+            assert [n for n, _ in per_receiver] == [n for n, _ in weights]
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(per_receiver, weights, strict=True))
+    assert [rx.last_version for rx in rxs] == [2, 2]
+    tx.finalize()
+
+
 def test_naive_stalled_receiver_times_the_sender_out():
     tx, _ = _naive_group(receivers=1, timeout=1.0, max_pending=2)
     start = time.monotonic()

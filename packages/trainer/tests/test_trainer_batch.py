@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from rlwire.trainer.rollout import Example, Rollout
@@ -75,3 +77,36 @@ def test_a_sample_continued_across_a_sync_has_the_version_of_its_oldest_token():
     picked = batch.select(torch.tensor([2, 0]))
     assert picked.texts == ["t2", "t0"] and [e.prompt for e in picked.examples] == ["p2", "p0"]
     assert picked.version_spans().tolist() == [3, 1]
+
+
+def test_a_batch_travels_as_numpy_arrays_and_comes_back_equal_and_writable():
+    """Between processes the tensors are numpy arrays (raw buffers to Ray); read-only
+    buffers (how Ray hands them back) are copied so the tensors stay writable."""
+    import pickle
+
+    import numpy
+
+    batch = Rollout.concat(
+        [_part(2, 3, 2, version=4, start=0), _part(2, 1, 4, version=5, start=100)]
+    )
+    batch.rewards = torch.tensor([0.0, 1.0, 0.5, 0.25])
+    reduce, (values,) = batch.__reduce__()
+    assert isinstance(values["prompt_ids"], numpy.ndarray) and values["advantages"] is None
+    for value in values.values():
+        if isinstance(value, numpy.ndarray):
+            value.flags.writeable = False
+    back = reduce(values)
+    again = pickle.loads(pickle.dumps(batch))
+    for copy in (back, again):
+        for field in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
+            assert torch.equal(getattr(copy, field), getattr(batch, field))
+        assert torch.equal(copy.logprobs, batch.logprobs) and copy.logprobs.dtype == torch.float32
+        assert torch.equal(copy.versions, batch.versions) and torch.equal(
+            copy.rewards, batch.rewards
+        )
+        assert copy.advantages is None and copy.texts == batch.texts and copy.pad_id == 7
+        assert copy.examples == batch.examples
+    back.prompt_ids[0, 0] = -1  # writable, and its own memory
+    assert batch.prompt_ids[0, 0] != -1
+    bf16 = dataclasses.replace(batch, logprobs=batch.logprobs.bfloat16())  # no numpy dtype
+    assert torch.equal(pickle.loads(pickle.dumps(bf16)).logprobs, bf16.logprobs)

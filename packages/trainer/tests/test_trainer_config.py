@@ -287,3 +287,30 @@ def test_readme_lists_the_verl_keys():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert alias_table() in readme
+
+
+def test_the_hybrid_engine_is_on_where_it_can_be_and_refused_where_it_cannot():
+    assert load_config().hybrid_engine()  # the default job: one rank, hf, colocated
+    assert load_config(overrides=["actor.world_size=2", "rollout.num_workers=2"]).hybrid_engine()
+    assert not load_config(overrides=["rollout.hybrid_engine=false"]).hybrid_engine()
+    assert (
+        load_config(overrides=["actor_rollout_ref.hybrid_engine=false"]).rollout.hybrid_engine
+        is False
+    )
+    cases = [
+        ("trainer.mode=fully_async", "trainer.mode='fully_async' (colocated only)"),
+        ("rollout.backend=vllm", "rollout.backend='vllm' runs in its own process"),
+        (
+            "actor.world_size=2",
+            "rollout.num_workers=1 (one engine per actor rank: actor.world_size=2)",
+        ),
+        ("ckpt_engine.backend=gloo", "ckpt_engine.backend='gloo' (in process: 'auto' or 'naive')"),
+        ("ckpt_engine.delta=on", "ckpt_engine.delta='on' (the in-process hand-over sends whole"),
+    ]
+    for override, obstacle in cases:
+        assert not load_config(overrides=[override]).hybrid_engine()  # auto: off
+        with pytest.raises(ConfigError) as refused:
+            load_config(overrides=[override, "rollout.hybrid_engine=true"])
+        assert str(refused.value).startswith(
+            f"rollout.hybrid_engine: True is not allowed; it cannot be on with {obstacle}"
+        )

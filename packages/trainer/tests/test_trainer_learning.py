@@ -211,6 +211,7 @@ def test_rollout_worker_stitches_partial_responses_in_order_with_per_token_versi
         ]
     )
     worker = RolloutWorker(config, str(path))
+    worker.load_engine()
     worker.version = 4
     before = copy.deepcopy(worker.backend.model)
     checks = []

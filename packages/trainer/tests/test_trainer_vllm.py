@@ -52,6 +52,7 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
         ]
     )
     worker = ray.remote(num_cpus=1)(RolloutWorker).remote(config, str(model_dir), 0)
+    ray.get(worker.load_engine.remote(), timeout=300)
     sender = registry.new("gloo", is_master=True, bucket_size="1MiB", timeout=120)
     metadata = sender.prepare()
     joined = worker.engine_init.remote("gloo", 2, metadata)
