@@ -314,3 +314,19 @@ def test_the_hybrid_engine_is_on_where_it_can_be_and_refused_where_it_cannot():
         assert str(refused.value).startswith(
             f"rollout.hybrid_engine: True is not allowed; it cannot be on with {obstacle}"
         )
+
+
+def test_automatic_worker_threads_follow_the_model_size_and_the_processes_computing_at_once():
+    big, small = 24_000_000, 76_000
+    assert load_config().worker_threads(small, 2) == 1  # the default job: one thread
+    assert load_config().worker_threads(big, 2) == 2  # hybrid, one rank: the node's cores
+    two_ranks = ["actor.world_size=2", "rollout.num_workers=2"]
+    assert load_config(overrides=two_ranks).worker_threads(big, 8) == 4  # hybrid: 2 at once
+    separate = ["actor.world_size=2", "rollout.num_workers=3", "rollout.hybrid_engine=false"]
+    assert load_config(overrides=separate).worker_threads(big, 8) == 2  # alternating: max
+    fully_async = ["trainer.mode=fully_async", "rollout.num_workers=3"]
+    assert load_config(overrides=fully_async).worker_threads(big, 8) == 2  # 1 + 3 at once
+    assert load_config(overrides=fully_async).worker_threads(big, 2) == 1  # never below one
+    assert load_config(overrides=["ray.worker_threads=3"]).worker_threads(small, 2) == 3
+    with pytest.raises(ConfigError, match=r"^ray.worker_threads: 0 is not allowed; use an int"):
+        load_config(overrides=["ray.worker_threads=0"])

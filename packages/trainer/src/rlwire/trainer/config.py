@@ -38,6 +38,9 @@ from .sections import (
 )
 from .verl_keys import translate
 
+SMALL_MODEL_PARAMETERS = 1_000_000
+"""Below this a worker computes on one thread (``ray.worker_threads`` automatic)."""
+
 # The sections themselves are public in rlwire.trainer.sections.
 __all__ = ["ConfigError", "TrainerConfig", "describe_config", "load_config", "to_dict"]
 
@@ -139,6 +142,22 @@ class TrainerConfig:
             ),
         }
         return [what for what, blocks in obstacles.items() if blocks]
+
+    def worker_threads(self, parameters: int, cores: int) -> int:
+        """torch threads for a worker process on a node of ``cores`` cores whose model has
+        ``parameters`` parameters (``ray.worker_threads``; see its description)."""
+        if self.ray.worker_threads is not None:
+            return self.ray.worker_threads
+        if parameters < SMALL_MODEL_PARAMETERS:
+            return 1
+        world, workers = self.actor.world_size, self.rollout.num_workers
+        if self.hybrid_engine():
+            at_once = world
+        elif self.trainer.mode == "colocated":
+            at_once = max(world, workers)
+        else:
+            at_once = world + workers
+        return max(1, cores // at_once)
 
     def reuses_training_logprobs(self) -> bool:
         """Whether the update is exactly on-policy, so that the proximal log-probs are the

@@ -50,6 +50,15 @@ def _host() -> str:
     return ray.util.get_node_ip_address()
 
 
+def _set_threads(config: TrainerConfig, model: torch.nn.Module) -> None:
+    """torch threads for this process by ``ray.worker_threads`` (automatic: by the model's
+    size and the cores of this node)."""
+    parameters = sum(p.numel() for p in model.parameters())
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    cores = len(usable) if usable else os.cpu_count() or 1
+    torch.set_num_threads(config.worker_threads(parameters, cores))
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -61,7 +70,7 @@ class ActorWorker:
     export through the checkpoint engine, and checkpoints."""
 
     def __init__(self, config: TrainerConfig, model_path: str, rank: int) -> None:
-        torch.set_num_threads(config.ray.worker_threads)
+        torch.set_num_threads(config.ray.worker_threads or 1)  # automatic: set on loading
         preload_hf()  # while the driver prepares: the model is loaded by setup
         self.config = config
         self.model_path = model_path
@@ -100,6 +109,7 @@ class ActorWorker:
         _seed_everything(cfg.trainer.seed)
         engine_class = actor_engine_class(cfg.actor.strategy)
         self.actor = engine_class(cfg, self.model_path, self.device)
+        _set_threads(cfg, self.actor.model)
 
     def gpu_ids(self) -> list:
         import ray
@@ -353,7 +363,7 @@ class RolloutWorker:
     def __init__(
         self, config: TrainerConfig, model_path: str, index: int = 0, gpu_share: float = 1.0
     ) -> None:
-        torch.set_num_threads(config.ray.worker_threads)
+        torch.set_num_threads(config.ray.worker_threads or 1)  # automatic: set on loading
         preload_hf()  # while the driver prepares: the model is loaded by load_engine
         self.config = config
         self.model_path = model_path
@@ -372,6 +382,9 @@ class RolloutWorker:
         self.backend = engine_class(
             self.config, self.model_path, self.device, gpu_share=self.gpu_share
         )
+        model = getattr(self.backend, "model", None)  # the hf engine's; vLLM's is its own
+        if isinstance(model, torch.nn.Module):
+            _set_threads(self.config, model)
         return True
 
     gpu_ids = ActorWorker.gpu_ids
