@@ -4,6 +4,7 @@ cluster, inputs."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 from pathlib import Path
@@ -19,6 +20,7 @@ from .fully_async import run_fully_async
 from .inputs import checkpoint_step, latest_checkpoint, resolve_model
 from .job import Job
 from .loggers import open_trackers
+from .plot import plot_run
 from .rewards import load_reward
 from .summary import records, summarise
 
@@ -80,12 +82,17 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
     bar = tqdm(total=config.trainer.steps, disable=not progress, desc="starting Ray", unit="step")
     threads = torch.get_num_threads()
     torch.set_num_threads(config.ray.driver_threads)
+    plotted = None
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlwire-plot")
     try:
         _phase(bar, "starting Ray")
         init_ray(config)
         _phase(bar, "starting workers")
         job = Job(config, run_dir, str(model_path))
-        return _train(job, (batches, reward_fn, resume_from, trackers), bar)
+        result = _train(job, (batches, reward_fn, resume_from, trackers), bar)
+        log.info("plotting")
+        plotted = pool.submit(plot_run, run_dir)  # while Ray's processes stop
+        return result
     finally:
         torch.set_num_threads(threads)
         bar.close()
@@ -93,8 +100,11 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
             tracker.close()
         log.info("stopping Ray")  # the bar is closed: the command's own lines follow
         stop_ray()
+        pool.shutdown()
         log.info("done")
         log.removeHandler(handler)
+        if plotted is not None:
+            plotted.result()  # its error, if any
 
 
 def _phase(bar, what: str) -> None:
@@ -104,8 +114,6 @@ def _phase(bar, what: str) -> None:
 
 
 def _train(job: Job, inputs, bar) -> RunResult:
-    from .plot import plot_run
-
     config, run_dir = job.config, job.run_dir
     _phase(bar, "loading the model, first weight sync")
     job.start(*inputs)
@@ -120,7 +128,5 @@ def _train(job: Job, inputs, bar) -> RunResult:
         job.export_model()
     finally:
         job.close()
-    _phase(bar, "plotting")
-    plot_run(run_dir)
     trained = [r for r in records(run_dir) if r["step"] > job.start_step]
     return RunResult(run_dir, summarise(trained))
