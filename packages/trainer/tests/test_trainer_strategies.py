@@ -59,6 +59,34 @@ def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy_by_deltas(ray_cluste
     assert records[0]["weight_sync_bytes"] == sum(t.numel() * 2 for t in state.values())
 
 
+def test_hybrid_engines_in_two_fsdp2_ranks_train_exactly_as_separate_rollout_workers(
+    ray_cluster, tmp_path
+):
+    """Two FSDP2 ranks, two rollout engines: inside the ranks' processes (hybrid, weights
+    handed over in memory) or in processes of their own (the shared-memory engine) give
+    the same samples, losses, gradients and weights, and every engine holds the actor's."""
+    common = (
+        "actor.world_size=2",
+        "rollout.num_workers=2",
+        "ckpt_engine.digest=true",
+        "trainer.steps=3",
+        "trainer.save_every=0",
+    )
+    runs = {}
+    for hybrid in ("true", "false"):
+        run = tmp_path / f"hybrid-{hybrid}"
+        records, _ = train_cli(run, *common, f"rollout.hybrid_engine={hybrid}", cluster=ray_cluster)
+        runs[hybrid] = records
+        for r in records:
+            assert r["weight_digest_rollout"] == [r["weight_digest_actor"]] * 2, r
+        log = (run / "train.log").read_text()
+        assert ("checkpoint engine: naive" in log) == (hybrid == "true")
+    for a, b in zip(runs["true"], runs["false"], strict=True):
+        for key in ("reward_mean", "policy_loss", "grad_norm", "weight_digest_actor"):
+            assert a[key] == b[key], key
+    assert len({r["weight_digest_actor"] for r in runs["true"]}) == 3  # the weights moved
+
+
 def test_two_nodes_place_ranks_on_their_gpus_and_nodes_at_node_addresses(tmp_path):
     """Two simulated nodes (``ray.cluster_utils.Cluster``) with one logical GPU each: the
     processes compute on the CPU here, but the placement is Ray's own, asked for as on GPUs."""
