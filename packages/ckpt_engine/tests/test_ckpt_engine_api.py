@@ -408,7 +408,8 @@ def test_naive_peers_awaited_in_one_event_loop_hand_over_without_a_thread():
         weights, got = asyncio.run(run(version, receivers_first))
         for per_receiver in got:
             assert [n for n, _ in per_receiver] == [n for n, _ in weights]
-            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(per_receiver, weights, strict=True))
+            pairs = zip(per_receiver, weights, strict=True)
+            assert all(torch.equal(a, b) for (_, a), (_, b) in pairs)
     assert [rx.last_version for rx in rxs] == [2, 2]
     tx.finalize()
 

@@ -200,7 +200,7 @@ def test_rollout_worker_stitches_partial_responses_in_order_with_per_token_versi
     come back in prompt order, each token with the version and log-prob of its weights."""
     from rlwire.trainer.config import load_config
     from rlwire.trainer.rollout import hf_start
-    from rlwire.trainer.workers import RolloutWorker
+    from rlwire.trainer.rollout_worker import RolloutWorker
 
     path = build_tiny_model(tmp_path / "tiny")
     config = load_config(

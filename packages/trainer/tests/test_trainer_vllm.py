@@ -36,8 +36,8 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
     from rlwire.ckpt_engine import registry
     from rlwire.trainer.config import load_config
     from rlwire.trainer.rollout import sequence_logprobs
+    from rlwire.trainer.rollout_worker import RolloutWorker
     from rlwire.trainer.tiny import build_tiny_model, repeat_prompts
-    from rlwire.trainer.workers import RolloutWorker
 
     ray = ray_local
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)

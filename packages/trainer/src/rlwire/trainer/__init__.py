@@ -2,8 +2,8 @@
 
 ``rlwire-train`` (:mod:`rlwire.trainer.cli`) runs it; :func:`load_config` builds
 its configuration; :mod:`rlwire.trainer.grpo` holds the objective,
-:mod:`rlwire.trainer.step` one actor update, :mod:`rlwire.trainer.workers` the
-Ray actors and :mod:`rlwire.trainer.driver` the loop.
+:mod:`rlwire.trainer.step` one actor update, :mod:`rlwire.trainer.workers` and
+:mod:`rlwire.trainer.rollout_worker` the Ray actors and :mod:`rlwire.trainer.driver` the loop.
 """
 
 from __future__ import annotations

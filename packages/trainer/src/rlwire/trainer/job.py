@@ -29,7 +29,8 @@ from .grpo import group_advantages
 from .loggers import Tracker
 from .metrics import StepMetrics, UpdateMetrics
 from .rollout import Rollout, rollout_engine_class
-from .workers import ActorWorker, HybridWorker, RolloutWorker
+from .rollout_worker import RolloutWorker
+from .workers import ActorWorker, HybridWorker
 
 __all__ = ["Job"]
 

@@ -1,9 +1,10 @@
-"""The Ray actors: actor (training) ranks and the rollout worker.
+"""The Ray actors: actor (training) ranks, with or without their rollout engine inside (the
+rollout worker of its own: :mod:`rlwire.trainer.rollout_worker`).
 
 These are plain classes; the driver wraps them with ``ray.remote`` and
 declared resources. Actor ranks form their own ``torch.distributed`` group
 (gloo on CPU, NCCL on CUDA) of ``actor.world_size``; rank 0 also joins the
-checkpoint engine as its sender and the rollout worker as its receiver.
+checkpoint engine as its sender and the rollout workers as its receivers.
 """
 
 from __future__ import annotations
@@ -27,44 +28,16 @@ from .config import TrainerConfig
 from .correction import correction_weights
 from .modeling import preload_hf
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
+from .rollout_worker import RolloutWorker
 from .step import compute_old_logprobs, grpo_update, ppo_update
+from .worker_process import WorkerProcess, device, host, seed_everything, set_threads
 
-__all__ = ["ActorWorker", "HybridWorker", "RolloutWorker"]
+__all__ = ["ActorWorker", "HybridWorker"]
 
 _TIMEOUT = datetime.timedelta(seconds=300)
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _host() -> str:
-    """The address other workers reach this one at: loopback on a one-node cluster, the
-    node's IP when there are several."""
-    import ray
-
-    if sum(1 for node in ray.nodes() if node.get("Alive")) <= 1:
-        return "127.0.0.1"
-    return ray.util.get_node_ip_address()
-
-
-def _set_threads(config: TrainerConfig, model: torch.nn.Module) -> None:
-    """torch threads for this process by ``ray.worker_threads`` (automatic: by the model's
-    size and the cores of this node)."""
-    parameters = sum(p.numel() for p in model.parameters())
-    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    cores = len(usable) if usable else os.cpu_count() or 1
-    torch.set_num_threads(config.worker_threads(parameters, cores))
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-class ActorWorker:
+class ActorWorker(WorkerProcess):
     """One training rank: an actor engine (``actor.strategy``: FSDP2, FSDP1, Megatron DDP or
     a third party's) behind :class:`rlwire.trainer.actor.ActorEngine`, GRPO updates, weight
     export through the checkpoint engine, and checkpoints."""
@@ -75,7 +48,7 @@ class ActorWorker:
         self.config = config
         self.model_path = model_path
         self.rank = rank
-        self.device = _device()
+        self.device = device()
         self.actor: ActorEngine | None = None
         self.engine = None
         self.shared: dict[str, torch.Tensor] | None = None  # zero-copy: the arena's tensors
@@ -85,10 +58,10 @@ class ActorWorker:
         """rank 0: where the group's store listens."""
         import socket
 
-        host = _host()
+        address = host()
         with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+            s.bind((address, 0))
+            return address, s.getsockname()[1]
 
     def build_model(self) -> None:
         """Build the built-in tiny model at ``model_path`` (``model.path=tiny``) unless it is
@@ -106,21 +79,10 @@ class ActorWorker:
         dist.init_process_group(
             backend, rank=self.rank, world_size=cfg.actor.world_size, timeout=_TIMEOUT
         )
-        _seed_everything(cfg.trainer.seed)
+        seed_everything(cfg.trainer.seed)
         engine_class = actor_engine_class(cfg.actor.strategy)
         self.actor = engine_class(cfg, self.model_path, self.device)
-        _set_threads(cfg, self.actor.model)
-
-    def gpu_ids(self) -> list:
-        import ray
-
-        return ray.get_gpu_ids()
-
-    def node(self) -> str:
-        """The Ray node this worker runs on (its id)."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
+        set_threads(cfg, self.actor.model)
 
     def describe(self) -> dict[str, list[str]]:
         """What the actor engine wants logged once at start (info lines and warnings)."""
@@ -221,7 +183,7 @@ class ActorWorker:
             return {}
         # Receivers of a store-controlled backend reach the master's store at this node.
         capabilities = registry.capabilities(backend)
-        where = {"host": _host()} if capabilities.uses_store else {}
+        where = {"host": host()} if capabilities.uses_store else {}
         delta = self.config.ckpt_engine.delta
         takes = rollout_engine_class(self.config.rollout.backend).takes_deltas
         if delta == "auto" and not (capabilities.delta and takes):
@@ -350,156 +312,6 @@ class ActorWorker:
         torch.set_rng_state(state["rng"])
         random.setstate(state["py_rng"])
         return int(state["step"])
-
-
-class RolloutWorker:
-    """One rollout worker: a generation backend, updated through the checkpoint engine.
-
-    Colocated mode calls :meth:`generate` and :meth:`pull_weights` from the driver;
-    fully-async mode calls :meth:`run`, which loops on the sample queue until told to
-    stop (see :mod:`rlwire.trainer.fully_async`).
-    """
-
-    def __init__(
-        self, config: TrainerConfig, model_path: str, index: int = 0, gpu_share: float = 1.0
-    ) -> None:
-        torch.set_num_threads(config.ray.worker_threads or 1)  # automatic: set on loading
-        preload_hf()  # while the driver prepares: the model is loaded by load_engine
-        self.config = config
-        self.model_path = model_path
-        self.index = index
-        self.gpu_share = gpu_share
-        self.device = _device()
-        self.backend = None
-        self.engine = None
-        self.version = -1
-
-    def load_engine(self) -> bool:
-        """Build the generation engine on the model (the driver calls it once the model
-        directory exists)."""
-        engine_class = rollout_engine_class(self.config.rollout.backend)
-        # several engines on one GPU split their share (vLLM: gpu_memory_utilization)
-        self.backend = engine_class(
-            self.config, self.model_path, self.device, gpu_share=self.gpu_share
-        )
-        model = getattr(self.backend, "model", None)  # the hf engine's; vLLM's is its own
-        if isinstance(model, torch.nn.Module):
-            _set_threads(self.config, model)
-        return True
-
-    gpu_ids = ActorWorker.gpu_ids
-    node = ActorWorker.node
-
-    def engine_init(
-        self, backend: str, world_size: int, metadata: dict, rank: int | None = None
-    ) -> None:
-        """Join the checkpoint engine as a receiver: rank ``rank``, by default ``1 + index``
-        (actor rank 0 sends to every rollout worker)."""
-        from rlwire.ckpt_engine import registry
-
-        self.engine = registry.new(
-            backend,
-            bucket_size=self.config.ckpt_engine.bucket_size,
-            timeout=self.config.ckpt_engine.timeout,
-        )
-        self.engine.prepare()
-        self.engine.init_process_group(
-            rank=1 + self.index if rank is None else rank,
-            world_size=world_size,
-            master_metadata=metadata,
-        )
-
-    def pull_weights(self) -> dict[str, Any]:
-        """Receive one update and apply it; its version and (if configured) the digest."""
-        return asyncio.run(self._pull())
-
-    def _pull(self) -> Coroutine[Any, Any, dict[str, Any]]:
-        """Receive and apply one update: a coroutine (see :meth:`ActorWorker._push`)."""
-
-        async def receive() -> dict[str, Any]:
-            self.version = await self.backend.apply(self.engine)
-            digest = self.backend.digest() if self.config.ckpt_engine.digest else None
-            return {"version": self.version, "digest": digest}
-
-        return receive()
-
-    def sleep(self) -> None:
-        """Colocated on GPUs, for a :class:`~rlwire.trainer.rollout.SleepingRolloutEngine`:
-        free device memory while the actor trains (the driver asks only then)."""
-        self.backend.sleep()
-
-    def wake_up(self) -> None:
-        self.backend.wake_up()
-
-    def generate(self, prompts: list[str], seed: int) -> Rollout:
-        out = self.backend.generate(prompts, seed)
-        out.versions = torch.full_like(out.response_ids, self.version)
-        return out
-
-    def generate_partial(self, prompts: list[str], seed: int, sync_requested) -> Rollout:
-        """Generate in chunks of ``async.partial_rollout_chunk_tokens``; between chunks,
-        ``sync_requested()`` applies a weight sync that waits for this worker, if any, and
-        the unfinished responses continue with the weights held then. Every token is
-        stamped with the version it was sampled with."""
-        cfg = self.config
-        chunk = cfg.async_.partial_rollout_chunk_tokens
-        pending = self.backend.start(prompts)
-        pending.versions = torch.zeros_like(pending.response_ids)
-        index = torch.arange(len(pending))  # each pending row's place in the result
-        done: dict[int, Rollout] = {}
-        left, piece = cfg.rollout.max_new_tokens, 0
-        while True:
-            before = pending.response_ids.shape[1]
-            grown, ended = self.backend.extend(pending, min(chunk, left), seed + piece * 7_919)
-            new = grown.response_ids.shape[1] - before
-            stamp = torch.full((len(grown), new), self.version, dtype=torch.int64)
-            grown.versions = torch.cat([pending.versions, stamp], dim=1)
-            left, piece = left - new, piece + 1
-            finished = ended | (left <= 0)
-            for row in finished.nonzero().flatten().tolist():
-                done[int(index[row])] = grown.select(slice(row, row + 1))
-            if bool(finished.all()):
-                break
-            keep = (~finished).nonzero().flatten()
-            pending, index = grown.select(keep), index[keep]
-            sync_requested()  # applies a pending weight update before the next chunk
-        return Rollout.concat([done[i] for i in range(len(done))])
-
-    def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
-        """The fully-async loop: generate, sync or wait as the queue says, until ``stop``."""
-        import ray
-
-        def sync() -> None:
-            info = self.pull_weights()
-            ray.get(queue.worker_synced.remote(self.index, info), timeout=poll_timeout)
-
-        def sync_if_requested() -> None:
-            if ray.get(queue.sync_pending.remote(self.index), timeout=poll_timeout) is not None:
-                sync()
-
-        partial = self.config.async_.partial_rollout
-        chunks = 0
-        while True:
-            task = ray.get(queue.next_task.remote(self.index), timeout=poll_timeout)
-            if task["kind"] == "stop":
-                return {"worker": self.index, "chunks": chunks, "version": self.version}
-            if task["kind"] == "wait":
-                continue
-            if task["kind"] == "sync":
-                sync()
-                continue
-            prompts = [e.prompt for e in task["examples"]]
-            if partial:
-                out = self.generate_partial(prompts, task["seed"], sync_if_requested)
-            else:
-                out = self.generate(prompts, task["seed"])
-            n = self.config.rollout.n
-            groups = out.groups(n)
-            for group, example in zip(groups, task["examples"], strict=True):
-                group.examples = [example] * n
-            versions = [group.version for group in groups]
-            ray.get(queue.put.remote(self.index, versions, groups), timeout=poll_timeout)
-            chunks += 1
 
 
 class HybridWorker(ActorWorker):

@@ -1,0 +1,165 @@
+"""The rollout worker: one rollout engine in a Ray actor of its own, updated through the
+checkpoint engine (colocated mode without the hybrid engine, and fully-async mode)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import torch
+
+from .config import TrainerConfig
+from .modeling import preload_hf
+from .rollout import Rollout, rollout_engine_class
+from .worker_process import WorkerProcess, device, set_threads
+
+__all__ = ["RolloutWorker"]
+
+
+class RolloutWorker(WorkerProcess):
+    """One rollout worker: a generation backend, updated through the checkpoint engine.
+
+    Colocated mode calls :meth:`generate` and :meth:`pull_weights` from the driver;
+    fully-async mode calls :meth:`run`, which loops on the sample queue until told to
+    stop (see :mod:`rlwire.trainer.fully_async`).
+    """
+
+    def __init__(
+        self, config: TrainerConfig, model_path: str, index: int = 0, gpu_share: float = 1.0
+    ) -> None:
+        torch.set_num_threads(config.ray.worker_threads or 1)  # automatic: set on loading
+        preload_hf()  # while the driver prepares: the model is loaded by load_engine
+        self.config = config
+        self.model_path = model_path
+        self.index = index
+        self.gpu_share = gpu_share
+        self.device = device()
+        self.backend = None
+        self.engine = None
+        self.version = -1
+
+    def load_engine(self) -> bool:
+        """Build the generation engine on the model (the driver calls it once the model
+        directory exists)."""
+        engine_class = rollout_engine_class(self.config.rollout.backend)
+        # several engines on one GPU split their share (vLLM: gpu_memory_utilization)
+        self.backend = engine_class(
+            self.config, self.model_path, self.device, gpu_share=self.gpu_share
+        )
+        model = getattr(self.backend, "model", None)  # the hf engine's; vLLM's is its own
+        if isinstance(model, torch.nn.Module):
+            set_threads(self.config, model)
+        return True
+
+    def engine_init(
+        self, backend: str, world_size: int, metadata: dict, rank: int | None = None
+    ) -> None:
+        """Join the checkpoint engine as a receiver: rank ``rank``, by default ``1 + index``
+        (actor rank 0 sends to every rollout worker)."""
+        from rlwire.ckpt_engine import registry
+
+        self.engine = registry.new(
+            backend,
+            bucket_size=self.config.ckpt_engine.bucket_size,
+            timeout=self.config.ckpt_engine.timeout,
+        )
+        self.engine.prepare()
+        self.engine.init_process_group(
+            rank=1 + self.index if rank is None else rank,
+            world_size=world_size,
+            master_metadata=metadata,
+        )
+
+    def pull_weights(self) -> dict[str, Any]:
+        """Receive one update and apply it; its version and (if configured) the digest."""
+        return asyncio.run(self._pull())
+
+    def _pull(self) -> Coroutine[Any, Any, dict[str, Any]]:
+        """Receive and apply one update: a coroutine (see
+        :meth:`rlwire.trainer.workers.ActorWorker._push`)."""
+
+        async def receive() -> dict[str, Any]:
+            self.version = await self.backend.apply(self.engine)
+            digest = self.backend.digest() if self.config.ckpt_engine.digest else None
+            return {"version": self.version, "digest": digest}
+
+        return receive()
+
+    def sleep(self) -> None:
+        """Colocated on GPUs, for a :class:`~rlwire.trainer.rollout.SleepingRolloutEngine`:
+        free device memory while the actor trains (the driver asks only then)."""
+        self.backend.sleep()
+
+    def wake_up(self) -> None:
+        self.backend.wake_up()
+
+    def generate(self, prompts: list[str], seed: int) -> Rollout:
+        out = self.backend.generate(prompts, seed)
+        out.versions = torch.full_like(out.response_ids, self.version)
+        return out
+
+    def generate_partial(self, prompts: list[str], seed: int, sync_requested) -> Rollout:
+        """Generate in chunks of ``async.partial_rollout_chunk_tokens``; between chunks,
+        ``sync_requested()`` applies a weight sync that waits for this worker, if any, and
+        the unfinished responses continue with the weights held then. Every token is
+        stamped with the version it was sampled with."""
+        cfg = self.config
+        chunk = cfg.async_.partial_rollout_chunk_tokens
+        pending = self.backend.start(prompts)
+        pending.versions = torch.zeros_like(pending.response_ids)
+        index = torch.arange(len(pending))  # each pending row's place in the result
+        done: dict[int, Rollout] = {}
+        left, piece = cfg.rollout.max_new_tokens, 0
+        while True:
+            before = pending.response_ids.shape[1]
+            grown, ended = self.backend.extend(pending, min(chunk, left), seed + piece * 7_919)
+            new = grown.response_ids.shape[1] - before
+            stamp = torch.full((len(grown), new), self.version, dtype=torch.int64)
+            grown.versions = torch.cat([pending.versions, stamp], dim=1)
+            left, piece = left - new, piece + 1
+            finished = ended | (left <= 0)
+            for row in finished.nonzero().flatten().tolist():
+                done[int(index[row])] = grown.select(slice(row, row + 1))
+            if bool(finished.all()):
+                break
+            keep = (~finished).nonzero().flatten()
+            pending, index = grown.select(keep), index[keep]
+            sync_requested()  # applies a pending weight update before the next chunk
+        return Rollout.concat([done[i] for i in range(len(done))])
+
+    def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
+        """The fully-async loop: generate, sync or wait as the queue says, until ``stop``."""
+        import ray
+
+        def sync() -> None:
+            info = self.pull_weights()
+            ray.get(queue.worker_synced.remote(self.index, info), timeout=poll_timeout)
+
+        def sync_if_requested() -> None:
+            if ray.get(queue.sync_pending.remote(self.index), timeout=poll_timeout) is not None:
+                sync()
+
+        partial = self.config.async_.partial_rollout
+        chunks = 0
+        while True:
+            task = ray.get(queue.next_task.remote(self.index), timeout=poll_timeout)
+            if task["kind"] == "stop":
+                return {"worker": self.index, "chunks": chunks, "version": self.version}
+            if task["kind"] == "wait":
+                continue
+            if task["kind"] == "sync":
+                sync()
+                continue
+            prompts = [e.prompt for e in task["examples"]]
+            if partial:
+                out = self.generate_partial(prompts, task["seed"], sync_if_requested)
+            else:
+                out = self.generate(prompts, task["seed"])
+            n = self.config.rollout.n
+            groups = out.groups(n)
+            for group, example in zip(groups, task["examples"], strict=True):
+                group.examples = [example] * n
+            versions = [group.version for group in groups]
+            ray.get(queue.put.remote(self.index, versions, groups), timeout=poll_timeout)
+            chunks += 1
