@@ -81,9 +81,10 @@ class Rollout:
         return self.response_ids.shape[0]
 
     def __reduce__(self):
-        # Between processes the tensors travel as numpy arrays: Ray sends those out of band
-        # as raw buffers, where a pickled torch tensor costs ~0.2 ms each (measured: a Ray
-        # call returning a 6-tensor batch 1.3 -> 0.9 ms, passing one 2.5 -> 0.9 ms).
+        # Between processes the tensors travel as numpy arrays, which Ray sends out of band
+        # as raw buffers; torch tensors are pickled one by one (measured here: a Ray call
+        # passing and returning six small tensors took 2.5 ms as torch tensors, 0.9 ms as
+        # numpy arrays).
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return (_rebuild_rollout, ({k: _to_array(v) for k, v in values.items()},))
 
