@@ -178,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         start = time.perf_counter()
         run(config, progress=False)
-        rows[label] = {**summarise(summary_records(out)), "wall_s": time.perf_counter() - start}
+        wall = time.perf_counter() - start
         records[label] = summary_records(out)
+        rows[label] = {**summarise(records[label]), "wall_s": wall}
     base = rows["colocated"]
     target = args.target if args.target is not None else 0.8 * base["reward_final"]
     reach = {label: time_to_target(records[label], target) for label in rows}
@@ -211,7 +212,7 @@ _PHASES = (  # rlwire's per-step breakdown (metrics.jsonl), in the order a step 
     ("reference", "time_ref_s"),
     ("forward+backward", "time_forward_backward_s"),
     ("optimizer", "time_optimizer_s"),
-    ("update, driver's share", None),
+    ("driver's share of the update", None),
     ("weight export", "time_weight_export_s"),
     ("weight sync", "time_weight_sync_s"),
 )

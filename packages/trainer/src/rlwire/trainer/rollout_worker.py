@@ -10,9 +10,8 @@ from typing import Any
 import torch
 
 from .config import TrainerConfig
-from .modeling import preload_hf
 from .rollout import Rollout, rollout_engine_class
-from .worker_process import WorkerProcess, device, set_threads
+from .worker_process import WorkerProcess, set_threads
 
 __all__ = ["RolloutWorker"]
 
@@ -28,18 +27,15 @@ class RolloutWorker(WorkerProcess):
     def __init__(
         self, config: TrainerConfig, model_path: str, index: int = 0, gpu_share: float = 1.0
     ) -> None:
-        torch.set_num_threads(config.ray.worker_threads or 1)  # automatic: set on loading
-        preload_hf()  # while the driver prepares: the model is loaded by load_engine
-        self.config = config
+        super().__init__(config)
         self.model_path = model_path
         self.index = index
         self.gpu_share = gpu_share
-        self.device = device()
         self.backend = None
         self.engine = None
         self.version = -1
 
-    def load_engine(self) -> bool:
+    def load_engine(self) -> None:
         """Build the generation engine on the model (the driver calls it once the model
         directory exists)."""
         engine_class = rollout_engine_class(self.config.rollout.backend)
@@ -50,7 +46,6 @@ class RolloutWorker(WorkerProcess):
         model = getattr(self.backend, "model", None)  # the hf engine's; vLLM's is its own
         if isinstance(model, torch.nn.Module):
             set_threads(self.config, model)
-        return True
 
     def engine_init(
         self, backend: str, world_size: int, metadata: dict, rank: int | None = None

@@ -9,6 +9,7 @@ import random
 import torch
 
 from .config import TrainerConfig
+from .modeling import preload_hf
 
 __all__ = ["WorkerProcess", "device", "host", "seed_everything", "set_threads"]
 
@@ -44,7 +45,15 @@ def seed_everything(seed: int) -> None:
 
 
 class WorkerProcess:
-    """What the driver asks of any worker about where it runs."""
+    """What every worker does as its process starts, and what the driver asks of any
+    worker about where it runs."""
+
+    def __init__(self, config: TrainerConfig) -> None:
+        # one thread until the model is loaded (automatic threads are set by its size)
+        torch.set_num_threads(config.ray.worker_threads or 1)
+        preload_hf()  # while the driver prepares: the model is loaded later
+        self.config = config
+        self.device = device()
 
     def gpu_ids(self) -> list:
         import ray

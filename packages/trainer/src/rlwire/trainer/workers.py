@@ -26,11 +26,10 @@ import torch
 from .actor import ActorEngine, actor_engine_class
 from .config import TrainerConfig
 from .correction import correction_weights
-from .modeling import preload_hf
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
 from .rollout_worker import RolloutWorker
 from .step import compute_old_logprobs, grpo_update, ppo_update
-from .worker_process import WorkerProcess, device, host, seed_everything, set_threads
+from .worker_process import WorkerProcess, host, seed_everything, set_threads
 
 __all__ = ["ActorWorker", "HybridWorker"]
 
@@ -43,12 +42,9 @@ class ActorWorker(WorkerProcess):
     export through the checkpoint engine, and checkpoints."""
 
     def __init__(self, config: TrainerConfig, model_path: str, rank: int) -> None:
-        torch.set_num_threads(config.ray.worker_threads or 1)  # automatic: set on loading
-        preload_hf()  # while the driver prepares: the model is loaded by setup
-        self.config = config
+        super().__init__(config)
         self.model_path = model_path
         self.rank = rank
-        self.device = device()
         self.actor: ActorEngine | None = None
         self.engine = None
         self.shared: dict[str, torch.Tensor] | None = None  # zero-copy: the arena's tensors

@@ -77,22 +77,27 @@ class NaiveEngine(CheckpointEngine):
 
     async def _wait_receivers(self) -> dict[int, queue.Queue]:
         channel, expected = self._channel, set(range(1, self.world_size))
-        with channel.lock:  # joined already (the usual case): no thread to wait in
-            if expected <= channel.queues.keys():
-                return {r: channel.queues[r] for r in sorted(expected)}
+
+        def joined_now() -> dict[int, queue.Queue] | None:
+            with channel.lock:
+                if expected <= channel.queues.keys():
+                    return {r: channel.queues[r] for r in sorted(expected)}
+            return None
 
         def joined() -> dict[int, queue.Queue]:
             import time
 
             deadline = time.monotonic() + self.timeout
-            while True:
-                with channel.lock:
-                    if expected <= channel.queues.keys():
-                        return {r: channel.queues[r] for r in sorted(expected)}
+            while (queues := joined_now()) is None:
                 if time.monotonic() > deadline:
                     raise TimeoutError("receivers did not join")
                 time.sleep(0.001)
+            return queues
 
+        # Joined already (the usual case): no thread to wait in.
+        queues = joined_now()
+        if queues is not None:
+            return queues
         return await blocking(joined, "naive: waiting for receivers to join", self.timeout)
 
     async def _send(self, weights: Weights, version: int) -> TransferStats:
