@@ -19,9 +19,9 @@ BEHAVIOUR = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.1, -3.0]])
 PROXIMAL = BEHAVIOUR + RHO.log()
 
 
-def _correct(fully_async: bool = False, **settings):
+def _correct(off_policy: bool = False, **settings):
     return correction_weights(
-        PROXIMAL, BEHAVIOUR, MASK, RolloutCorrectionConfig(**settings), fully_async=fully_async
+        PROXIMAL, BEHAVIOUR, MASK, RolloutCorrectionConfig(**settings), off_policy=off_policy
     )
 
 
@@ -75,10 +75,10 @@ def test_sequence_level_masking_by_hand():
     assert upper_only.mask.tolist() == [[1, 1, 0], [0, 0, 0]]  # kept: [1 / 1.4, 1.4]
 
 
-def test_auto_truncates_per_token_in_fully_async_mode_only():
-    async_ = _correct(fully_async=True)
+def test_auto_truncates_per_token_in_off_policy_modes_only():
+    async_ = _correct(off_policy=True)
     _close(async_.weights * MASK, [[2.0, 0.25, 0.0], [1.0, 1.5, 1.0]])
-    colocated = _correct(fully_async=False)
+    colocated = _correct(off_policy=False)
     assert torch.equal(colocated.weights, torch.ones_like(colocated.weights))
     # ... while the metrics still show the mismatch
     assert colocated.metrics["rollout_is_max"] == pytest.approx(3.0)
@@ -100,7 +100,7 @@ def test_behaviour_equal_to_proximal_leaves_loss_and_gradient_exactly_unchanged(
     mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0], [1] * 5, [1, 0, 0, 0, 0]])
     advantages = torch.tensor([1.0, -0.5, 0.25, -2.0])
     c = correction_weights(
-        behaviour, behaviour, mask, RolloutCorrectionConfig(**settings), fully_async=True
+        behaviour, behaviour, mask, RolloutCorrectionConfig(**settings), off_policy=True
     )
     assert torch.equal(c.weights, torch.ones_like(c.weights)) and torch.equal(c.mask, mask)
     logits = behaviour + 0.3 * torch.randn(4, 5)
@@ -140,7 +140,7 @@ def test_verl_keys_and_refusals():
     assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs) == ("sequence", 3.0, "token")
     assert rc.bypass_mode and rc.rs_bounds() == (0.5, 2.0)
     off = load_config(overrides=["algorithm.rollout_correction.rollout_is=null"])
-    assert off.algorithm.rollout_correction.is_level(fully_async=True) is None
+    assert off.algorithm.rollout_correction.is_level(off_policy=True) is None
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["algorithm.rollout_correction.rollout_is=geometric"])
     assert str(err.value) == (

@@ -130,8 +130,8 @@ class GpuLayout:
 
 def gpu_layout(world: int, workers: int, cluster_gpus: float, mode: str) -> GpuLayout | None:
     """Actor rank i on GPU i (NCCL needs one GPU per rank); rollout workers round-robin over
-    the actors' GPUs when colocated, over the remaining GPUs in fully-async mode when there
-    are any. ``None`` without GPUs.
+    the actors' GPUs when colocated, over the remaining GPUs in the off-policy modes
+    (``one_step_off``, ``fully_async``) when there are any. ``None`` without GPUs.
 
     Raises:
         RunError: fewer GPUs than actor ranks.
@@ -144,7 +144,7 @@ def gpu_layout(world: int, workers: int, cluster_gpus: float, mode: str) -> GpuL
             f"actor.world_size: {world} actor ranks need {world} GPUs (NCCL: one GPU per "
             f"rank); the cluster has {cluster_gpus:g}"
         )
-    if mode == "fully_async" and gpus > world:  # a separate rollout pool
+    if mode != "colocated" and gpus > world:  # a separate rollout pool: phases overlap
         rollouts = [world + j % (gpus - world) for j in range(workers)]
     else:
         rollouts = [j % world for j in range(workers)]

@@ -37,7 +37,7 @@ def run_colocated(job: Job, bar) -> None:
         record = job.step_record(
             step,
             result,
-            (t0, t_rollout, t_update, t_sync),
+            (t_rollout - t0, t_update - t_rollout, t_sync - t_update),
             synced,
             samples=len(batch),
             version=step + 1,

@@ -170,7 +170,7 @@ class TrainerConfig:
             self.trainer.mode == "colocated"
             and self.actor.ppo_mini_batch_size in (None, self.data.train_batch_size)
             and self.actor.ppo_epochs == 1
-            and correction.is_level(fully_async=False) is None
+            and correction.is_level(off_policy=False) is None
             and correction.rollout_rs is None
             and not correction.bypass_mode
         )

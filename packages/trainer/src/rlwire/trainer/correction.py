@@ -44,8 +44,9 @@ class RolloutCorrectionConfig:
 
     rollout_is: str | None = "auto"
     """Truncated importance sampling: ``token``, ``sequence``, null (off) or ``auto``
-    (``token`` in fully-async mode, off in colocated mode; the metrics are logged either
-    way, so a mismatch between the rollout engine and the actor shows)."""
+    (``token`` in the off-policy modes, ``one_step_off`` and ``fully_async``; off in
+    colocated mode; the metrics are logged either way, so a mismatch between the rollout
+    engine and the actor shows)."""
     rollout_is_threshold: float = 2.0
     """``C``: importance weights are truncated to at most this."""
     rollout_rs: str | None = None
@@ -76,10 +77,10 @@ class RolloutCorrectionConfig:
                 "use a float in (0, 1] or null"
             )
 
-    def is_level(self, fully_async: bool) -> str | None:
+    def is_level(self, off_policy: bool) -> str | None:
         """The truncated-IS level in effect (``auto`` resolved for the mode)."""
         if self.rollout_is == "auto":
-            return "token" if fully_async else None
+            return "token" if off_policy else None
         return self.rollout_is
 
     def rs_bounds(self) -> tuple[float, float]:
@@ -108,7 +109,7 @@ def correction_weights(
     mask: torch.Tensor,
     config: RolloutCorrectionConfig,
     *,
-    fully_async: bool,
+    off_policy: bool,
 ) -> Correction:
     """The importance weights and rejection mask for ``(B, T)`` log-probs (see the module)."""
     real = mask.to(torch.float32)
@@ -125,7 +126,7 @@ def correction_weights(
             return rho, units
         return log_rho.exp(), real
 
-    level = config.is_level(fully_async)
+    level = config.is_level(off_policy)
     rho, units = per_level(level)
     count = units.sum().clamp(min=1)
     threshold = config.rollout_is_threshold

@@ -1,6 +1,6 @@
 """The job's entry point: validate inputs, start or join Ray, run the mode's loop, write the
-run directory. Calls point one way: driver -> modes (colocated, fully_async) -> job ->
-cluster, inputs."""
+run directory. Calls point one way: driver -> modes (colocated, one_step_off, fully_async)
+-> job -> cluster, inputs."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .fully_async import run_fully_async
 from .inputs import checkpoint_step, latest_checkpoint, resolve_model
 from .job import Job
 from .loggers import open_trackers
+from .one_step_off import run_one_step_off
 from .plot import plot_run
 from .rewards import load_reward
 from .summary import records, summarise
@@ -120,10 +121,12 @@ def _train(job: Job, inputs, bar) -> RunResult:
     bar.update(job.start_step)
     _phase(bar, "rlwire-train")
     try:
-        if config.trainer.mode == "fully_async":
-            run_fully_async(job, bar)
-        else:
-            run_colocated(job, bar)
+        loop = {
+            "colocated": run_colocated,
+            "one_step_off": run_one_step_off,
+            "fully_async": run_fully_async,
+        }[config.trainer.mode]
+        loop(job, bar)
         _phase(bar, "exporting hf_model/")
         job.export_model()
     finally:

@@ -119,7 +119,7 @@ def run_fully_async(job: Job, bar) -> None:
             paused = got["paused_s"]
             fields = {
                 "result": result,
-                "times": (t0, t_samples, t_update, t_sync),
+                "phases": (t_samples - t0, t_update - t_samples, t_sync - t_update),
                 "samples": len(groups) * n,
                 "version": held,
                 "lags": lags,

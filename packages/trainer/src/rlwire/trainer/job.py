@@ -73,9 +73,10 @@ class Job:
         cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
         layout = gpu_layout(world, 0 if self.hybrid else workers, cluster_gpus, config.trainer.mode)
         # colocated on GPUs, an engine that can sleep frees its memory while the actor
-        # trains (nothing to free elsewhere: no calls)
+        # trains (nothing to free elsewhere, and nothing while generation overlaps training)
         engine = rollout_engine_class(config.rollout.backend)
-        self.rollout_sleeps = engine.can_sleep and layout is not None
+        colocated = config.trainer.mode == "colocated"
+        self.rollout_sleeps = engine.can_sleep and layout is not None and colocated
         self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
         place = placement(layout, config.ray.startup_timeout)
         actor_class = ray.remote(num_cpus=1)(HybridWorker if self.hybrid else ActorWorker)
@@ -342,7 +343,7 @@ class Job:
     def step_record(
         step: int,
         result: UpdateMetrics,
-        times: tuple[float, float, float, float],
+        phases: tuple[float, float, float],
         synced: dict[str, Any],
         *,
         samples: int,
@@ -350,23 +351,25 @@ class Job:
         lags: list[int],
         **extra: Any,
     ) -> StepMetrics:
-        """The metrics both modes record: ``times`` are the step's start, samples ready,
-        update done and sync done; ``lags`` the version lag of each prompt group;
-        ``extra`` the mode's own optional fields."""
-        t0, t_samples, t_update, t_sync = times
+        """The metrics every mode records: ``phases`` are the driver's seconds waiting for
+        the samples, for the update and for the sync (the step's time is their sum);
+        ``lags`` the version lag of each sample or prompt group; ``extra`` the mode's own
+        optional fields."""
+        rollout_s, update_s, sync_s = phases
+        seconds = rollout_s + update_s + sync_s
         return StepMetrics(
             step=step + 1,
             **{f.name: getattr(result, f.name) for f in dataclasses.fields(UpdateMetrics)},
-            time_rollout_s=t_samples - t0,
-            time_update_s=t_update - t_samples,
-            time_weight_sync_s=t_sync - t_update,
+            time_rollout_s=rollout_s,
+            time_update_s=update_s,
+            time_weight_sync_s=sync_s,
             weight_sync_gbps=synced["weight_sync_gbps"],
             weight_sync_bytes=synced.get("weight_sync_bytes"),
             weight_sync_wire_bytes=synced.get("weight_sync_wire_bytes"),
             weight_sync_delta_density=synced.get("weight_sync_delta_density"),
             time_weight_export_s=synced.get("time_weight_export_s"),
-            tokens_per_s=result.tokens / (t_sync - t0),
-            samples_per_s=samples / (t_sync - t0),
+            tokens_per_s=result.tokens / seconds,
+            samples_per_s=samples / seconds,
             weight_version=version,
             version_lag_mean=sum(lags) / len(lags),
             version_lag_max=max(lags),

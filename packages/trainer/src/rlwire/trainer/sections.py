@@ -393,12 +393,22 @@ class AsyncConfig:
         return t * (1 + math.ceil(self.staleness_threshold)) - 1
 
 
+MODES = ("colocated", "one_step_off", "fully_async")
+"""``trainer.mode``'s values."""
+_MODE_ALIASES = {"one_step_off_policy": "one_step_off", "fully_async_policy": "fully_async"}
+"""verl's recipe names for the modes."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TrainerSection:
     mode: str = "colocated"
-    """``colocated`` (generate, then update, then sync: every sample is on-policy) or
-    ``fully_async`` (rollout workers generate continuously into a bounded queue while
-    the actor trains; see the ``async`` section)."""
+    """``colocated`` (generate, then update, then sync: every sample is on-policy),
+    ``one_step_off`` (verl's ``one_step_off_policy`` recipe, also accepted: the next batch
+    is generated with the previous weights while the update runs; every sample after the
+    first batch is exactly one version stale, the sync happens between steps, and the run
+    is deterministic for a seed) or ``fully_async`` (rollout workers generate continuously
+    into a bounded queue while the actor trains; see the ``async`` section; verl's
+    ``fully_async_policy`` is accepted)."""
     steps: int = 100
     """Optimizer steps to run (the embedded job: about a minute on 2 CPU cores)."""
     seed: int = 0
@@ -419,8 +429,16 @@ class TrainerSection:
     experiment_name: str | None = None
     """The wandb run name (None: the run directory's name)."""
 
+    @property
+    def off_policy(self) -> bool:
+        """Whether samples may come from older weights than those being updated (every
+        mode but ``colocated``): the off-policy correction's ``auto`` turns on, and the
+        proximal log-probs need their own forward pass."""
+        return self.mode != "colocated"
+
     def __post_init__(self) -> None:
-        _check_choice(self.mode, "trainer.mode", ("colocated", "fully_async"))
+        self.mode = _MODE_ALIASES.get(self.mode, self.mode)
+        _check_choice(self.mode, "trainer.mode", MODES)
         if isinstance(self.logger, str):  # one name, or verl's list
             self.logger = [self.logger]
         _check(

@@ -104,24 +104,23 @@ class ActorWorker(WorkerProcess):
             micro_batch_size=cfg.micro_batch_rows(),
             temperature=temperature,
         )
-        fully_async = cfg.trainer.mode == "fully_async"
         start = time.perf_counter()
         reuse = cfg.reuses_training_logprobs()
         if correction.bypass_mode:
             proximal = rollout.logprobs
         elif reuse:  # exactly on-policy: the training forward's own, recorded during it
             proximal = torch.zeros_like(rollout.logprobs)
-        else:
-            proximal = forward(actor.model)
+        else:  # in eval mode, as the rollout engine samples (dropout would separate them)
+            proximal = _evaluated(actor.model, forward)
         old_logprob_s = time.perf_counter() - start
-        ref = forward(actor.reference) if actor.reference is not None else None
+        ref = _evaluated(actor.reference, forward) if actor.reference is not None else None
         ref_s = time.perf_counter() - start - old_logprob_s
         correct = functools.partial(
             correction_weights,
             behaviour=rollout.logprobs,
             mask=rollout.response_mask,
             config=correction,
-            fully_async=fully_async,
+            off_policy=cfg.trainer.off_policy,
         )
         weights = None if reuse else correct(proximal)
         update = functools.partial(
@@ -308,6 +307,17 @@ class ActorWorker(WorkerProcess):
         torch.set_rng_state(state["rng"])
         random.setstate(state["py_rng"])
         return int(state["step"])
+
+
+def _evaluated(model: torch.nn.Module, forward) -> torch.Tensor:
+    """``forward(model)`` with ``model`` in eval mode (verl computes old and reference
+    log-probs so); its mode restored after."""
+    training = model.training
+    model.eval()
+    try:
+        return forward(model)
+    finally:
+        model.train(training)
 
 
 class HybridWorker(ActorWorker):

@@ -1,0 +1,65 @@
+"""One-step off-policy mode (verl's ``one_step_off_policy`` recipe): the next batch is
+generated with the previous weights while the update runs.
+
+Step ``t`` trains on the batch generated with weights ``v(t-1)`` (the first step of a run,
+or of a resumed run, on one generated with the weights it starts from), while the rollout
+workers generate batch ``t+1`` with ``v(t)``; then the new weights ``v(t+1)`` go to them,
+between steps. Every sample after the first batch is exactly one version stale, and nothing
+depends on timing: each worker runs its calls in the order they were made (a generation
+before the weights that follow it), the sampling seeds are those of colocated mode, so two
+runs with one seed give the same metrics. The off-policy correction's ``auto`` is on
+(token-level truncated IS, as in fully-async mode).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .job import Job
+
+__all__ = ["run_one_step_off"]
+
+
+def run_one_step_off(job: Job, bar) -> None:
+    """Train step ``t`` on the batch of ``v(t-1)`` while batch ``t+1`` is generated with
+    ``v(t)``; sync ``v(t+1)`` between steps.
+
+    Each worker queues its calls: a rollout worker generates batch ``t+1``, then receives
+    ``v(t+1)``; an actor rank trains on batch ``t``, then sends ``v(t+1)``. The driver
+    waits for the update, then for the overlapped generation, then for the sync; the
+    step's times are those three waits (``time_rollout_s`` is the generation that the
+    update did not hide)."""
+    steps = job.config.trainer.steps
+    job.sync(job.start_step)  # the rollout engines start from the actor's (maybe resumed) weights
+    following = job.start_generation(job.start_step)
+    batch = following()
+    for step in range(job.start_step, steps):
+        t0 = time.perf_counter()
+        update = job.start_update(batch)
+        last = step + 1 == steps
+        if not last:  # generated with v(step), which the rollout workers hold now
+            following = job.start_generation(step + 1)
+            sync = job.start_sync(step + 1)  # queued behind the update and that generation
+        result = update()
+        t_update = time.perf_counter()
+        synced: dict = {"weight_sync_gbps": 0.0, "pulls": []}
+        lags = (step - batch.sample_versions()).tolist()  # the versions the workers stamped
+        samples = len(batch)
+        if not last:
+            batch = following()
+        t_samples = time.perf_counter()
+        if not last:
+            synced = sync()
+        t_sync = time.perf_counter()
+        record = job.step_record(
+            step,
+            result,
+            (t_samples - t_update, t_update - t0, t_sync - t_samples),
+            synced,
+            samples=samples,
+            version=step if last else step + 1,
+            lags=lags,
+        )
+        job.record(record, bar)
+        bar.update(1)
+        job.save_if_due(step + 1)

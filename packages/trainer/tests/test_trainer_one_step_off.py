@@ -1,0 +1,53 @@
+"""One-step off-policy mode: exactly one version of lag, and deterministic for a seed."""
+
+from __future__ import annotations
+
+import pytest
+from trainer_cli import train_cli
+
+from rlwire.trainer.config import load_config
+
+_TIMING = ("time_", "_per_s", "_gbps", "rollout_paused_s", "wait_for_samples_s")
+
+
+def test_verls_recipe_name_is_accepted_and_hybrid_engine_refused():
+    from rlwire.trainer.config import ConfigError
+
+    config = load_config(overrides=["trainer.mode=one_step_off_policy"])
+    assert config.trainer.mode == "one_step_off" and config.trainer.off_policy
+    assert not config.hybrid_engine()  # generation overlaps the update: a process of its own
+    assert not config.reuses_training_logprobs()  # the proximal forward is needed
+    assert config.algorithm.rollout_correction.is_level(config.trainer.off_policy) == "token"
+    with pytest.raises(ConfigError, match=r"trainer.mode='one_step_off' \(colocated only\)"):
+        load_config(overrides=["trainer.mode=one_step_off", "rollout.hybrid_engine=true"])
+    with pytest.raises(ConfigError, match=r"^trainer.mode: 'one_step' .*use 'colocated', "):
+        load_config(overrides=["trainer.mode=one_step"])
+
+
+def test_one_version_stale_and_deterministic(ray_cluster, tmp_path):
+    """Two runs with one seed and 2 rollout workers give the same metrics; the first batch
+    is on-policy and every later one exactly one version old (as the workers stamped its
+    tokens); every sync reaches both workers intact."""
+    settings = (
+        "trainer.mode=one_step_off",
+        "rollout.num_workers=2",
+        "trainer.steps=4",
+        "ckpt_engine.digest=true",
+        "trainer.seed=3",
+    )
+    first, _ = train_cli(tmp_path / "a", *settings, cluster=ray_cluster)
+    second, _ = train_cli(tmp_path / "b", *settings, cluster=ray_cluster)
+    assert [r["version_lag_max"] for r in first] == [0, 1, 1, 1]
+    assert [r["version_lag_mean"] for r in first] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["weight_version"] for r in first] == [1, 2, 3, 3]  # no sync after the last
+    for r in first[:3]:
+        assert r["weight_digest_rollout"] == [r["weight_digest_actor"]] * 2
+    assert "weight_digest_actor" not in first[3]
+    assert len({r["weight_digest_actor"] for r in first[:3]}) == 3  # the weights moved
+    assert first[0]["kl_behaviour_proximal"] < 1e-6  # on-policy: only numerics differ
+    assert all(r["kl_behaviour_proximal"] > 1e-4 for r in first[1:])  # one update apart
+
+    def untimed(rows):
+        return [{k: v for k, v in r.items() if not any(t in k for t in _TIMING)} for r in rows]
+
+    assert untimed(first) == untimed(second)
