@@ -43,3 +43,54 @@ def test_prompts_are_deterministic_and_reward_gives_partial_credit():
     ]
     with pytest.raises(ValueError):
         repeat_reward(["p"], ["c", "c"], ["c"])
+
+
+def test_count_task_lengths_have_a_long_tail_and_the_reward_counts_positions():
+    from rlwire.trainer.tiny import count_prompts, count_reward
+
+    pairs = count_prompts(4000, seed=5)
+    assert pairs == count_prompts(4000, seed=5) and pairs[:100] != count_prompts(100, seed=6)
+    for prompt, answer in pairs:
+        letter, count = prompt[0], int(prompt[1:-1])
+        assert prompt.endswith(":") and answer == letter * count and 1 <= count <= 24
+    lengths = [len(answer) for _, answer in pairs]
+    assert 3.5 < sum(lengths) / len(lengths) < 4.5  # mean 4
+    assert 0.02 < sum(n >= 12 for n in lengths) / len(lengths) < 0.07  # one in ~25
+    responses = ["ccc", "cc", "ccccc", "cxc", "", "c c c"]
+    assert count_reward(["c3:"] * 6, responses, ["ccc"] * 6) == [1.0, 2 / 3, 0.6, 2 / 3, 0.0, 1.0]
+
+
+def test_the_realistic_preset_and_the_built_in_task_it_names():
+    from rlwire.trainer.config import ConfigError, load_config
+    from rlwire.trainer.rewards import load_reward
+    from rlwire.trainer.tiny import count_reward
+
+    config = load_config(overrides=["trainer.steps=7"], preset="realistic")
+    assert config.data.source == "builtin:count" and config.rollout.max_new_tokens == 32
+    assert config.actor.optim.lr == 1e-3 and config.trainer.output_dir == "runs/realistic"
+    assert config.trainer.steps == 7  # the command line's overrides win
+    assert load_reward(config).fn is count_reward  # reward.function=builtin: the task's
+    with pytest.raises(ConfigError, match=r"^--preset: 'real' is unknown; use one of"):
+        load_config(preset="real")
+
+
+def test_the_paced_engine_samples_as_hf_and_takes_its_set_time_per_decoding_step(tmp_path):
+    import time
+
+    from rlwire.trainer.config import load_config
+    from rlwire.trainer.rollout.hf import HFEngine
+    from rlwire.trainer.rollout.paced import PacedEngine
+
+    path = str(build_tiny_model(tmp_path / "tiny"))
+    config = load_config(
+        overrides=["rollout.backend=paced", "rollout.paced_step_s=0.05", "rollout.n=2"]
+    )
+    assert not PacedEngine.hybrid and config.hybrid_engine() is False
+    paced, plain = (cls(config, path, torch.device("cpu")) for cls in (PacedEngine, HFEngine))
+    began = time.perf_counter()
+    out = paced.generate(["a:", "b:"], seed=3)
+    waited = time.perf_counter() - began
+    assert waited >= 0.05 * out.response_ids.shape[1] == 0.4  # 8 decoding steps
+    same = plain.generate(["a:", "b:"], seed=3)
+    assert torch.equal(out.response_ids, same.response_ids)
+    assert torch.equal(out.logprobs, same.logprobs)

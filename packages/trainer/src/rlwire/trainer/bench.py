@@ -1,19 +1,25 @@
-"""Colocated vs fully-async on the same job, measured in one run: speed and learning.
+"""The trainer's modes on the same job, measured in one run: speed and learning, per seed.
 
-python -m rlwire.trainer.bench [--steps 100] [--workers 1] [--target R]
-                               [--variant LABEL:key=value,...] [key=value ...]
+python -m rlwire.trainer.bench [--preset realistic] [--seeds 0,1,2,3,4] [--steps N]
+                               [--workers 1] [--target R] [--variant LABEL:key=value,...]
+                               [key=value ...]
 python -m rlwire.trainer.bench --weight-sync [--models 64x2,1024x8] [--backends auto,gloo]
 python -m rlwire.trainer.bench --vs trl --trl-python PATH [--models 64x2,640x8] [--seeds 0,1,2]
 
-Runs the default job (or the given overrides) with the same steps, seed and resources
-as: colocated; fully async with its default off-policy correction (token-level truncated
-importance sampling, C = 2); fully async without correction
-(``algorithm.rollout_correction.rollout_is=null``); and each ``--variant`` (fully async
-plus its overrides). Prints one table: samples/s over the training loop and as a ratio
-to colocated's, the weight-sync share of the loop, the mean version lag, the final
-reward (mean over the last tenth of the steps) and its ratio to colocated's, and the
-training-loop time until the reward's 10-step moving mean first reaches the target
-(``--target``; default 0.8 x colocated's final reward) with its ratio to colocated's.
+Runs the default job (or ``--preset``'s, with the given overrides) with the same steps,
+seed and resources as: colocated; one-step off-policy; fully async with its default
+off-policy correction (token-level truncated importance sampling, C = 2); and each
+``--variant`` (fully async plus its overrides, or the mode they set), for every seed of
+``--seeds``. Prints one row per seed and run: samples/s over the training loop and as a
+ratio to colocated's in that seed, the weight-sync share of the loop, the mean version
+lag, the final reward (mean over the last tenth of the steps) and its ratio to
+colocated's, and the training-loop time until the reward's 10-step moving mean first
+reaches the target (``--target``; default 0.8 x colocated's final reward in that seed)
+with its ratio to colocated's; then per run the mean and worst ratios over the seeds and
+what the driver waited for per step (samples, the actors' update call, the rest of the
+update, the weight sync). ``rollout.backend=paced`` gives a generation that takes a set
+time per decoding step without using the CPU (a GPU engine or a remote server, as the
+trainer sees one).
 
 With ``--weight-sync`` it measures the trainer's weight syncs instead: for each model size
 (``HIDDENxLAYERS`` of the built-in Qwen2 architecture) and checkpoint-engine backend, a short
@@ -41,7 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .summary import WINDOW, final_reward, summarise, time_to_target
+from .bench_modes import compare_modes
+from .summary import final_reward, summarise, time_to_target
 from .summary import records as summary_records
 
 __all__ = ["main", "summarise", "time_to_target"]
@@ -126,7 +133,8 @@ def weight_sync(args: argparse.Namespace, root: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlwire.trainer.bench", description=__doc__)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=None, help="default: the job's")
+    parser.add_argument("--preset", default=None, help="a named job (rlwire-train --preset)")
     parser.add_argument("--workers", type=int, default=1, help="rollout workers (every run)")
     parser.add_argument("--target", type=float, default=None, help="reward to reach")
     parser.add_argument("--variant", type=_variant, action="append", default=[])
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="auto,gloo", help="checkpoint engines (sync)")
     parser.add_argument("--vs", choices=["trl"], default=None, help="compare with TRL")
     parser.add_argument("--trl-python", default=None, help="a Python with trl (--vs trl)")
-    parser.add_argument("--seeds", default="0", help="seeds (--vs trl)")
+    parser.add_argument("--seeds", default="0", help="seeds, e.g. 0,1,2,3,4")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     if args.weight_sync:
@@ -148,61 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         return weight_sync(args, Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-")))
     if args.vs == "trl":
         args.models = args.models or "64x2"
+        args.steps = args.steps or 100
         return vs_trl(args, Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-")))
 
-    from .config import load_config
-    from .driver import run
-
-    root = Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-"))
-    runs = [
-        ("colocated", ["trainer.mode=colocated"]),
-        ("fully_async", ["trainer.mode=fully_async"]),
-        (
-            "fully_async, no correction",
-            ["trainer.mode=fully_async", "algorithm.rollout_correction.rollout_is=null"],
-        ),
-        *[(label, ["trainer.mode=fully_async", *more]) for label, more in args.variant],
-    ]
-    rows, records = {}, {}
-    for i, (label, settings) in enumerate(runs):
-        out = root / f"run{i}"
-        config = load_config(
-            overrides=[
-                *args.overrides,
-                *settings,
-                f"trainer.steps={args.steps}",
-                f"rollout.num_workers={args.workers}",
-                f"trainer.output_dir={out}",
-                "trainer.resume=never",
-            ]
-        )
-        start = time.perf_counter()
-        run(config, progress=False)
-        wall = time.perf_counter() - start
-        records[label] = summary_records(out)
-        rows[label] = {**summarise(records[label]), "wall_s": wall}
-    base = rows["colocated"]
-    target = args.target if args.target is not None else 0.8 * base["reward_final"]
-    reach = {label: time_to_target(records[label], target) for label in rows}
-    print(f"{args.steps} steps, {args.workers} rollout worker(s), overrides: {args.overrides}")
-    print(f"target: reward {target:.3f} ({WINDOW}-step moving mean)")
-    print(
-        "| run | samples/s | vs colocated | weight sync share | mean version lag "
-        "| reward (last 10%) | vs colocated | loop s to target | vs colocated | wall s |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for label, r in rows.items():
-        t, t0 = reach[label], reach["colocated"]
-        to_target = "not reached" if t is None else f"{t:.1f}"
-        ratio = f"{t / t0:.2f}x" if t is not None and t0 else "-"
-        speed = r["samples_per_s"] / base["samples_per_s"]
-        print(
-            f"| {label} | {r['samples_per_s']:.1f} | {speed:.2f}x "
-            f"| {r['sync_fraction']:.1%} | {r['lag_mean']:.2f} | {r['reward_final']:.3f} "
-            f"| {r['reward_final'] / base['reward_final']:.2f}x | {to_target} | {ratio} "
-            f"| {r['wall_s']:.1f} |"
-        )
-    return 0
+    return compare_modes(args, Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-")))
 
 
 _PHASES = (  # rlwire's per-step breakdown (metrics.jsonl), in the order a step runs them

@@ -1,6 +1,6 @@
 """``rlwire-train``: the command line.
 
-rlwire-train [--config FILE.yaml] [--print-config] [dotted.key=value ...]
+rlwire-train [--preset NAME] [--config FILE.yaml] [--print-config] [dotted.key=value ...]
 rlwire-train plot RUN_DIR
 """
 
@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", help="a YAML file merged over the defaults")
     parser.add_argument(
+        "--preset",
+        help="a named job applied before --config and the overrides: 'realistic' (the count "
+        "task, response lengths with a long tail, lr 1e-3, 300 steps, runs/realistic)",
+    )
+    parser.add_argument(
         "--print-config", action="store_true", help="print the resolved configuration and exit"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -53,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError, load_config, to_dict
 
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides, preset=args.preset)
     except ConfigError as err:
         return _fail(str(err))
     if args.print_config:

@@ -41,8 +41,22 @@ from .verl_keys import translate
 SMALL_MODEL_PARAMETERS = 1_000_000
 """Below this a worker computes on one thread (``ray.worker_threads`` automatic)."""
 
+PRESETS: dict[str, tuple[str, ...]] = {
+    "realistic": (
+        "data.source=builtin:count",
+        "rollout.max_new_tokens=32",
+        "actor.optim.lr=1e-3",
+        "trainer.steps=300",
+        "trainer.output_dir=runs/realistic",
+    ),
+}
+"""Named jobs (``rlwire-train --preset NAME``): overrides applied over the defaults, before
+a config file and the command line's own. ``realistic``: the ``count`` task (response
+lengths with a long tail) at a learning rate where one update moves the policy about as
+far per token as a real LLM run's (see the trainer README)."""
+
 # The sections themselves are public in rlwire.trainer.sections.
-__all__ = ["ConfigError", "TrainerConfig", "describe_config", "load_config", "to_dict"]
+__all__ = ["PRESETS", "ConfigError", "TrainerConfig", "describe_config", "load_config", "to_dict"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -311,17 +325,26 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainerConfig:
-    """Defaults, then the YAML file at ``path``, then ``key.sub=value`` overrides.
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, preset: str | None = None
+) -> TrainerConfig:
+    """Defaults, then the preset's overrides (:data:`PRESETS`), then the YAML file at
+    ``path``, then ``key.sub=value`` overrides.
 
     Raises:
         ConfigError: unknown keys (with the valid ones and the closest match),
-            wrong types or values (naming the key), a malformed override, or a
-            missing/unreadable file.
+            wrong types or values (naming the key), a malformed override, an unknown
+            preset, or a missing/unreadable file.
     """
     import yaml
 
     flat: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"--preset: {preset!r} is unknown; use one of {sorted(PRESETS)}")
+        for item in PRESETS[preset]:
+            key, _, text = item.partition("=")
+            flat[key] = _parse_scalar(text)
     if path is not None:
         try:
             loaded = yaml.safe_load(Path(path).read_text()) or {}

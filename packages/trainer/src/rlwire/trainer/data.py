@@ -18,6 +18,7 @@ from typing import Any
 from .config import TrainerConfig
 from .errors import RunError
 from .rollout import Example
+from .tiny import BUILTIN_TASKS
 
 __all__ = ["load_data"]
 
@@ -113,17 +114,22 @@ def load_data(config: TrainerConfig, model_path: Path) -> Callable[[int], list[E
     is read and checked now. ``model_path``: its tokenizer renders chat-message prompts."""
     size, seed = config.data.train_batch_size, config.trainer.seed
     source = config.data.source
-    if source == "builtin:repeat":
-        from .tiny import repeat_prompts
+    task = (
+        BUILTIN_TASKS.get(source.removeprefix("builtin:"))
+        if source.startswith("builtin:")
+        else None
+    )
+    if task is not None:
 
-        def repeat(step: int) -> list[Example]:
-            pairs = repeat_prompts(size, seed=seed * 1_000_003 + step)
-            return [Example(prompt=p, answer=a, data_source="builtin:repeat") for p, a in pairs]
+        def generated(step: int) -> list[Example]:
+            pairs = task.prompts(size, seed=seed * 1_000_003 + step)
+            return [Example(prompt=p, answer=a, data_source=source) for p, a in pairs]
 
-        return repeat
+        return generated
     path = Path(source)
     if not path.is_file():
-        raise RunError(f"data.source: {source!r} is neither 'builtin:repeat' nor a file")
+        names = " or ".join(repr(f"builtin:{name}") for name in BUILTIN_TASKS)
+        raise RunError(f"data.source: {source!r} is neither {names} nor a file")
     render = _Renderer(model_path, path)
     rows = [_example(row, where, config, render, path) for where, row in _reader(path)]
     if not rows:

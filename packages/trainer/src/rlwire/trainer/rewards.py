@@ -22,7 +22,7 @@ import torch
 from .config import TrainerConfig
 from .errors import RunError
 from .rollout import Example
-from .tiny import repeat_reward
+from .tiny import BUILTIN_TASKS, repeat_reward
 
 __all__ = ["Reward", "gsm8k_score", "load_reward", "math_score"]
 
@@ -124,6 +124,9 @@ class Reward:
 def load_reward(config: TrainerConfig) -> Reward:
     """The configured reward (``reward.function``), imported and checked now."""
     spec = config.reward.function
+    source = config.data.source
+    if spec == "builtin" and source.removeprefix("builtin:") in BUILTIN_TASKS:
+        return Reward(BUILTIN_TASKS[source.removeprefix("builtin:")].reward, spec)
     if spec in BUILTIN_REWARDS:
         if spec == "math" and importlib.util.find_spec("math_verify") is None:
             raise RunError(MATH_INSTALL_HINT)

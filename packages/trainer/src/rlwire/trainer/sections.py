@@ -80,7 +80,9 @@ class ModelConfig:
 class DataConfig:
     source: str = "builtin:repeat"
     """``builtin:repeat`` (the built-in verifiable task: answer a letter with that
-    letter, partial credit per character) or a JSONL/Parquet file."""
+    letter, partial credit per character), ``builtin:count`` (answer a letter and a count,
+    ``c3:``, with the letter that many times and stop: response lengths with a long tail;
+    the ``realistic`` preset's) or a JSONL/Parquet file."""
     prompt_key: str = "prompt"
     """Field holding the prompt in a user file: text, or a list of chat messages (verl's
     layout) rendered with the tokenizer's chat template. Dots address nested fields."""
@@ -232,7 +234,9 @@ class VLLMSection:
 class RolloutConfig:
     backend: str = "hf"
     """Generation engine: ``hf`` (Hugging Face ``generate`` on a plain copy of the
-    policy), ``vllm`` (a live ``vllm.LLM`` engine; extra ``rlwire-trainer[vllm]``), or a
+    policy), ``vllm`` (a live ``vllm.LLM`` engine; extra ``rlwire-trainer[vllm]``),
+    ``paced`` (``hf`` at a set wall time per decoding step, ``rollout.paced_step_s``: a
+    stand-in for an engine off the trainer's CPUs, for benchmarks and tests), or a
     dotted path ``package.module:Class`` to a ``rlwire.trainer.rollout.RolloutEngine``
     subclass (imported when the config loads, and in every rollout worker)."""
     num_workers: int = 1
@@ -253,9 +257,15 @@ class RolloutConfig:
     equal to ``actor.world_size``, ``ckpt_engine.backend`` ``auto`` or ``naive`` and
     ``ckpt_engine.delta`` not ``on``; false: rollout workers of their own."""
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
+    paced_step_s: float = 0.004
+    """``rollout.backend=paced`` only: wall seconds per decoding step of every generation
+    call; the ``hf`` engine's generation, with the rest of that time waited out without
+    using the CPU, as a GPU engine or a remote server looks to the trainer (benchmarks
+    and tests of overlap)."""
 
     def __post_init__(self) -> None:
         _check_engine(self.backend, "rollout.backend", ROLLOUT_ENGINES, rollout_engine_class)
+        _check(self.paced_step_s >= 0, "rollout.paced_step_s", self.paced_step_s, "use >= 0")
         _check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
         _check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")
         _check(

@@ -31,6 +31,7 @@ __all__ = [
 
 ROLLOUT_ENGINES: dict[str, str] = {
     "hf": "rlwire.trainer.rollout.hf:HFEngine",
+    "paced": "rlwire.trainer.rollout.paced:PacedEngine",
     "vllm": "rlwire.trainer.rollout.vllm:VLLMEngine",
 }
 

@@ -1,0 +1,126 @@
+"""``python -m rlwire.trainer.bench`` without ``--weight-sync`` or ``--vs``: the modes on one
+job, per seed, measured in one run (see :mod:`rlwire.trainer.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from .summary import WINDOW, summarise, time_to_target
+from .summary import records as summary_records
+
+__all__ = ["MODE_RUNS", "compare_modes"]
+
+MODE_RUNS: list[tuple[str, list[str]]] = [
+    ("colocated", ["trainer.mode=colocated"]),
+    ("one_step_off", ["trainer.mode=one_step_off"]),
+    ("fully_async", ["trainer.mode=fully_async"]),
+]
+"""Every comparison's runs; ``--variant`` adds fully-async ones (or any mode it sets)."""
+
+
+def _orchestration(rows: list[dict]) -> dict[str, float]:
+    """Mean milliseconds per step the driver spent waiting for samples, in the actors'
+    update call, in the rest of the update (scoring, moving the batch, Ray), and waiting for
+    the weight sync."""
+
+    def mean(key: str) -> float:
+        return 1000 * sum(r.get(key) or 0.0 for r in rows) / len(rows)
+
+    return {
+        "samples": mean("time_rollout_s"),
+        "actor": mean("time_actor_s"),
+        "driver": mean("time_update_s") - mean("time_actor_s"),
+        "sync": mean("time_weight_sync_s"),
+    }
+
+
+def compare_modes(args: argparse.Namespace, root: Path) -> int:
+    """Run colocated, one-step off-policy, fully async and each ``--variant`` on the job
+    (``--preset``, overrides) for every seed of ``--seeds``; print the per-seed table, then
+    each run's mean and worst ratios to colocated and its per-step orchestration."""
+    from .config import load_config
+    from .driver import run
+
+    runs = [
+        *MODE_RUNS,
+        *[(label, ["trainer.mode=fully_async", *more]) for label, more in args.variant],
+    ]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows: dict[tuple[str, int], dict] = {}
+    kept: dict[tuple[str, int], list[dict]] = {}
+    print(
+        f"preset: {args.preset}, overrides: {args.overrides}, {args.workers} rollout worker(s), "
+        f"seeds {seeds}"
+    )
+    print(
+        "| seed | run | samples/s | vs colocated | sync share | mean lag | reward (last 10%) "
+        "| vs colocated | loop s to target | vs colocated | wall s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for seed in seeds:
+        for i, (label, settings) in enumerate(runs):
+            out = root / f"seed{seed}-run{i}"
+            extra = [f"trainer.steps={args.steps}"] if args.steps else []
+            config = load_config(
+                overrides=[
+                    *args.overrides,
+                    *settings,
+                    *extra,
+                    f"trainer.seed={seed}",
+                    f"rollout.num_workers={args.workers}",
+                    f"trainer.output_dir={out}",
+                    "trainer.resume=never",
+                ],
+                preset=args.preset,
+            )
+            start = time.perf_counter()
+            run(config, progress=False)
+            kept[label, seed] = summary_records(out)
+            rows[label, seed] = {
+                **summarise(kept[label, seed]),
+                "wall_s": time.perf_counter() - start,
+            }
+        base = rows["colocated", seed]
+        target = args.target if args.target is not None else 0.8 * base["reward_final"]
+        t0 = time_to_target(kept["colocated", seed], target)
+        for label, _ in runs:
+            r = rows[label, seed]
+            t = time_to_target(kept[label, seed], target)
+            r["speed"] = r["samples_per_s"] / base["samples_per_s"]
+            r["reward"] = r["reward_final"] / base["reward_final"] if base["reward_final"] else 0.0
+            r["to_target"] = t / t0 if t is not None and t0 else None
+            reached = "not reached" if t is None else f"{t:.1f}"
+            ratio = "-" if r["to_target"] is None else f"{r['to_target']:.2f}x"
+            print(
+                f"| {seed} | {label} | {r['samples_per_s']:.1f} | {r['speed']:.2f}x "
+                f"| {r['sync_fraction']:.1%} | {r['lag_mean']:.2f} | {r['reward_final']:.3f} "
+                f"| {r['reward']:.2f}x | {reached} | {ratio} | {r['wall_s']:.1f} |",
+                flush=True,
+            )
+    print(f"\ntarget: 0.8 x colocated's final reward in the same seed ({WINDOW}-step moving mean)")
+    print(
+        "| run | samples/s vs colocated (mean) | reward vs colocated: mean | worst "
+        "| time to target vs colocated: mean | worst | per step, ms: samples wait | actors' update "
+        "| driver's share | sync wait |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, _ in runs:
+        mine = [rows[label, s] for s in seeds]
+        reached = [r["to_target"] for r in mine if r["to_target"] is not None]
+        times = (
+            f"{statistics.mean(reached):.2f}x | {max(reached):.2f}x"
+            + ("" if len(reached) == len(mine) else f" ({len(mine) - len(reached)} not reached)")
+            if reached
+            else "not reached | -"
+        )
+        cost = _orchestration([r for s in seeds for r in kept[label, s]])
+        print(
+            f"| {label} | {statistics.mean(r['speed'] for r in mine):.2f}x "
+            f"| {statistics.mean(r['reward'] for r in mine):.2f}x "
+            f"| {min(r['reward'] for r in mine):.2f}x | {times} | {cost['samples']:.1f} "
+            f"| {cost['actor']:.1f} | {cost['driver']:.1f} | {cost['sync']:.1f} |"
+        )
+    return 0
