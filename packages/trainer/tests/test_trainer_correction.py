@@ -133,12 +133,13 @@ def test_verl_keys_and_refusals():
             "algorithm.rollout_correction.rollout_is=sequence",
             "algorithm.rollout_correction.rollout_is_threshold=3",
             "algorithm.rollout_correction.rollout_rs=token",
-            "algorithm.rollout_correction.bypass_mode=true",
         ]
     )
     rc = config.algorithm.rollout_correction
     assert (rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs) == ("sequence", 3.0, "token")
-    assert rc.bypass_mode and rc.rs_bounds() == (0.5, 2.0)
+    assert not rc.bypass_mode and rc.rs_bounds() == (0.5, 2.0)
+    bypass = load_config(overrides=["algorithm.rollout_correction.bypass_mode=true"])
+    assert bypass.algorithm.rollout_correction.bypass_mode
     off = load_config(overrides=["algorithm.rollout_correction.rollout_is=null"])
     assert off.algorithm.rollout_correction.is_level(off_policy=True) is None
     with pytest.raises(ConfigError) as err:
@@ -151,3 +152,20 @@ def test_verl_keys_and_refusals():
         ConfigError, match=r"rollout_is_threshold: 0.5 is not allowed; use a float >= 1"
     ):
         load_config(overrides=["algorithm.rollout_correction.rollout_is_threshold=0.5"])
+
+
+def test_rejection_is_refused_in_bypass_mode():
+    # bypass_mode's proximal log-probs are the behaviour ones: rho = 1, nothing is rejected
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            overrides=[
+                "algorithm.rollout_correction.rollout_rs=sequence",
+                "algorithm.rollout_correction.bypass_mode=true",
+            ]
+        )
+    assert str(err.value) == (
+        "algorithm.rollout_correction.rollout_rs: 'sequence' cannot act with "
+        "algorithm.rollout_correction.bypass_mode=true (the behaviour log-probs are the "
+        "proximal ones, so every ratio is 1 and nothing is rejected); "
+        "set bypass_mode=false or rollout_rs=null"
+    )

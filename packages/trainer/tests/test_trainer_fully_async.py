@@ -62,9 +62,9 @@ async def _simulate(
             await queue.put(w, [version] * len(groups), groups)
 
     tasks = [asyncio.create_task(worker(w)) for w in range(workers)]
-    assert await queue.wait_receiving(5)
     pushed.setdefault(0, asyncio.Event()).set()
     assert await queue.wait_synced(0, 5) is not None
+    in_flight = None  # like the trainer: a push does not wait for the workers' boundaries
     consumed: list[tuple[int, int, str]] = []  # (trainer version, group version, prompt)
     for step in range(steps):
         got = await queue.get(required, step, timeout=5)
@@ -74,11 +74,15 @@ async def _simulate(
             for version, g in zip(got["versions"], got["groups"], strict=True)
         ]
         await asyncio.sleep(rng.uniform(0.001, 0.01))  # the update
+        if in_flight is not None:  # completed after the next update, before another starts
+            assert await queue.wait_synced(in_flight, 5) is not None
+            in_flight = None
         if (step + 1) % trigger == 0:
             await queue.request_sync(step + 1)
-            assert await queue.wait_receiving(5)
             pushed.setdefault(step + 1, asyncio.Event()).set()
-            assert await queue.wait_synced(step + 1, 5) is not None
+            in_flight = step + 1
+    if in_flight is not None:
+        assert await queue.wait_synced(in_flight, 5) is not None
     await queue.stop()
     await asyncio.wait_for(asyncio.gather(*tasks), 5)
     return {"consumed": consumed, "stale": seen_stale, "queue": queue}

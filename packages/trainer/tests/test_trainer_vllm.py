@@ -4,6 +4,7 @@ environment with vLLM, e.g. by ``.ci/vllm``; deselected by default)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -98,6 +99,47 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
         original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         assert max_error(original, after) > 100 * TOLERANCE  # and not the old ones
     sender.finalize()
+
+
+def test_vllm_samples_from_the_plain_distribution_whatever_the_generation_config(
+    ray_local, tmp_path
+):
+    """A model whose generation_config.json penalises repetition and cuts to the top 5:
+    vLLM's (processed) log-probs are still the actor's plain softmax(logits / T) ones."""
+    from transformers import AutoModelForCausalLM
+
+    from rlwire.trainer.config import load_config
+    from rlwire.trainer.rollout_worker import RolloutWorker
+    from rlwire.trainer.step import compute_old_logprobs
+    from rlwire.trainer.tiny import build_tiny_model, repeat_prompts
+
+    ray = ray_local
+    model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
+    file = model_dir / "generation_config.json"
+    penalties = {"do_sample": True, "repetition_penalty": 1.5, "top_k": 5, "min_p": 0.2}
+    file.write_text(json.dumps({**json.loads(file.read_text()), **penalties}))
+    temperature = 0.7
+    config = load_config(
+        overrides=[
+            "rollout.backend=vllm",
+            "rollout.n=4",
+            "rollout.max_new_tokens=12",
+            f"rollout.temperature={temperature}",
+        ]
+    )
+    prompts = [p for p, _ in repeat_prompts(6, seed=1)]
+    worker = ray.remote(num_cpus=1)(RolloutWorker).remote(config, str(model_dir), 0)
+    try:
+        ray.get(worker.load_engine.remote(), timeout=300)
+        out = ray.get(worker.generate.remote(prompts, 7), timeout=300)
+    finally:
+        ray.kill(worker)
+    actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert actor.generation_config.repetition_penalty == 1.5  # the file is there
+    mask = out.response_mask.bool()
+    assert mask.sum() > 0
+    recomputed = compute_old_logprobs(actor, out, micro_batch_size=8, temperature=temperature)
+    assert float((recomputed - out.logprobs)[mask].abs().max()) < TOLERANCE
 
 
 @pytest.mark.parametrize("mode", ["fully_async", "colocated"])

@@ -56,7 +56,8 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold_lower: float | None = None
     """Lower bound of the kept weights' range (null: ``1 / rollout_rs_threshold``)."""
     bypass_mode: bool = False
-    """True: skip the proximal forward pass and clip against the behaviour log-probs."""
+    """True: skip the proximal forward pass and clip against the behaviour log-probs
+    (every ``rho`` is then 1, so ``rollout_rs`` is refused with it)."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -75,6 +76,13 @@ class RolloutCorrectionConfig:
             raise ValueError(
                 f"{name}.rollout_rs_threshold_lower: {lower!r} is not allowed; "
                 "use a float in (0, 1] or null"
+            )
+        if self.bypass_mode and self.rollout_rs is not None:
+            raise ValueError(
+                f"{name}.rollout_rs: {self.rollout_rs!r} cannot act with "
+                f"{name}.bypass_mode=true (the behaviour log-probs are the proximal ones, "
+                "so every ratio is 1 and nothing is rejected); "
+                "set bypass_mode=false or rollout_rs=null"
             )
 
     def is_level(self, off_policy: bool) -> str | None:

@@ -2,9 +2,11 @@
 actor trains; weights go to them every ``async.trigger_parameter_sync_step`` updates.
 
 The trainer's loop overlaps what it can: the groups of the next update are taken from the
-queue while the current update runs, and a weight push completes while the next update's
-samples are gathered (the actor runs its calls in order, so the next update starts after the
-push; a sync step's metrics line is written once its sync completed)."""
+queue while the current update runs, and a weight push does not hold the trainer: actor rank
+0 gathers the weights into a snapshot and sends it from a thread of its own while the next
+update runs, and each rollout worker takes it at its next boundary (the end of its chunk of
+groups, or with partial rollouts of its token chunk). A sync step's metrics line is written
+once its sync completed, after the next update."""
 
 from __future__ import annotations
 
@@ -57,24 +59,22 @@ def run_fully_async(job: Job, bar) -> None:
         """Ask for the groups of update ``step`` (answered once they are there)."""
         return queue.get.remote(required, step, wait_s)
 
-    def start_sync(version: int, *, request: bool = True) -> tuple[list, Any]:
-        """Stop the workers at their next chunk, start the push; the refs to finish it."""
+    def start_sync(version: int, *, request: bool = True) -> Any:
+        """Ask the workers to take ``version`` at their next boundary and hand it over:
+        each actor rank gathers the weights, rank 0 sends them from a thread of its own
+        and goes on with its next calls. Nothing here waits for the workers."""
         if request:
             watch.get(queue.request_sync.remote(version), timeout=wait_s, what="weight sync")
-        if not watch.get(
-            queue.wait_receiving.remote(wait_s), timeout=wait_s + 30, what="weight sync"
-        ):
-            raise RunError(
-                f"weight sync: the rollout workers did not finish their chunks within {wait_s:g} s"
-            )
-        pushed = [a.push_weights.remote(version) for a in job.actors]
-        return pushed, queue.wait_synced.remote(version, sync_s)
+        for actor in job.actors:  # queued before the next update on every rank
+            actor.start_push.remote(version)
+        return queue.wait_synced.remote(version, sync_s)
 
-    def finish_sync(started: tuple[list, Any]) -> dict[str, Any]:
-        pushed, synced = started
+    def finish_sync(synced: Any) -> dict[str, Any]:
+        """Wait until every worker holds the version and rank 0's send ended: its report."""
         # No overall deadline for the send: the engine bounds every wait of it
         # (ckpt_engine.timeout) and fails it, and a large model may outlast any fixed budget.
-        stats = watch.get(pushed, timeout=None, what="weight sync (send)")[0]
+        finished = [a.finish_push.remote() for a in job.actors]
+        stats = watch.get(finished, timeout=None, what="weight sync (send)")[0]
         pulls = watch.get(synced, timeout=sync_s + 30, what="weight sync")
         if pulls is None:
             raise RunError(f"weight sync: the rollout workers did not apply it within {sync_s:g} s")

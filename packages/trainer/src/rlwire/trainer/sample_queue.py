@@ -84,7 +84,6 @@ class SampleQueue:
         self.sync_to: int | None = start_version  # workers start by receiving the weights
         self.worker_versions = [-1] * num_workers
         self.sync_info: list[dict] = [{} for _ in range(num_workers)]
-        self.receiving: set[int] = set()
         self.stopping = False
         self.dropped = 0
         self.generated = 0
@@ -109,8 +108,6 @@ class SampleQueue:
                     if self.stopping:
                         return {"kind": "stop"}
                     if self.sync_to is not None and self.worker_versions[worker] != self.sync_to:
-                        self.receiving.add(worker)
-                        self.cond.notify_all()
                         return {"kind": "sync", "version": self.sync_to}
                     if self._may_generate():
                         break
@@ -156,7 +153,6 @@ class SampleQueue:
         async with self.cond:
             self.worker_versions[worker] = info["version"]
             self.sync_info[worker] = info
-            self.receiving.discard(worker)
             if self.sync_to is not None and all(v == self.sync_to for v in self.worker_versions):
                 self.version, self.sync_to = self.sync_to, None
                 self._drop_lagging(self.version)
@@ -166,12 +162,10 @@ class SampleQueue:
 
     async def sync_pending(self, worker: int) -> int | None:
         """Partial rollouts, between two token chunks: the version ``worker`` must receive
-        now (it is counted as receiving), or None when no sync waits for it."""
+        now, or None when no sync waits for it."""
         async with self.cond:
             if self.sync_to is None or self.worker_versions[worker] == self.sync_to:
                 return None
-            self.receiving.add(worker)
-            self.cond.notify_all()
             return self.sync_to
 
     # --- the trainer's side ----------------------------------------------------------------
@@ -229,18 +223,6 @@ class SampleQueue:
         except TimeoutError:
             return False
         return True
-
-    async def wait_receiving(self, timeout: float) -> bool:
-        """True once every worker has entered the receive of the requested sync (or holds
-        its version already)."""
-
-        def ready() -> bool:
-            return all(
-                w in self.receiving or v == self.sync_to for w, v in enumerate(self.worker_versions)
-            )
-
-        async with self.cond:
-            return await self._wait(ready, timeout)
 
     async def wait_synced(self, version: int, timeout: float) -> list[dict] | None:
         """Each worker's sync info once all hold weights ``version``; None on timeout."""

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .actor import ActorEngine, actor_engine_class
+from .background import Background
 from .config import TrainerConfig
 from .correction import correction_weights
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
@@ -48,6 +49,7 @@ class ActorWorker(WorkerProcess):
         self.actor: ActorEngine | None = None
         self.engine = None
         self.shared: dict[str, torch.Tensor] | None = None  # zero-copy: the arena's tensors
+        self._sending = Background("weight push")  # fully async: the send in flight
 
     # --- setup ---------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -229,35 +231,61 @@ class ActorWorker(WorkerProcess):
         weights in the engine's shared arena, laid out on the first sync: each sync copies
         every gathered tensor into its place there and sends without packing; the receivers
         read it in place."""
-        wanted = self.config.ckpt_engine.digest and self.rank == 0  # only rank 0 reports
-        digest = WeightsDigest() if wanted else None
-
-        def weights():
-            for name, value in self._full_weights():
-                if digest is not None:
-                    digest.add(name, value)
-                yield name, value
+        digest = self._digest()
 
         async def send() -> dict[str, Any]:
             start = time.perf_counter()
             with self._resident(optimizer=False):
-                items = weights()
+                items = self._gathered(digest)
                 if self._zero_copy():
                     items = self._into_arena(items)
                 stats = await self.engine.send_weights(items, version=version)
-            return {
-                # gathering the full weights (and copying them into the arena) beyond the
-                # engine
-                "time_weight_export_s": max(0.0, time.perf_counter() - start - stats.seconds),
-                "weight_sync_s": stats.seconds,
-                "weight_sync_gbps": stats.gbps,
-                "weight_sync_bytes": stats.bytes,
-                "weight_sync_wire_bytes": stats.wire_bytes,
-                "weight_sync_delta_density": stats.density,
-                "digest": digest.hexdigest() if digest is not None else None,
-            }
+            # gathering the full weights (and copying them into the arena) beyond the engine
+            return _report(stats, time.perf_counter() - start - stats.seconds, digest)
 
         return send()
+
+    def start_push(self, version: int) -> None:
+        """Send the full weights as ``version`` without holding this rank (fully-async mode):
+        every rank gathers them now; rank 0 keeps them as a snapshot (the ``shm`` arena, or a
+        copy: one copy of the weights more on rank 0) and sends it from a thread of its own
+        while the next calls (updates) run; the rollout workers take it at their next
+        boundary. One send in flight: this first finishes the previous one."""
+        timeout = self.config.ckpt_engine.timeout + 30
+        if self.rank != 0:  # the gathers only
+            self.push_weights(version)
+            return
+        digest = self._digest()
+        start = time.perf_counter()
+        with self._resident(optimizer=False):
+            items = self._gathered(digest)
+            if self._zero_copy():
+                snapshot = self._into_arena(items)
+            else:
+                snapshot = [(name, value.detach().clone()) for name, value in items]
+        gathered_s = time.perf_counter() - start
+
+        async def send() -> dict[str, Any]:
+            stats = await self.engine.send_weights(snapshot, version=version)
+            return _report(stats, gathered_s, digest)
+
+        self._sending.start(send, timeout=timeout)
+
+    def finish_push(self) -> dict[str, Any]:
+        """Wait for the send :meth:`start_push` began (bounded by ``ckpt_engine.timeout``
+        per wait in the engine); what :meth:`push_weights` reports (``{}`` on ranks but 0)."""
+        return self._sending.finish(timeout=self.config.ckpt_engine.timeout + 30) or {}
+
+    def _digest(self) -> WeightsDigest | None:
+        """A digest to fill while gathering, with ``ckpt_engine.digest`` (rank 0 reports)."""
+        return WeightsDigest() if self.config.ckpt_engine.digest and self.rank == 0 else None
+
+    def _gathered(self, digest: WeightsDigest | None):
+        """:meth:`_full_weights`, added to ``digest`` on the way."""
+        for name, value in self._full_weights():
+            if digest is not None:
+                digest.add(name, value)
+            yield name, value
 
     def _zero_copy(self) -> bool:
         from rlwire.ckpt_engine import registry
@@ -307,6 +335,20 @@ class ActorWorker(WorkerProcess):
         torch.set_rng_state(state["rng"])
         random.setstate(state["py_rng"])
         return int(state["step"])
+
+
+def _report(stats, export_s: float, digest: WeightsDigest | None) -> dict[str, Any]:
+    """A push's report: the engine's ``stats``, the seconds spent gathering the weights
+    beyond it, and the digest of what was sent."""
+    return {
+        "time_weight_export_s": max(0.0, export_s),
+        "weight_sync_s": stats.seconds,
+        "weight_sync_gbps": stats.gbps,
+        "weight_sync_bytes": stats.bytes,
+        "weight_sync_wire_bytes": stats.wire_bytes,
+        "weight_sync_delta_density": stats.density,
+        "digest": digest.hexdigest() if digest is not None else None,
+    }
 
 
 def _evaluated(model: torch.nn.Module, forward) -> torch.Tensor:

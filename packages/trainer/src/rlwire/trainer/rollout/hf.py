@@ -25,8 +25,15 @@ def _response_mask(response_ids: torch.Tensor, eos_id: int | None) -> torch.Tens
 
 
 def hf_start(tokenizer, prompts: list[str], n: int) -> Rollout:
-    """``n`` rows per prompt (consecutive), left-padded, with empty responses."""
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    """``n`` rows per prompt (consecutive), left-padded (whatever the tokenizer's default),
+    with empty responses."""
+    batch = tokenizer(
+        prompts,
+        return_tensors="pt",
+        padding=True,
+        padding_side="left",
+        add_special_tokens=False,
+    )
     prompt_ids = batch["input_ids"].repeat_interleave(n, dim=0)
     empty = prompt_ids.new_zeros((prompt_ids.shape[0], 0))
     return Rollout(
@@ -46,14 +53,16 @@ def hf_extend(
 ) -> tuple[Rollout, torch.Tensor]:
     """Continue every row of ``batch`` (prompt + a response without its end yet) by up to
     ``max_new_tokens`` sampled tokens with ``model.generate`` on the model's device
-    (see :meth:`rlwire.trainer.rollout.PartialRolloutEngine.extend`); host tensors back."""
+    (see :meth:`rlwire.trainer.rollout.PartialRolloutEngine.extend`); host tensors back.
+
+    Tokens are sampled from ``softmax(logits / temperature)`` and nothing else, whatever
+    the model's own generation config asks for: the recorded log-probs are the sampler's."""
+    from transformers import GenerationConfig
+
     device = next(model.parameters()).device
     context = torch.cat([batch.prompt_ids, batch.response_ids], dim=1).to(device)
     attention = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).to(device)
-    torch.manual_seed(seed)
-    out = model.generate(
-        input_ids=context,
-        attention_mask=attention,
+    plain = GenerationConfig(
         do_sample=True,
         temperature=temperature,
         top_k=0,
@@ -64,6 +73,18 @@ def hf_extend(
         return_dict_in_generate=True,
         output_logits=True,
     )
+    # generate() fills every field left unset in `plain` from model.generation_config (the
+    # directory's generation_config.json: repetition_penalty, no_repeat_ngram_size, min_p,
+    # bad_words_ids, ...), and for many of them unset is the only "off". With a blank one
+    # in its place it samples from softmax(logits / temperature), the distribution the
+    # log-probs below and the actor's recomputation describe.
+    held = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=context, attention_mask=attention, generation_config=plain)
+    finally:
+        model.generation_config = held
     new_ids = out.sequences[:, context.shape[1] :]
     logits = torch.stack(out.logits, dim=1).float() / temperature  # (B, T, V)
     new_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_ids.unsqueeze(-1))

@@ -9,12 +9,14 @@ it only ever lives in a rollout worker's own Ray actor.
 Generation takes token-id prompts (the tokenizer is the trainer's) and returns, per
 sampled token, its log-probability under the *processed* distribution
 (``logprobs_mode="processed_logprobs"``: temperature applied), the same quantity the
-actor recomputes. Weight updates arrive through ``rlwire.ckpt_engine`` and go into the
-running engine through vLLM's own reload path (``Worker.reload_weights`` with
-checkpoint-format Hugging Face names, reached with ``collective_rpc`` through
-:class:`WeightReloadExtension`), never through ``model.load_weights``: on CPU vLLM
-repacks linear weights at load and the original parameters are gone. The prefix cache
-is reset after every update (cached prompt KV was computed with the old weights).
+actor recomputes: nothing else processes the logits, whatever the model's
+``generation_config.json`` says. Weight updates arrive through ``rlwire.ckpt_engine``
+and go into the running engine through vLLM's own reload path
+(``Worker.reload_weights`` with checkpoint-format Hugging Face names, reached with
+``collective_rpc`` through :class:`WeightReloadExtension`), never through
+``model.load_weights``: on CPU vLLM repacks linear weights at load and the original
+parameters are gone. The prefix cache is reset after every update (cached prompt KV was
+computed with the old weights).
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
             "distributed_executor_backend": "uni",
             "skip_tokenizer_init": True,
             "logprobs_mode": "processed_logprobs",
+            # not the model's generation_config.json: its sampling defaults (a repetition
+            # penalty, top_k, ...) would change the distribution sampled from
+            "generation_config": "vllm",
             "worker_extension_cls": f"{__name__}.WeightReloadExtension",
         }
         kv_bytes = cfg.kv_cache_memory_bytes
@@ -120,11 +125,17 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
         from vllm import SamplingParams
 
         eos = self.tokenizer.eos_token_id
+        # Every processor that could change the distribution, neutral: the tokens come from
+        # softmax(logits / temperature), the distribution the actor recomputes.
         return SamplingParams(
             n=n,
             temperature=self.config.rollout.temperature,
             top_k=0,
             top_p=1.0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
             max_tokens=max_tokens,
             seed=seed,
             logprobs=0,
