@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--models",
         default=None,
-        help="HIDDENxLAYERS,... (default 64x2,1024x8 with --weight-sync, 64x2 with --vs trl)",
+        help="HIDDENxLAYERS,... (default 64x2,1024x8 with --weight-sync, 64x2 with --vs trl; "
+        "comparing modes: one size, default the job's model)",
     )
     parser.add_argument("--backends", default="auto,gloo", help="checkpoint engines (sync)")
     parser.add_argument("--vs", choices=["trl"], default=None, help="compare with TRL")

@@ -49,11 +49,18 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
         *[(label, ["trainer.mode=fully_async", *more]) for label, more in args.variant],
     ]
     seeds = [int(s) for s in args.seeds.split(",")]
+    model = []
+    if args.models:  # one size of the built-in architecture (random weights, as `tiny`)
+        from .tiny import build_tiny_model
+
+        hidden, layers = (int(x) for x in args.models.split("x"))
+        path = build_tiny_model(root / f"model-{args.models}", hidden=hidden, layers=layers)
+        model = [f"model.path={path}"]
     rows: dict[tuple[str, int], dict] = {}
     kept: dict[tuple[str, int], list[dict]] = {}
     print(
-        f"preset: {args.preset}, overrides: {args.overrides}, {args.workers} rollout worker(s), "
-        f"seeds {seeds}"
+        f"preset: {args.preset}, model: {args.models or 'default'}, overrides: "
+        f"{args.overrides}, {args.workers} rollout worker(s), seeds {seeds}"
     )
     print(
         "| seed | run | samples/s | vs colocated | sync share | mean lag | reward (last 10%) "
@@ -66,6 +73,7 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
             extra = [f"trainer.steps={args.steps}"] if args.steps else []
             config = load_config(
                 overrides=[
+                    *model,
                     *args.overrides,
                     *settings,
                     *extra,

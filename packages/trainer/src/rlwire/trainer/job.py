@@ -26,11 +26,12 @@ from .cluster import (
 )
 from .errors import RunError
 from .grpo import group_advantages
+from .hybrid import HybridWorker
 from .loggers import Tracker
 from .metrics import StepMetrics, UpdateMetrics
 from .rollout import Rollout, rollout_engine_class
 from .rollout_worker import RolloutWorker
-from .workers import ActorWorker, HybridWorker
+from .workers import ActorWorker
 
 __all__ = ["Job"]
 

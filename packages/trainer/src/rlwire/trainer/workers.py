@@ -1,5 +1,6 @@
-"""The Ray actors: actor (training) ranks, with or without their rollout engine inside (the
-rollout worker of its own: :mod:`rlwire.trainer.rollout_worker`).
+"""The Ray actor of a training rank (with its rollout engine inside:
+:mod:`rlwire.trainer.hybrid`; the rollout worker of its own:
+:mod:`rlwire.trainer.rollout_worker`).
 
 These are plain classes; the driver wraps them with ``ray.remote`` and
 declared resources. Actor ranks form their own ``torch.distributed`` group
@@ -28,11 +29,10 @@ from .background import Background
 from .config import TrainerConfig
 from .correction import correction_weights
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
-from .rollout_worker import RolloutWorker
 from .step import compute_old_logprobs, grpo_update, ppo_update
 from .worker_process import WorkerProcess, host, seed_everything, set_threads
 
-__all__ = ["ActorWorker", "HybridWorker"]
+__all__ = ["ActorWorker"]
 
 _TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -360,48 +360,3 @@ def _evaluated(model: torch.nn.Module, forward) -> torch.Tensor:
         return forward(model)
     finally:
         model.train(training)
-
-
-class HybridWorker(ActorWorker):
-    """An actor rank with a rollout engine in its own process (``rollout.hybrid_engine``,
-    verl's hybrid engine): every rank generates its share of the prompts and takes the
-    weights from its own training engine in memory, through the ``naive`` checkpoint
-    engine (each rank the sender of a group of two: itself and its rollout engine)."""
-
-    def __init__(self, config: TrainerConfig, model_path: str, rank: int) -> None:
-        super().__init__(config, model_path, rank)
-        self.rollout = RolloutWorker(config, model_path, rank)
-
-    def setup(self, master: tuple[str, int]) -> None:
-        super().setup(master)
-        self.rollout.load_engine()
-
-    def generate(self, prompts: list[str], seed: int) -> Rollout:
-        return self.rollout.generate(prompts, seed)
-
-    def sleep(self) -> None:
-        self.rollout.sleep()
-
-    def wake_up(self) -> None:
-        self.rollout.wake_up()
-
-    def engine_init_hybrid(self) -> None:
-        """This rank's in-process group: the training engine sends, the rollout engine
-        receives."""
-        from rlwire.ckpt_engine import registry
-
-        cfg = self.config.ckpt_engine
-        self.engine = registry.new("naive", is_master=True, timeout=cfg.timeout)
-        metadata = self.engine.prepare()
-        self.engine.init_process_group(rank=0, world_size=2, master_metadata=metadata)
-        self.rollout.engine_init("naive", 2, metadata, rank=1)
-
-    def sync_weights(self, version: int) -> dict[str, Any]:
-        """Hand the full weights to this rank's rollout engine as ``version`` (every rank
-        gathers them); what :meth:`push_weights` reports, with the engine's ``pull``."""
-
-        async def both():
-            return await asyncio.gather(self._push(version), self.rollout._pull())
-
-        push, pull = asyncio.run(both())
-        return {**push, "pull": pull}
