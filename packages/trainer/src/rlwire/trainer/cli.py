@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--preset",
         help="a named job applied before --config and the overrides: 'realistic' (the count "
-        "task, response lengths with a long tail, lr 1e-3, 300 steps, runs/realistic)",
+        "task, response lengths with a long tail, lr 5e-4, 400 steps, runs/realistic)",
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved configuration and exit"

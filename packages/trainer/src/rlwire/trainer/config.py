@@ -45,8 +45,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "realistic": (
         "data.source=builtin:count",
         "rollout.max_new_tokens=32",
-        "actor.optim.lr=1e-3",
-        "trainer.steps=300",
+        "actor.optim.lr=5e-4",
+        "trainer.steps=400",
         "trainer.output_dir=runs/realistic",
     ),
 }
