@@ -40,6 +40,8 @@ def test_one_version_stale_and_deterministic(ray_cluster, tmp_path):
     assert [r["version_lag_max"] for r in first] == [0, 1, 1, 1]
     assert [r["version_lag_mean"] for r in first] == [0.0, 1.0, 1.0, 1.0]
     assert [r["weight_version"] for r in first] == [1, 2, 3, 3]  # no sync after the last
+    # the staleness-aware step size (default: every stale batch): lr / (1 + lag)
+    assert [r["lr_scale"] for r in first] == [1.0, 0.5, 0.5, 0.5]
     for r in first[:3]:
         assert r["weight_digest_rollout"] == [r["weight_digest_actor"]] * 2
     assert "weight_digest_actor" not in first[3]
@@ -51,3 +53,15 @@ def test_one_version_stale_and_deterministic(ray_cluster, tmp_path):
         return [{k: v for k, v in r.items() if not any(t in k for t in _TIMING)} for r in rows]
 
     assert untimed(first) == untimed(second)
+
+
+def test_staleness_aware_step_size_rule():
+    from rlwire.trainer.sections import OptimConfig
+
+    always, gated, never = (OptimConfig(stale_lr_kl=v) for v in (0.0, 1e-2, None))
+    assert always.lr_scale(0.0, 0.5) == 1.0  # on-policy: never acts
+    assert always.lr_scale(1.0, 1e-9) == 0.5 and always.lr_scale(3.0, 1e-6) == 0.25
+    assert gated.lr_scale(1.0, 1e-2) == 1.0 and gated.lr_scale(2.0, 0.02) == 1 / 3
+    assert never.lr_scale(5.0, 9.0) == 1.0
+    with pytest.raises(ValueError, match=r"stale_lr_kl: -1.0 .*use a float >= 0, or null"):
+        OptimConfig(stale_lr_kl=-1.0)

@@ -106,7 +106,7 @@ def run_fully_async(job: Job, bar) -> None:
             lags = [step - version for version in got["versions"]]
             batch = Rollout.concat(groups)
             t_samples = time.perf_counter()
-            result = job.update(batch)
+            result = job.update(batch, sum(lags) / len(lags))
             t_update = time.perf_counter()
             if pending is not None:  # the actor ran that push before this update
                 write(pending[0], finish_sync(pending[1]), pending[2])

@@ -295,14 +295,16 @@ class Job:
         for worker in self.processes:
             ray.kill(worker, no_restart=True)
 
-    def update(self, batch: Rollout) -> UpdateMetrics:
+    def update(self, batch: Rollout, lag: float = 0.0) -> UpdateMetrics:
         """Score ``batch`` and run the update (see :meth:`start_update`)."""
-        return self.start_update(batch)()
+        return self.start_update(batch, lag)()
 
-    def start_update(self, batch: Rollout) -> Callable[[], UpdateMetrics]:
+    def start_update(self, batch: Rollout, lag: float = 0.0) -> Callable[[], UpdateMetrics]:
         """Score ``batch`` (with its ``examples``), compute advantages and start the update
         on every actor rank, each on its shard (``actor.ppo_mini_batch_size`` and
-        ``actor.ppo_epochs`` set its optimizer steps); returns what waits for it."""
+        ``actor.ppo_epochs`` set its optimizer steps); ``lag``: the samples' mean version
+        lag behind the weights updated (the staleness-aware step size). Returns what waits
+        for it."""
         n = self.config.rollout.n
         start = time.perf_counter()
         rewards, reward_extra = self.reward_fn(batch.examples, batch.texts)
@@ -314,7 +316,7 @@ class Job:
         # The actors need tensors only: the strings stay here.
         tensors = dataclasses.replace(batch, texts=[], examples=[])
         shards = [tensors.shard(r, self.world) for r in range(self.world)]
-        refs = [a.train.remote(s) for a, s in zip(self.actors, shards, strict=True)]
+        refs = [a.train.remote(s, lag) for a, s in zip(self.actors, shards, strict=True)]
 
         def done() -> UpdateMetrics:
             results = self.call(refs, "update")
@@ -328,6 +330,7 @@ class Job:
                 response_length=tokens / len(batch),
                 **mean,
                 rollout_is_max=max(r["rollout_is_max"] for r in results),
+                lr_scale=results[0]["lr_scale"],
                 retained_grad_bytes=max(r["retained_grad_bytes"] for r in results),
                 grad_sync_policy=results[0]["grad_sync_policy"],
                 optimizer_steps=results[0]["optimizer_steps"],

@@ -39,6 +39,9 @@ class UpdateMetrics:
     """Fraction of response tokens dropped from the loss by ``rollout_rs``."""
     optimizer_steps: int
     """Optimizer steps this update took (mini-batches x epochs)."""
+    lr_scale: float
+    """The factor on ``actor.optim.lr`` this update took: below 1 where the
+    staleness-aware step size acted (``actor.optim.stale_lr_kl``)."""
     version_span_max: int
     """Largest newest-minus-oldest token version within one sample (partial rollouts)."""
     continued_fraction: float

@@ -35,7 +35,8 @@ def run_one_step_off(job: Job, bar) -> None:
     batch = following()
     for step in range(job.start_step, steps):
         t0 = time.perf_counter()
-        update = job.start_update(batch)
+        lags = (step - batch.sample_versions()).tolist()  # the versions the workers stamped
+        update = job.start_update(batch, sum(lags) / len(lags))
         last = step + 1 == steps
         if not last:  # generated with v(step), which the rollout workers hold now
             following = job.start_generation(step + 1)
@@ -43,7 +44,6 @@ def run_one_step_off(job: Job, bar) -> None:
         result = update()
         t_update = time.perf_counter()
         synced: dict = {"weight_sync_gbps": 0.0, "pulls": []}
-        lags = (step - batch.sample_versions()).tolist()  # the versions the workers stamped
         samples = len(batch)
         if not last:
             batch = following()

@@ -50,6 +50,7 @@ class ActorWorker(WorkerProcess):
         self.engine = None
         self.shared: dict[str, torch.Tensor] | None = None  # zero-copy: the arena's tensors
         self._sending = Background("weight push")  # fully async: the send in flight
+        self.lr_scale = 1.0  # the staleness-aware step size in effect
 
     # --- setup ---------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -87,11 +88,13 @@ class ActorWorker(WorkerProcess):
         return self.actor.describe()
 
     # --- a training step -----------------------------------------------------------------
-    def train(self, batch: Rollout) -> dict[str, float]:
+    def train(self, batch: Rollout, lag: float = 0.0) -> dict[str, float]:
         """Proximal log-probs (a forward pass, unless ``bypass_mode``, or the update is
         exactly on-policy and they are the training forward's own), the off-policy
-        correction against the behaviour log-probs, then PPO mini-batches and epochs over
-        this rank's shard of the batch (with its ``advantages``). Times its phases."""
+        correction against the behaviour log-probs, the staleness-aware step size for a
+        batch ``lag`` versions old on average (``actor.optim.stale_lr_kl``; every rank
+        takes the same), then PPO mini-batches and epochs over this rank's shard of the
+        batch (with its ``advantages``). Times its phases."""
         began = time.perf_counter()
         cfg, actor = self.config, self.actor
         correction = cfg.algorithm.rollout_correction
@@ -125,6 +128,14 @@ class ActorWorker(WorkerProcess):
             off_policy=cfg.trainer.off_policy,
         )
         weights = None if reuse else correct(proximal)
+        lr_scale = 1.0
+        if lag > 0 and weights is not None:
+            tokens = float(rollout.response_mask.sum())
+            kl = self._mean_over_ranks(weights.metrics["kl_behaviour_proximal"], tokens)
+            lr_scale = cfg.actor.optim.lr_scale(lag, kl)
+        if lr_scale != self.lr_scale:
+            actor.scale_lr(lr_scale)
+            self.lr_scale = lr_scale
         update = functools.partial(
             grpo_update,
             actor.model,
@@ -157,7 +168,20 @@ class ActorWorker(WorkerProcess):
         if cfg.actor.offload:
             actor.offload()
         metrics["time_actor_s"] = time.perf_counter() - began
-        return {**metrics, **weights.metrics, "kl_rollout": float(kl_rollout)}
+        return {
+            **metrics,
+            **weights.metrics,
+            "kl_rollout": float(kl_rollout),
+            "lr_scale": lr_scale,
+        }
+
+    def _mean_over_ranks(self, value: float, weight: float) -> float:
+        """The ``weight``-weighted mean of every actor rank's ``value`` (a collective)."""
+        import torch.distributed as dist
+
+        both = torch.tensor([value * weight, weight], dtype=torch.float64, device=self.device)
+        dist.all_reduce(both)
+        return float(both[0] / both[1].clamp(min=1))
 
     @contextlib.contextmanager
     def _resident(self, *, optimizer: bool):

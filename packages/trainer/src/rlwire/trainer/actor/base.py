@@ -42,6 +42,7 @@ class ActorEngine(abc.ABC):
     Attributes:
         model: the wrapped policy, called as ``model(input_ids=..., attention_mask=...)``.
         reference: the frozen reference policy (wrapped alike) or ``None``.
+        optimizer: its optimizer (``param_groups`` with ``lr``: :meth:`scale_lr`).
     """
 
     name: ClassVar[str] = ""
@@ -58,6 +59,13 @@ class ActorEngine(abc.ABC):
     def optimizer_step(self) -> float:
         """Reduce what backward accumulated, clip to ``actor.optim.grad_clip``, step, zero
         the gradients; return the norm of the whole (all-rank) gradient before clipping."""
+
+    def scale_lr(self, factor: float) -> None:
+        """Set every parameter group's learning rate to ``actor.optim.lr x factor`` for the
+        steps that follow (the staleness-aware step size); engines whose optimizer has no
+        ``param_groups`` override it."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.actor.optim.lr * factor
 
     # --- weights to the rollout engines ----------------------------------------------
     @abc.abstractmethod
