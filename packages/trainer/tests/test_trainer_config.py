@@ -17,7 +17,7 @@ def test_defaults_and_overrides_merge_in_order(tmp_path):
     assert config.actor.optim.lr == 3e-4  # the override wins over the file
     assert config.rollout.n == 4 and config.trainer.steps == 5 and config.ray.address is None
     assert config.actor.micro_batch_size is None  # default kept: one pass per mini-batch
-    optim = {"lr": 3e-4, "weight_decay": 0.0, "grad_clip": 1.0, "stale_lr_kl": 0.0}
+    optim = {"lr": 3e-4, "weight_decay": 0.0, "grad_clip": 1.0, "stale_lr_kl": 0.1}
     assert to_dict(config)["actor"]["optim"] == optim
 
 

@@ -122,13 +122,15 @@ class OptimConfig:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
-    stale_lr_kl: float | None = 0.0
+    stale_lr_kl: float | None = 0.1
     """Staleness-aware step size (off-policy modes): an update whose samples are older than
-    the weights it changes takes ``lr / (1 + mean version lag)`` when the batch's
-    ``kl_behaviour_proximal`` (how far the updates since the samples were drawn moved the
-    policy, per token) exceeds this; 0: on every stale batch, null: never. Delayed gradients
-    at a large step overshoot (measured in the trainer README); ``lr_scale`` in the metrics
-    shows each step's factor. It never acts in colocated mode (lag 0)."""
+    the weights it changes takes ``lr / (1 + mean version lag)`` when the updates since the
+    samples were drawn moved the policy by more than this many nats per response
+    (``kl_behaviour_proximal`` x ``response_length``, over the whole batch): there one-step
+    stale gradients at the full step overshoot, and token-level importance weights do not
+    see a shift of the whole response (measured in the trainer README). 0: on every stale
+    batch; null: never. ``lr_scale`` in the metrics shows each step's factor; colocated
+    updates (lag 0) are never scaled."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "actor.optim.lr", self.lr, "use a float > 0")
@@ -141,8 +143,8 @@ class OptimConfig:
         )
 
     def lr_scale(self, lag: float, kl: float) -> float:
-        """The factor on ``lr`` for an update whose samples lag ``lag`` versions on average
-        and moved ``kl`` per token (``kl_behaviour_proximal``) since they were drawn."""
+        """The factor on ``lr`` for an update whose samples lag ``lag`` versions on average,
+        the policy having moved ``kl`` nats per response since they were drawn."""
         if lag <= 0 or self.stale_lr_kl is None or kl <= self.stale_lr_kl:
             return 1.0
         return 1.0 / (1.0 + lag)

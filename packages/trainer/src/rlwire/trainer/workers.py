@@ -129,10 +129,10 @@ class ActorWorker(WorkerProcess):
         )
         weights = None if reuse else correct(proximal)
         lr_scale = 1.0
-        if lag > 0 and weights is not None:
+        if lag > 0 and weights is not None:  # the batch's KL per response, on every rank
             tokens = float(rollout.response_mask.sum())
-            kl = self._mean_over_ranks(weights.metrics["kl_behaviour_proximal"], tokens)
-            lr_scale = cfg.actor.optim.lr_scale(lag, kl)
+            kl = weights.metrics["kl_behaviour_proximal"] * tokens / len(rollout)
+            lr_scale = cfg.actor.optim.lr_scale(lag, self._mean_over_ranks(kl, len(rollout)))
         if lr_scale != self.lr_scale:
             actor.scale_lr(lr_scale)
             self.lr_scale = lr_scale
