@@ -314,3 +314,32 @@ def test_killed_rollout_worker_stops_the_run_with_its_error(ray_cluster, tmp_pat
     # the checkpoint written before the failure is complete and loadable
     state = torch.load(out / "checkpoints" / "step_2" / "actor_rank0.pt", weights_only=False)
     assert state["step"] == 2 and state["model"]
+
+
+def test_background_runs_one_coroutine_at_a_time_and_hands_back_its_outcome():
+    from rlwire.trainer.background import Background
+
+    sending = Background("weight push")
+    release = threading.Event()
+    order: list[str] = []
+
+    async def send(name: str) -> str:
+        await asyncio.to_thread(release.wait, 5)
+        order.append(name)
+        return name
+
+    assert sending.finish(timeout=1) is None  # nothing in flight
+    assert sending.start(lambda: send("v1"), timeout=1) is None
+    with pytest.raises(TimeoutError, match=r"^weight push: not finished within 0.05 s$"):
+        sending.finish(timeout=0.05)  # still ours: a later finish waits again
+    release.set()
+    assert sending.start(lambda: send("v2"), timeout=5) == "v1"  # the previous one first
+    assert sending.finish(timeout=5) == "v2" and order == ["v1", "v2"]
+
+    async def fail() -> None:
+        raise RuntimeError("receiver 2 died")
+
+    sending.start(fail, timeout=1)
+    with pytest.raises(RuntimeError, match="receiver 2 died"):
+        sending.finish(timeout=5)
+    assert sending.finish(timeout=1) is None

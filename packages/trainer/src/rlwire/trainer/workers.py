@@ -274,11 +274,13 @@ class ActorWorker(WorkerProcess):
         every rank gathers them now; rank 0 keeps them as a snapshot (the ``shm`` arena, or a
         copy: one copy of the weights more on rank 0) and sends it from a thread of its own
         while the next calls (updates) run; the rollout workers take it at their next
-        boundary. One send in flight: this first finishes the previous one."""
+        boundary. One send in flight: the previous one ends before the snapshot is taken
+        (the arena is its source until then; the driver finishes every push first)."""
         timeout = self.config.ckpt_engine.timeout + 30
         if self.rank != 0:  # the gathers only
             self.push_weights(version)
             return
+        self._sending.finish(timeout=timeout)
         digest = self._digest()
         start = time.perf_counter()
         with self._resident(optimizer=False):
