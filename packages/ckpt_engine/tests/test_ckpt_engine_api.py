@@ -465,6 +465,24 @@ def test_apply_to_module_reuses_a_kept_staging_copy_and_stays_atomic():
         assert torch.equal(value, before[name])
 
 
+def test_apply_to_module_takes_a_mapping_of_some_parameters_under_other_names():
+    """A mapping receives into its tensors by its names (a LoRA adapter's wire names): the
+    module's other weights stay as they were; a name it lacks, or one it holds but the
+    update lacks, fails the whole update and changes nothing."""
+    module = Tiny()
+    bias = module.lin.bias.detach().clone()
+    targets = {"adapter.weight": module.lin.weight}
+    new = torch.randn(2, 3, generator=torch.Generator().manual_seed(3))
+    _, version = _apply(targets, [("adapter.weight", new)], True, {}, swap=True)
+    assert version == 7 and module.lin.weight is targets["adapter.weight"]
+    assert torch.equal(module.lin.weight, new) and torch.equal(module.lin.bias, bias)
+    _, err = _apply(targets, [("adapter.weight", new * 2), ("lin.bias", bias)], True)
+    assert isinstance(err, CheckpointEngineError) and "unknown names: ['lin.bias']" in str(err)
+    _, err = _apply({**targets, "b": module.lin.bias}, [("adapter.weight", new * 2)], True)
+    assert isinstance(err, CheckpointEngineError) and "missing names: ['b']" in str(err)
+    assert torch.equal(module.lin.weight, new)
+
+
 def test_apply_to_module_swap_commits_by_storage_and_trades_it_with_staging():
     module, staging = Tiny(), {}
     module.tied = nn.Linear(3, 2)

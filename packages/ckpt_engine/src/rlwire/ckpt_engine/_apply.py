@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -12,10 +14,12 @@ from ._errors import CheckpointEngineError
 __all__ = ["apply_to_module"]
 
 
-def _targets(module: nn.Module) -> dict[str, torch.Tensor]:
+def _targets(module: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     # The state dict's names: persistent buffers included, and tied parameters
     # under each of their names (as a trainer's state_dict() sends them).
-    return module.state_dict(keep_vars=True)
+    if isinstance(module, nn.Module):
+        return module.state_dict(keep_vars=True)
+    return dict(module)
 
 
 def _check(name: str, target: torch.Tensor, value: torch.Tensor | Delta) -> None:
@@ -27,7 +31,7 @@ def _check(name: str, target: torch.Tensor, value: torch.Tensor | Delta) -> None
 
 
 async def apply_to_module(
-    module: nn.Module,
+    module: nn.Module | Mapping[str, torch.Tensor],
     updates: CheckpointEngine,
     *,
     atomic: bool = True,
@@ -38,7 +42,9 @@ async def apply_to_module(
     """Receive one update from ``updates`` into ``module``'s state-dict entries by name.
 
     The names are those of ``module.state_dict()``: parameters (tied ones under
-    each name), and persistent buffers.
+    each name), and persistent buffers. ``module`` may also be a mapping of names to
+    the tensors to receive into (part of a module's parameters, e.g. a LoRA adapter
+    under the names its sender uses); every name in it must arrive, as for a module.
 
     With ``atomic=True`` every tensor is received into a staging copy first and
     the module changes only after the whole update arrived, every name matched

@@ -104,6 +104,14 @@ class TrainerConfig:
                 f"(not a rlwire.trainer.rollout.PartialRolloutEngine); set it to false",
             )
 
+        if self.actor.lora.enabled:
+            _check(
+                rollout_engine_class(self.rollout.backend).takes_lora,
+                "actor.lora.rank",
+                self.actor.lora.rank,
+                f"rollout.backend {self.rollout.backend!r} does not take LoRA adapters; use "
+                "rollout.backend=hf, or rank 0",
+            )
         if self.rollout.hybrid_engine:
             obstacles = self._hybrid_obstacles()
             _check(

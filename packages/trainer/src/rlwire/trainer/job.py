@@ -392,9 +392,11 @@ class Job:
         bar.set_postfix(reward=f"{metrics.reward_mean:.3f}")
 
     def export_model(self) -> None:
-        """The final policy as a Hugging Face directory, ``hf_model/`` in the run directory."""
-        target = self.run_dir / "hf_model"
-        self.call([a.export_hf.remote(str(target)) for a in self.actors], "writing hf_model")
+        """The final policy as a Hugging Face directory, ``hf_model/`` in the run directory
+        (merged, with LoRA; the adapter in PEFT's format in ``adapter/``)."""
+        target = str(self.run_dir / "hf_model")
+        adapter = str(self.run_dir / "adapter") if self.config.actor.lora.enabled else None
+        self.call([a.export_hf.remote(target, adapter) for a in self.actors], "writing hf_model")
 
     def save_due(self, done: int) -> bool:
         """Whether a checkpoint is written after ``done`` updates."""

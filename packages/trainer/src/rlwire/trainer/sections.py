@@ -15,6 +15,7 @@ from rlwire.grad_sync import GradSyncConfig
 from .actor.base import ACTOR_ENGINES, actor_engine_class
 from .correction import RolloutCorrectionConfig
 from .loggers import LOGGERS
+from .lora import LoraSection
 from .rollout.base import ROLLOUT_ENGINES, rollout_engine_class
 
 __all__ = [
@@ -213,9 +214,17 @@ class ActorConfig:
     ``actor.fsdp.use_no_sync_for_gradient_accumulation`` (True → defer, False → every) is
     accepted as an alias."""
     megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
+    lora: LoraSection = dataclasses.field(default_factory=LoraSection)
 
     def __post_init__(self) -> None:
         _check_engine(self.strategy, "actor.strategy", ACTOR_ENGINES, actor_engine_class)
+        _check(
+            not (self.lora.enabled and self.strategy == "megatron"),
+            "actor.lora.rank",
+            self.lora.rank,
+            "the megatron strategy trains every weight; use actor.strategy=fsdp2 or fsdp for "
+            "LoRA, or rank 0",
+        )
         _check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
         _check(self.ppo_epochs >= 1, "actor.ppo_epochs", self.ppo_epochs, "use an int >= 1")
         for key in ("micro_batch_size", "ppo_mini_batch_size"):

@@ -118,7 +118,8 @@ class ActorWorker(WorkerProcess):
         else:  # in eval mode, as the rollout engine samples (dropout would separate them)
             proximal = _evaluated(actor.model, forward)
         old_logprob_s = time.perf_counter() - start
-        ref = _evaluated(actor.reference, forward) if actor.reference is not None else None
+        with actor.reference_policy() as reference:
+            ref = _evaluated(reference, forward) if reference is not None else None
         ref_s = time.perf_counter() - start - old_logprob_s
         correct = functools.partial(
             correction_weights,
@@ -234,12 +235,13 @@ class ActorWorker(WorkerProcess):
         self.engine.init_process_group(rank=0, world_size=world_size, master_metadata=metadata)
 
     def _full_weights(self):
-        """(name, full tensor) for every parameter and buffer; a collective on every rank.
+        """(name, full tensor) for what a sync sends: every parameter and buffer, or with
+        LoRA the adapter (:meth:`ActorEngine.named_sync_weights`); a collective on every rank.
 
         Tensors go where the engine's buckets live: the device for the CUDA backends
         (``nccl``, ``cuda_ipc``), the host for the others."""
         target = getattr(self.engine, "device", None) or torch.device("cpu")
-        for name, value in self.actor.named_weights():
+        for name, value in self.actor.named_sync_weights():
             yield name, value.to(target)
 
     def push_weights(self, version: int) -> dict[str, Any]:
@@ -329,16 +331,23 @@ class ActorWorker(WorkerProcess):
                 self.shared[name].copy_(value)
         return list(self.shared.items())
 
-    def export_hf(self, directory: str) -> None:
-        """Write the policy as a Hugging Face directory (rank 0; the others join the gathers)."""
+    def export_hf(self, directory: str, adapter: str | None = None) -> None:
+        """Write the policy as a Hugging Face directory (merged, with LoRA) and with LoRA the
+        adapter in PEFT's format at ``adapter`` (rank 0; the others join the gathers)."""
+        from .lora import save_adapter
         from .modeling import save_hf_model
 
         with self._resident(optimizer=False):
-            weights = self.actor.named_weights()
-            if self.rank != 0:  # a collective: every rank iterates to the end
-                collections.deque(weights, maxlen=0)
-                return
-            save_hf_model(weights, self.model_path, Path(directory), self.config.model.dtype)
+            for kind in ("model", "adapter") if adapter else ("model",):
+                weights = self.actor.named_weights() if kind == "model" else self._full_weights()
+                if self.rank != 0:  # a collective: every rank iterates to the end
+                    collections.deque(weights, maxlen=0)
+                elif kind == "model":
+                    save_hf_model(
+                        weights, self.model_path, Path(directory), self.config.model.dtype
+                    )
+                else:
+                    save_adapter(weights, self.config.actor.lora, self.model_path, Path(adapter))
 
     # --- checkpoints -----------------------------------------------------------------------
     def save(self, directory: str, step: int) -> None:

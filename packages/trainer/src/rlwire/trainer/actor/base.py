@@ -13,6 +13,7 @@ path ``package.module:Class`` to a subclass, imported in every actor process.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -46,8 +47,17 @@ class ActorEngine(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+    supports_lora: ClassVar[bool] = False
+    """Whether the engine trains ``actor.lora`` adapters (then :meth:`named_sync_weights`
+    yields the adapter only, under PEFT's saved names: :func:`rlwire.trainer.lora.adapter_name`)."""
 
     def __init__(self, config, model_path: str, device: torch.device) -> None:
+        if config.actor.lora.enabled and not self.supports_lora:
+            raise ValueError(
+                f"actor.lora.rank: {config.actor.lora.rank} is not allowed with "
+                f"actor.strategy={config.actor.strategy!r}: {type(self).__name__} does not "
+                "train LoRA adapters; use fsdp2 or fsdp, or rank 0"
+            )
         self.config = config
         self.model_path = model_path
         self.device = device
@@ -67,11 +77,23 @@ class ActorEngine(abc.ABC):
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.actor.optim.lr * factor
 
+    @contextlib.contextmanager
+    def reference_policy(self) -> Iterator[torch.nn.Module | None]:
+        """The frozen reference policy for the block (``reference``, or None without one);
+        with LoRA, the model itself with its adapters disabled."""
+        yield self.reference
+
     # --- weights to the rollout engines ----------------------------------------------
     @abc.abstractmethod
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(Hugging Face name, full tensor)`` for every parameter and buffer. A collective:
-        every rank of the group iterates it to the end (gathers run inside)."""
+        """``(Hugging Face name, full tensor)`` for every parameter and buffer of the policy
+        (with LoRA, merged). A collective: every rank of the group iterates it to the end
+        (gathers run inside)."""
+
+    def named_sync_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight sync sends: :meth:`named_weights`, or with LoRA the adapter only.
+        A collective, like it."""
+        return self.named_weights()
 
     # --- between phases -----------------------------------------------------------------
     @abc.abstractmethod

@@ -59,6 +59,9 @@ class RolloutEngine(abc.ABC):
     takes_deltas: ClassVar[bool] = False
     """Whether ``apply`` passes the version it holds, so that a checkpoint engine with
     ``delta`` on may send only what changed (``ckpt_engine.delta=auto`` is off otherwise)."""
+    takes_lora: ClassVar[bool] = False
+    """Whether the engine holds ``actor.lora``'s adapters over the base weights and applies
+    a sync of the adapter alone (by :func:`rlwire.trainer.lora.adapter_name`)."""
 
     def __init__(
         self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0

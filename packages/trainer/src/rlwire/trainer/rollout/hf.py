@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import lora
 from ..modeling import load_hf_model
 from .base import PartialRolloutEngine
 from .common import Rollout, weights_digest
@@ -134,6 +135,7 @@ class HFEngine(PartialRolloutEngine):
     name = "hf"
     hybrid = True
     takes_deltas = True
+    takes_lora = True
 
     def __init__(
         self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
@@ -141,7 +143,13 @@ class HFEngine(PartialRolloutEngine):
         from transformers import AutoTokenizer
 
         super().__init__(config, model_path, device, gpu_share=gpu_share)
-        self.model = load_hf_model(model_path, config.model.dtype, device).eval()
+        model = load_hf_model(model_path, config.model.dtype, device)
+        # With LoRA the same PEFT adapters as the actor's; syncs carry them alone, by name.
+        self.adapter: dict[str, torch.Tensor] | None = None
+        if config.actor.lora.enabled:
+            model = lora.wrap(model, config.actor.lora)
+            self.adapter = lora.adapter_targets(model)
+        self.model = model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.staging: dict[str, torch.Tensor] = {}  # reused by every update (atomic apply)
         self.held: int | None = None  # the version the model holds: deltas apply onto it
@@ -149,14 +157,18 @@ class HFEngine(PartialRolloutEngine):
     async def apply(self, engine) -> int:
         from rlwire.ckpt_engine import apply_to_module
 
-        # Atomic; committed by swapping storages with the staging copy (one pass over the
-        # weights, not two): nothing here captures parameter storage.
+        # Atomic (an adapter split over buckets commits whole); committed by swapping
+        # storages with the staging copy (one pass over the weights, not two): nothing here
+        # captures parameter storage.
+        targets = self.model if self.adapter is None else self.adapter
         self.held = await apply_to_module(
-            self.model, engine, staging=self.staging, version=self.held, swap=True
+            targets, engine, staging=self.staging, version=self.held, swap=True
         )
         return self.held
 
     def digest(self) -> str | None:
+        if self.adapter is not None:  # what syncs carry
+            return weights_digest(self.adapter.items())
         return weights_digest(self.model.state_dict().items())
 
     def generate(self, prompts: list[str], seed: int) -> Rollout:

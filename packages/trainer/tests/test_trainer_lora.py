@@ -1,0 +1,130 @@
+"""LoRA: adapter-only training and sync, the reference policy from the disabled adapter,
+``adapter/`` in PEFT's format that merges into exactly ``hf_model/``, and the traps."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlwire.trainer import lora
+from rlwire.trainer.config import ConfigError, load_config
+from rlwire.trainer.tiny import build_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainer_cli import train_cli  # noqa: E402
+
+
+def _peft_model(path, section, dtype=torch.float32, seed=0):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    wrapped = lora.wrap(model, section)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # a trained adapter: B no longer zero
+        for name, param in wrapped.named_parameters():
+            if lora.is_adapter(name):
+                param.copy_(torch.randn(param.shape, generator=generator).to(dtype) * 0.1)
+    return wrapped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_weights_are_pefts_merge_and_unload_bit_for_bit(tmp_path, dtype):
+    section = lora.LoraSection(rank=4, alpha=8, target_modules="all-linear")
+    model = _peft_model(build_tiny_model(tmp_path / "tiny"), section, dtype)
+    ours = dict(lora.merged_weights(model.state_dict().items(), section.scaling))
+    adapter = lora.adapter_targets(model)
+    merged = model.merge_and_unload().state_dict()
+    assert set(ours) == set(merged)
+    for name, value in merged.items():
+        assert torch.equal(ours[name], value), name
+    assert adapter and all(".base_layer." not in n and ".default." not in n for n in adapter)
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in adapter
+
+
+def test_lora_config_verl_keys_and_refusals(tmp_path):
+    config = load_config(
+        overrides=[
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.model.lora_alpha=32",
+            "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+        ]
+    )
+    assert (config.actor.lora.rank, config.actor.lora.alpha) == (8, 32.0)
+    assert config.actor.lora.target_modules == ["q_proj", "v_proj"]
+    one = load_config(overrides=["actor.lora.target_modules=o_proj"])
+    assert one.actor.lora.target_modules == ["o_proj"]
+    refusals = {
+        "actor.strategy=megatron": "actor.lora.rank: 8 is not allowed; the megatron strategy",
+        "rollout.backend=vllm": "rollout.backend 'vllm' does not take LoRA adapters",
+        "actor.lora.modules_to_save=[lm_head]": "actor.lora.modules_to_save: unknown key",
+        "actor.lora.target_modules=[]": "use 'all-linear' or a non-empty list",
+    }
+    for override, message in refusals.items():
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+            load_config(overrides=["actor.lora.rank=8", override])
+    with pytest.raises(ConfigError, match="actor.lora.rank: -1 is not allowed"):
+        load_config(overrides=["actor.lora.rank=-1"])
+    tied = lora.LoraSection(rank=4, target_modules=["lm_head", "q_proj"])
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "tiny"))
+    with pytest.raises(ValueError, match=r"\['lm_head'\] are tied to each other"):
+        lora.wrap(model, tied)
+    with pytest.raises(ValueError, match="actor.lora.target_modules: Target modules"):
+        lora.wrap(model, lora.LoraSection(rank=4, target_modules=["no_such_layer"]))
+
+
+def _adapter_bytes(directory: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "adapter_model.safetensors"), "pt") as f:
+        tensors = [f.get_tensor(k) for k in f.keys()]  # noqa: SIM118 (safe_open has no __iter__)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_lora_run_syncs_only_the_adapter_and_exports_both_forms(ray_cluster, tmp_path):
+    """Two FSDP2 ranks train rank-4 adapters with a KL term against the disabled adapter;
+    every sync carries the adapter alone (its bytes are the exported adapter's; buckets of
+    4 KiB split it, and it commits whole: the rollout copies' digests equal the actor's),
+    the checkpoint holds the adapter and its optimizer state only, and ``adapter/`` loads
+    with PEFT and merges into exactly ``hf_model/``."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "lora"
+    records, _ = train_cli(
+        run,
+        "actor.lora.rank=4",
+        "actor.lora.alpha=8",
+        "actor.world_size=2",
+        "rollout.num_workers=1",
+        "algorithm.kl_coef=0.05",
+        "ckpt_engine.digest=true",
+        "ckpt_engine.bucket_size=4KiB",
+        "trainer.steps=3",
+        "trainer.save_every=3",
+        cluster=ray_cluster,
+    )
+    adapter_bytes = _adapter_bytes(run / "adapter")
+    for r in records:
+        assert r["weight_digest_rollout"] == [r["weight_digest_actor"]], r
+        assert r["weight_sync_bytes"] == adapter_bytes, r
+        assert r["kl_ref"] > 0 or r["step"] == 1, r
+    assert len({r["weight_digest_actor"] for r in records}) == 3  # the adapter moved
+    log = (run / "train.log").read_text()
+    assert "LoRA rank 4 (alpha 8)" in log and "weight syncs carry the adapter only" in log
+    state = torch.load(run / "checkpoints" / "step_3" / "actor_rank0.pt", weights_only=False)
+    assert state["model"] and all(lora.is_adapter(n) for n in state["model"])
+    assert len(state["optimizer"]["state"]) == len(state["model"])  # no base-weight state
+    base = AutoModelForCausalLM.from_pretrained(run / "tiny-model-seed0")
+    merged = PeftModel.from_pretrained(base, run / "adapter").merge_and_unload().state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(run / "hf_model").state_dict()
+    assert set(merged) == set(exported)
+    for name, value in exported.items():
+        assert torch.equal(merged[name], value), name
+    base = AutoModelForCausalLM.from_pretrained(run / "tiny-model-seed0").state_dict()
+    changed = [n for n, v in base.items() if not torch.equal(v, exported[n])]
+    assert changed and all("proj" in n for n in changed)  # only adapted layers moved
