@@ -44,7 +44,7 @@ def test_merged_weights_are_pefts_merge_and_unload_bit_for_bit(tmp_path, dtype):
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in adapter
 
 
-def test_lora_config_verl_keys_and_refusals(tmp_path):
+def test_lora_config_verl_keys_and_refusals(tmp_path, monkeypatch):
     config = load_config(
         overrides=[
             "actor_rollout_ref.model.lora_rank=8",
@@ -56,9 +56,14 @@ def test_lora_config_verl_keys_and_refusals(tmp_path):
     assert config.actor.lora.target_modules == ["q_proj", "v_proj"]
     one = load_config(overrides=["actor.lora.target_modules=o_proj"])
     assert one.actor.lora.target_modules == ["o_proj"]
+    (tmp_path / "no_adapters.py").write_text(
+        "from rlwire.trainer.rollout import HFEngine\n\n\n"
+        "class Engine(HFEngine):\n    takes_lora = False\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
     refusals = {
         "actor.strategy=megatron": "actor.lora.rank: 8 is not allowed; the megatron strategy",
-        "rollout.backend=vllm": "rollout.backend 'vllm' does not take LoRA adapters",
+        "rollout.backend=no_adapters:Engine": "'no_adapters:Engine' does not take LoRA adapters",
         "actor.lora.modules_to_save=[lm_head]": "actor.lora.modules_to_save: unknown key",
         "actor.lora.target_modules=[]": "use 'all-linear' or a non-empty list",
     }
@@ -83,6 +88,13 @@ def _adapter_bytes(directory: Path) -> int:
     with safe_open(str(directory / "adapter_model.safetensors"), "pt") as f:
         tensors = [f.get_tensor(k) for k in f.keys()]  # noqa: SIM118 (safe_open has no __iter__)
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _adapter_names(directory: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "adapter_model.safetensors"), "pt") as f:
+        return list(f.keys())
 
 
 def test_lora_run_syncs_only_the_adapter_and_exports_both_forms(ray_cluster, tmp_path):
@@ -116,6 +128,8 @@ def test_lora_run_syncs_only_the_adapter_and_exports_both_forms(ray_cluster, tmp
     assert len({r["weight_digest_actor"] for r in records}) == 3  # the adapter moved
     log = (run / "train.log").read_text()
     assert "LoRA rank 4 (alpha 8)" in log and "weight syncs carry the adapter only" in log
+    assert f"AdamW state {2 * adapter_bytes / 2**20:.2f} MiB (full fine-tuning" in log
+    assert "the KL reference is the model with its adapter disabled: no second copy" in log
     state = torch.load(run / "checkpoints" / "step_3" / "actor_rank0.pt", weights_only=False)
     assert state["model"] and all(lora.is_adapter(n) for n in state["model"])
     assert len(state["optimizer"]["state"]) == len(state["model"])  # no base-weight state
@@ -128,3 +142,33 @@ def test_lora_run_syncs_only_the_adapter_and_exports_both_forms(ray_cluster, tmp
     base = AutoModelForCausalLM.from_pretrained(run / "tiny-model-seed0").state_dict()
     changed = [n for n, v in base.items() if not torch.equal(v, exported[n])]
     assert changed and all("proj" in n for n in changed)  # only adapted layers moved
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ("actor.strategy=fsdp", "rollout.hybrid_engine=true"),  # in process, through naive
+        ("trainer.mode=fully_async", "async.partial_rollout=true"),  # pushed beside updates
+    ],
+    ids=["fsdp1-hybrid", "fully-async"],
+)
+def test_lora_syncs_the_adapter_alone_in_the_hybrid_engine_and_fully_async(
+    ray_cluster, tmp_path, mode
+):
+    run = tmp_path / "run"
+    records, _ = train_cli(
+        run,
+        *mode,
+        "actor.lora.rank=2",
+        "actor.lora.target_modules=[q_proj,v_proj,down_proj]",
+        "ckpt_engine.digest=true",
+        "trainer.steps=3",
+        "trainer.save_every=0",
+        cluster=ray_cluster,
+    )
+    synced = [r for r in records if "weight_digest_actor" in r]
+    assert len(synced) >= 2 and len({r["weight_digest_actor"] for r in synced}) == len(synced)
+    for r in synced:
+        assert r["weight_digest_rollout"] == [r["weight_digest_actor"]], r
+        assert r["weight_sync_bytes"] == _adapter_bytes(run / "adapter"), r
+    assert len(_adapter_names(run / "adapter")) == 2 * 3 * 2  # A, B of 3 modules in 2 layers

@@ -158,3 +158,25 @@ def test_short_run_with_the_vllm_backend(ray_local, mode, tmp_path):
         assert 0.0 <= r["reward_mean"] <= 1.0 and r["grad_norm"] == r["grad_norm"]
         if r["version_lag_max"] == 0:  # generated with the weights being updated:
             assert abs(r["kl_rollout"]) < 1e-3  # vLLM's log-probs = the actor's recomputation
+
+
+def test_a_lora_run_serves_each_synced_adapter_from_vllm(ray_local, tmp_path):
+    """Colocated LoRA with the vllm backend: each sync carries the adapter alone (bytes:
+    the exported adapter's), vLLM serves it as its LoRA, and its log-probs stay the actor's
+    as the adapter moves (a stale or missing adapter would show in ``kl_rollout``)."""
+    from safetensors import safe_open
+
+    run = tmp_path / "run"
+    records, _ = train_cli(
+        run,
+        "rollout.backend=vllm",
+        "actor.lora.rank=8",
+        "actor.optim.lr=3e-2",
+        "trainer.steps=4",
+    )
+    with safe_open(str(run / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        adapter = sum(f.get_tensor(k).numel() * 4 for k in f.keys())  # noqa: SIM118
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert r["weight_sync_bytes"] == adapter, r
+        assert abs(r["kl_rollout"]) < 1e-3, r

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["Layout", "qwen2_layout", "scaled", "shapes_by_name"]
+__all__ = ["Layout", "lora_layout", "qwen2_layout", "scaled", "shapes_by_name"]
 
 Layout = list[tuple[str, tuple[int, ...], torch.dtype]]
 
@@ -87,3 +87,20 @@ def shapes_by_name(name: str) -> Layout:
     if name == "qwen2.5-0.5b":
         return qwen2_layout()
     raise ValueError(f"shapes: {name!r} is not known; use 'qwen2.5-0.5b'")
+
+
+def lora_layout(layout: Layout, rank: int, dtype: torch.dtype = torch.float32) -> Layout:
+    """The LoRA adapter of rank ``rank`` on every linear layer of ``layout``'s decoder
+    layers (PEFT's ``all-linear``: the embedding and output layer excluded) under the names
+    of PEFT's saved adapter, in ``dtype`` (PEFT keeps adapters of a bf16 model in float32
+    unless told otherwise): ``lora_A`` is ``(rank, in)``, ``lora_B`` ``(out, rank)``."""
+    adapter: Layout = []
+    for name, shape, _ in layout:
+        if ".layers." in name and name.endswith("proj.weight") and len(shape) == 2:
+            module = "base_model.model." + name.removesuffix(".weight")
+            out_features, in_features = shape
+            adapter += [
+                (module + ".lora_A.weight", (rank, in_features), dtype),
+                (module + ".lora_B.weight", (out_features, rank), dtype),
+            ]
+    return adapter

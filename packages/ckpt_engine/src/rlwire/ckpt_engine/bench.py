@@ -3,6 +3,7 @@
     python -m rlwire.ckpt_engine.bench --backend shm,gloo --shapes qwen2.5-0.5b
     python -m rlwire.ckpt_engine.bench --backend shm --gib 0.25,1,4
     python -m rlwire.ckpt_engine.bench --backend gloo --shapes qwen2.5-0.5b --delta --changed 0.01
+    python -m rlwire.ckpt_engine.bench --backend shm,gloo --shapes qwen2.5-0.5b --lora-rank 16
 
 One sender and ``--receivers`` receiver processes per row. The weights are a
 real model's state dict (``--shapes``: names, shapes and bf16, generated
@@ -28,6 +29,9 @@ that fraction of every tensor's elements changes between updates (the lowest
 bit flips at random positions: a small optimizer step on bf16), with
 ``dense_seconds`` from the dense row of the same run. Each row ends by
 checking every receiver's destination against the sender's weights (CRC-32).
+``--lora-rank R`` adds, after each layout, its rank-``R`` LoRA adapter on every
+linear layer (``_shapes.lora_layout``: what an adapter-only sync sends) and prints
+the adapter's bytes and seconds against the dense rows of the same run.
 ``--json`` prints one JSON object per row instead of the table.
 """
 
@@ -48,7 +52,7 @@ import torch
 
 from ._delta import Delta, _words
 from ._registry import registry
-from ._shapes import Layout, nbytes, scaled, shapes_by_name
+from ._shapes import Layout, lora_layout, nbytes, scaled, shapes_by_name
 from ._sizes import parse_bucket_size
 from ._wire import as_bytes, checksum
 
@@ -266,8 +270,17 @@ def _run_row(args, row: dict, layout: Layout, weights: dict[str, torch.Tensor]) 
 
 def _layouts(args) -> list[tuple[str, Layout]]:
     if args.shapes:
-        return [(args.shapes, shapes_by_name(args.shapes))]
-    return [(f"qwen2-scaled-{g:g}GiB", scaled(g)) for g in args.gib]
+        dense = [(args.shapes, shapes_by_name(args.shapes))]
+    else:
+        dense = [(f"qwen2-scaled-{g:g}GiB", scaled(g)) for g in args.gib]
+    if not args.lora_rank:
+        return dense
+    rank = args.lora_rank
+    return [
+        pair
+        for label, layout in dense
+        for pair in ((label, layout), (f"{label} LoRA r{rank}", lora_layout(layout, rank)))
+    ]
 
 
 def _floats(text: str) -> list[float]:
@@ -293,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--share", action="store_true", help="shm: zero-copy (share_weights)")
     parser.add_argument("--delta", action="store_true", help="add delta rows (--changed)")
     parser.add_argument("--changed", type=_floats, default=[0.01], help="changed fractions")
+    parser.add_argument("--lora-rank", type=int, default=0, help="add the LoRA adapter's rows")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args(argv)
     backends = [b for b in args.backend.split(",") if b]
@@ -346,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         del weights
     if not args.json:
         _table(rows, args)
+        _adapter_ratios(rows)
 
 
 def _table(rows: list[dict], args) -> None:
@@ -368,6 +383,21 @@ def _table(rows: list[dict], args) -> None:
             f"| {r['copy_seconds']:.3f} | {r['ratio_to_copy']:.2f} | {versus} "
             f"| {r['overlap']:.2f} | {r['peak_extra_buckets']:.2f} "
             f"| {'yes' if r['bit_identical'] else 'NO'} |"
+        )
+
+
+def _adapter_ratios(rows: list[dict]) -> None:
+    """Each adapter row's bytes and seconds over its dense layout's, per backend."""
+    dense = {(r["backend"], r["shapes"]): r for r in rows if "changed" not in r}
+    for r in rows:
+        base = r["shapes"].split(" LoRA r")[0]
+        if base == r["shapes"] or "changed" in r or (r["backend"], base) not in dense:
+            continue
+        d = dense[(r["backend"], base)]
+        print(
+            f"{r['backend']}: {r['shapes']} adapter {r['bytes'] / 1e6:.1f} MB = "
+            f"{r['bytes'] / d['bytes']:.2%} of the dense weights' bytes; one sync "
+            f"{r['seconds'] * 1e3:.1f} ms = {r['seconds'] / d['seconds']:.3f}x the dense sync"
         )
 
 

@@ -2,7 +2,7 @@
 
 python -m rlwire.trainer.bench [--preset realistic] [--seeds 0,1,2,3,4] [--steps N]
                                [--workers 1] [--target R] [--variant LABEL:key=value,...]
-                               [key=value ...]
+                               [--modes colocated,one_step_off,fully_async] [key=value ...]
 python -m rlwire.trainer.bench --weight-sync [--models 64x2,1024x8] [--backends auto,gloo]
 python -m rlwire.trainer.bench --vs trl --trl-python PATH [--models 64x2,640x8] [--seeds 0,1,2]
 
@@ -10,7 +10,9 @@ Runs the default job (or ``--preset``'s, with the given overrides) with the same
 seed and resources as: colocated; one-step off-policy; fully async with its default
 off-policy correction (token-level truncated importance sampling, C = 2); and each
 ``--variant`` (fully async plus its overrides, or the mode they set), for every seed of
-``--seeds``. Prints one row per seed and run: samples/s over the training loop and as a
+``--seeds`` (``--modes`` leaves modes out; colocated, the baseline, always runs; a
+variant such as ``LoRA:trainer.mode=colocated,actor.lora.rank=8`` compares a setting
+in colocated mode). Prints one row per seed and run: samples/s over the training loop and as a
 ratio to colocated's in that seed, the weight-sync share of the loop, the mean version
 lag, the final reward (mean over the last tenth of the steps) and its ratio to
 colocated's, and the training-loop time until the reward's 10-step moving mean first
@@ -138,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="rollout workers (every run)")
     parser.add_argument("--target", type=float, default=None, help="reward to reach")
     parser.add_argument("--variant", type=_variant, action="append", default=[])
+    parser.add_argument(
+        "--modes",
+        default="colocated,one_step_off,fully_async",
+        help="the modes compared (colocated, the baseline, always runs)",
+    )
     parser.add_argument("--out", default=None, help="run directories (default: a temp dir)")
     parser.add_argument("--weight-sync", action="store_true", help="measure weight syncs")
     parser.add_argument(

@@ -24,12 +24,14 @@ MODE_RUNS: list[tuple[str, list[str]]] = [
 def _orchestration(rows: list[dict]) -> dict[str, float]:
     """Mean milliseconds per step the driver spent waiting for samples, in the actors'
     update call, in the rest of the update (scoring, moving the batch, Ray), and waiting for
-    the weight sync."""
+    the weight sync; and the mean megabytes a weight sync carried."""
 
     def mean(key: str) -> float:
         return 1000 * sum(r.get(key) or 0.0 for r in rows) / len(rows)
 
+    synced = [r["weight_sync_bytes"] for r in rows if r.get("weight_sync_bytes")]
     return {
+        "sync_mb": sum(synced) / len(synced) / 1e6 if synced else 0.0,
         "samples": mean("time_rollout_s"),
         "actor": mean("time_actor_s"),
         "driver": mean("time_update_s") - mean("time_actor_s"),
@@ -44,8 +46,12 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
     from .config import load_config
     from .driver import run
 
+    modes = {"colocated", *args.modes.split(",")}
+    unknown = modes - {label for label, _ in MODE_RUNS}
+    if unknown:
+        raise SystemExit(f"--modes: {sorted(unknown)} unknown; use {[m for m, _ in MODE_RUNS]}")
     runs = [
-        *MODE_RUNS,
+        *[(label, settings) for label, settings in MODE_RUNS if label in modes],
         *[(label, ["trainer.mode=fully_async", *more]) for label, more in args.variant],
     ]
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -112,9 +118,9 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
     print(
         "| run | samples/s vs colocated (mean) | reward vs colocated: mean | worst "
         "| time to target vs colocated: mean | worst | per step, ms: samples wait | actors' update "
-        "| driver's share | sync wait |"
+        "| driver's share | sync wait | MB per sync |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, _ in runs:
         mine = [rows[label, s] for s in seeds]
         reached = [r["to_target"] for r in mine if r["to_target"] is not None]
@@ -129,6 +135,7 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
             f"| {label} | {statistics.mean(r['speed'] for r in mine):.2f}x "
             f"| {statistics.mean(r['reward'] for r in mine):.2f}x "
             f"| {min(r['reward'] for r in mine):.2f}x | {times} | {cost['samples']:.1f} "
-            f"| {cost['actor']:.1f} | {cost['driver']:.1f} | {cost['sync']:.1f} |"
+            f"| {cost['actor']:.1f} | {cost['driver']:.1f} | {cost['sync']:.1f} "
+            f"| {cost['sync_mb']:.3f} |"
         )
     return 0

@@ -23,6 +23,7 @@ __all__ = [
     "LoraSection",
     "adapter_name",
     "adapter_targets",
+    "describe",
     "is_adapter",
     "merged_weights",
     "save_adapter",
@@ -122,6 +123,31 @@ def wrap(model: torch.nn.Module, section: LoraSection) -> torch.nn.Module:
     return wrapped
 
 
+def describe(model: torch.nn.Module, section: LoraSection, *, reference: bool) -> list[str]:
+    """What a LoRA run logs once at start, from the PEFT ``model`` before it is sharded: the
+    trained share, AdamW's state against full fine-tuning, and (with a KL ``reference``) the
+    copy of the model that the disabled adapter saves."""
+    params = list(model.parameters())
+    trained = [p for p in params if p.requires_grad]
+
+    def mib(ps, times: int = 1) -> str:
+        return f"{times * sum(p.numel() * p.element_size() for p in ps) / 2**20:.2f} MiB"
+
+    count, total = sum(p.numel() for p in trained), sum(p.numel() for p in params)
+    lines = [
+        f"LoRA rank {section.rank} (alpha {section.alpha:g}): {count:,} of {total:,} "
+        f"parameters train ({100 * count / total:.2f}%); AdamW state {mib(trained, 2)} (full "
+        f"fine-tuning: {mib(params, 2)}); weight syncs carry the adapter only"
+    ]
+    if reference:
+        frozen = [p for p in params if not p.requires_grad]
+        lines.append(
+            "the KL reference is the model with its adapter disabled: no second copy "
+            f"({mib(frozen)} saved)"
+        )
+    return lines
+
+
 def unwrapped_name(name: str) -> str:
     """``name`` without the prefixes wrappers (FSDP1, ``torch.compile``, DDP) add."""
     for prefix in _WRAPPER_PREFIXES:
@@ -202,4 +228,8 @@ def save_adapter(
     tensors = {name: value.detach().to("cpu").contiguous() for name, value in items}
     save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = section.peft_config(base_path).to_dict()
+    # the modules adapted, as PEFT writes them once resolved (``all-linear`` included)
+    config["target_modules"] = sorted(
+        {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors}
+    )
     (target / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))

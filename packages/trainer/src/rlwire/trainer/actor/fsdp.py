@@ -38,8 +38,10 @@ class _FSDPEngine(ActorEngine):
         model = load_hf_model(model_path, config.model.dtype, device)
         model.gradient_checkpointing_disable()
         self.lora = config.actor.lora if config.actor.lora.enabled else None
+        self._info: list[str] = []
         if self.lora is not None:
             model = self._peft = lora.wrap(model, self.lora)
+            self._info = lora.describe(model, self.lora, reference=config.algorithm.kl_coef > 0)
         self.model = self._wrap(model)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -120,16 +122,7 @@ class _FSDPEngine(ActorEngine):
         self.optimizer.load_state_dict(state["optimizer"])
 
     def describe(self) -> dict[str, list[str]]:
-        info = []
-        if self.lora is not None:
-            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            total = sum(p.numel() for p in self.model.parameters())
-            info.append(
-                f"LoRA rank {self.lora.rank} (alpha {self.lora.alpha:g}): {trainable:,} of "
-                f"{total:,} parameters train ({100 * trainable / total:.2f}%); weight syncs "
-                "carry the adapter only"
-            )
-        return {"info": info, "warnings": []}
+        return {"info": self._info, "warnings": []}
 
 
 class FSDP2Engine(_FSDPEngine):

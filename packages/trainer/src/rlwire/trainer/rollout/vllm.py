@@ -17,15 +17,25 @@ and go into the running engine through vLLM's own reload path
 ``model.load_weights``: on CPU vLLM repacks linear weights at load and the original
 parameters are gone. The prefix cache is reset after every update (cached prompt KV was
 computed with the old weights).
+
+With ``actor.lora`` the engine serves the adapter as a vLLM LoRA (``enable_lora``): an
+update carries the adapter alone (PEFT's saved names), which is written as a PEFT adapter
+directory and becomes the ``LoRARequest`` of every later generation; the previous version
+is removed from the engine and its directory deleted, so one adapter version is held at a
+time (calls are synchronous: none is in use when the next arrives).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import lora
 from .base import PartialRolloutEngine, SleepingRolloutEngine
 from .common import Rollout
 
@@ -48,6 +58,7 @@ class WeightReloadExtension:
 
 
 _CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's max_lora_rank takes
 
 
 class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
@@ -55,6 +66,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
     continues partial responses (one request per row, prompt and response as its tokens)."""
 
     name = "vllm"
+    takes_lora = True
 
     def __init__(
         self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
@@ -73,6 +85,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
         from transformers import AutoTokenizer
 
         self.config = config
+        self.model_path = model_path
         cfg = config.rollout.vllm
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         options: dict[str, Any] = {
@@ -100,14 +113,44 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
         self.sleep_mode = on_gpu and config.trainer.mode == "colocated"
         if self.sleep_mode:
             options["enable_sleep_mode"] = True
+        self.lora_request = None  # the adapter version generations use (LoRA runs)
+        self._adapters: Path | None = None
+        if config.actor.lora.enabled:
+            rank = config.actor.lora.rank
+            options |= {
+                "enable_lora": True,
+                "max_lora_rank": min(r for r in _LORA_RANKS if r >= rank),
+                "max_loras": 1,
+            }
+            self._adapters = Path(tempfile.mkdtemp(prefix="rlwire-adapters-"))
         self.llm = LLM(**options)
 
     async def apply(self, engine) -> int:
-        """Receive one whole update (owned tensors), then reload it into the live engine."""
+        """Receive one whole update (owned tensors), then reload it into the live engine
+        (with LoRA: load it as the engine's adapter)."""
         weights = [(name, tensor) async for name, tensor in engine.receive_weights(copy=True)]
-        self.llm.collective_rpc("rlwire_reload_weights", args=(weights,))
+        version = engine.last_version
+        if self._adapters is not None:
+            self._load_adapter(weights, version)
+        else:
+            self.llm.collective_rpc("rlwire_reload_weights", args=(weights,))
         self.llm.reset_prefix_cache()
-        return engine.last_version
+        return version
+
+    def _load_adapter(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """``weights`` (the adapter) as the LoRA of every later generation; the previous
+        version removed from the engine and from disk."""
+        from vllm.lora.request import LoRARequest
+
+        directory = self._adapters / f"v{version}"
+        lora.save_adapter(weights, self.config.actor.lora, self.model_path, directory)
+        previous, self.lora_request = (
+            self.lora_request,
+            LoRARequest(f"rlwire-v{version}", version + 1, str(directory)),
+        )
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def digest(self) -> str | None:
         return None  # the engine's weights are repacked; updates are checked by log-probs
@@ -152,7 +195,10 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
         ids = self._encode(prompts)
         params = self._params(n=cfg.n, max_tokens=cfg.max_new_tokens, seed=seed)
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in ids],
+            params,
+            use_tqdm=False,
+            lora_request=self.lora_request,
         )
         return self._rows(
             [
@@ -182,6 +228,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
             [TokensPrompt(prompt_token_ids=p + r) for p, r, _ in rows],
             [self._params(n=1, max_tokens=max_new_tokens, seed=seed + i) for i in range(len(rows))],
             use_tqdm=False,
+            lora_request=self.lora_request,
         )
         grown = [
             (p, r + list(out.outputs[0].token_ids), lp + _sampled_logprobs(out.outputs[0]))
