@@ -68,9 +68,17 @@ def make_delta_state(version: int) -> list[tuple[str, torch.Tensor]]:
     optimizer step changes bf16 weights: 1% of the elements (at least one), 20% for
     ``bf16_odd`` (which then travels as a bitmask), all of ``fp16`` (which then travels
     dense), none of ``fp32_after_odd`` (an empty delta)."""
-    state = make_state(1)
-    g = torch.Generator().manual_seed(1000)
-    for v in range(2, version + 1):
+    # Each version from the one before, with one generator running through them all; every
+    # version is made once per process and kept (the checks ask for them again and again).
+    held = max((v for v in _DELTA_STATES if v <= version), default=None)
+    state, g = _DELTA_STATES[held] if held is not None else (None, None)
+    if state is None:
+        held = 1
+        state, g = make_state(1), torch.Generator().manual_seed(1000)
+        _DELTA_STATES[1] = ([(name, t.clone()) for name, t in state], _copied(g))
+    state = [(name, t.clone()) for name, t in state]
+    g = _copied(g)
+    for v in range(held + 1, version + 1):
         for name, t in state:
             flat = t.view(-1) if t.is_contiguous() else t.t().view(-1)  # a view either way
             share = {"bf16_odd": 0.2, "fp16": 1.0, "fp32_after_odd": 0.0}.get(name, 0.01)
@@ -82,7 +90,17 @@ def make_delta_state(version: int) -> list[tuple[str, torch.Tensor]]:
                 flat[where] = flat[where] + torch.randn(k, generator=g).to(t.dtype) + v
             else:
                 flat[where] = flat[where] + v
+        _DELTA_STATES[v] = ([(name, t.clone()) for name, t in state], _copied(g))
     return state
+
+
+_DELTA_STATES: dict[int, tuple[list[tuple[str, torch.Tensor]], torch.Generator]] = {}
+
+
+def _copied(g: torch.Generator) -> torch.Generator:
+    copy = torch.Generator()
+    copy.set_state(g.get_state())
+    return copy
 
 
 def _wait_for(path: str, timeout: float) -> dict:
@@ -278,6 +296,16 @@ def main(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def member(args: tuple, log: str) -> None:
+    """:func:`main` in a process forked from the tests' fork server (torch and this module
+    already imported there: a member starts in milliseconds, not seconds), its output
+    going to ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    main(*args)
 
 
 if __name__ == "__main__":

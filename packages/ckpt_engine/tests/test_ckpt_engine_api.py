@@ -430,7 +430,8 @@ class Tiny(nn.Module):
 
 
 def _apply(module, weights, atomic, staging=None, swap=False):
-    tx, (rx,) = _naive_group(receivers=1, timeout=5.0)
+    # a failed apply leaves the sender waiting for its acknowledgement until the timeout
+    tx, (rx,) = _naive_group(receivers=1, timeout=1.0)
 
     async def run():
         return await asyncio.gather(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
+import multiprocessing
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,43 +19,41 @@ from ckpt_engine_worker import (  # noqa: E402
     FAILURE_TIMEOUT,
     make_delta_state,
     make_state,
+    member,
 )
+
+# Members are forked from one server that imported torch and the worker module once.
+_PROCESSES = multiprocessing.get_context("forkserver")
+_PROCESSES.set_forkserver_preload(["torch", "ckpt_engine_worker"])
 
 BACKENDS = ["gloo", "shm", "filesystem"]
 WORLD = 3  # one sender, two receivers
 
 
 def _run_group(backend: str, scenario: str, tmp_path: Path, world: int = WORLD) -> list[dict]:
-    procs, outs = [], []
+    procs, outs, logs = [], [], []
     for rank in range(world):
-        out = tmp_path / f"rank{rank}.pt"
-        outs.append(out)
-        cmd = [
-            sys.executable,
-            str(HERE / "ckpt_engine_worker.py"),
-            backend,
-            scenario,
-            str(rank),
-            str(world),
-            str(tmp_path),
-            str(out),
-        ]
-        procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    logs = []
+        outs.append(tmp_path / f"rank{rank}.pt")
+        logs.append(tmp_path / f"rank{rank}.log")
+        args = (backend, scenario, rank, world, str(tmp_path), str(outs[-1]))
+        procs.append(_PROCESSES.Process(target=member, args=(args, str(logs[-1]))))
+        procs[-1].start()
+    deadline = time.monotonic() + 180
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=180)[0])
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
     finally:
         for p in procs:
-            p.kill()
+            if p.is_alive():
+                p.kill()
+                p.join()
     reports = []
     for rank, out in enumerate(outs):
         if out.exists():
             reports.append(torch.load(out, weights_only=False))
         else:
-            reports.append({"exit": procs[rank].returncode, "log": logs[rank][-4000:]})
+            log = logs[rank].read_text() if logs[rank].exists() else ""
+            reports.append({"exit": procs[rank].exitcode, "log": log[-4000:]})
     return reports
 
 

@@ -31,7 +31,7 @@ def test_unknown_key_lists_valid_keys_and_closest_match():
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["actor.micro_batchsize=4"])
     assert str(err.value) == (
-        "actor.micro_batchsize: unknown key; valid keys under actor: grad_sync, megatron, "
+        "actor.micro_batchsize: unknown key; valid keys under actor: grad_sync, lora, megatron, "
         "micro_batch_size, mixed_precision, offload, optim, ppo_epochs, ppo_mini_batch_size, "
         "strategy, world_size; did you mean 'actor.micro_batch_size'?"
     )

@@ -90,8 +90,8 @@ class _FSDPEngine(ActorEngine):
         return lora.merged_weights(self._full_state(), self.lora.scaling)
 
     def named_sync_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.lora is None:
-            return self._full_state()
+        if self.lora is None:  # a subclass's named_weights is what syncs send
+            return self.named_weights()
         return ((lora.adapter_name(n), v) for n, v in self._full_state(lora.is_adapter))
 
     def offload(self) -> None:
