@@ -129,18 +129,19 @@ def describe(model: torch.nn.Module, section: LoraSection, *, reference: bool) -
     copy of the model that the disabled adapter saves."""
     params = list(model.parameters())
     trained = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad]  # the base model
 
     def mib(ps, times: int = 1) -> str:
         return f"{times * sum(p.numel() * p.element_size() for p in ps) / 2**20:.2f} MiB"
 
-    count, total = sum(p.numel() for p in trained), sum(p.numel() for p in params)
+    count, base = sum(p.numel() for p in trained), sum(p.numel() for p in frozen)
     lines = [
-        f"LoRA rank {section.rank} (alpha {section.alpha:g}): {count:,} of {total:,} "
-        f"parameters train ({100 * count / total:.2f}%); AdamW state {mib(trained, 2)} (full "
-        f"fine-tuning: {mib(params, 2)}); weight syncs carry the adapter only"
+        f"LoRA rank {section.rank} (alpha {section.alpha:g}): {count:,} adapter parameters "
+        f"train ({100 * count / base:.2f}% of the model's {base:,}); AdamW state "
+        f"{mib(trained, 2)} (full fine-tuning: {mib(frozen, 2)}); weight syncs carry the "
+        "adapter only"
     ]
     if reference:
-        frozen = [p for p in params if not p.requires_grad]
         lines.append(
             "the KL reference is the model with its adapter disabled: no second copy "
             f"({mib(frozen)} saved)"
