@@ -28,6 +28,7 @@ from .actor import ActorEngine, actor_engine_class
 from .background import Background
 from .config import TrainerConfig
 from .correction import correction_weights
+from .lora import save_adapter
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
 from .step import compute_old_logprobs, grpo_update, ppo_update
 from .worker_process import WorkerProcess, host, seed_everything, set_threads
@@ -334,7 +335,6 @@ class ActorWorker(WorkerProcess):
     def export_hf(self, directory: str, adapter: str | None = None) -> None:
         """Write the policy as a Hugging Face directory (merged, with LoRA) and with LoRA the
         adapter in PEFT's format at ``adapter`` (rank 0; the others join the gathers)."""
-        from .lora import save_adapter
         from .modeling import save_hf_model
 
         with self._resident(optimizer=False):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
                 "max_loras": 1,
             }
             self._adapters = Path(tempfile.mkdtemp(prefix="rlwire-adapters-"))
+            weakref.finalize(self, shutil.rmtree, self._adapters, ignore_errors=True)
         self.llm = LLM(**options)
 
     async def apply(self, engine) -> int:
