@@ -32,7 +32,7 @@ __all__ = [
 
 _ADAPTER = "default"  # PEFT's name for the one adapter
 _PEFT_PREFIX = "base_model.model."
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_orig_mod.", "module.")
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_orig_mod.")  # FSDP1, torch.compile: anywhere
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -150,10 +150,11 @@ def describe(model: torch.nn.Module, section: LoraSection, *, reference: bool) -
 
 
 def unwrapped_name(name: str) -> str:
-    """``name`` without the prefixes wrappers (FSDP1, ``torch.compile``, DDP) add."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """``name`` without what wrappers add: FSDP1's and ``torch.compile``'s segments (at any
+    depth), DDP's leading ``module.``."""
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name.removeprefix("module.")
 
 
 def is_adapter(name: str) -> bool:
