@@ -68,9 +68,11 @@ def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
     assert (run / "config.yaml").exists() and (run / "train.log").exists()
     assert (run / "checkpoints" / "step_2" / "COMPLETE").exists()
 
-    second = _train(*common, "trainer.steps=3")
+    second = _train(*common, "trainer.steps=3", "trainer.max_actor_ckpt_to_keep=2")
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3]  # continued, not restarted
+    # verl's key: the two newest complete checkpoints stay, step_1 went once step_3 was done
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
     assert "trained 1 steps in" in second.stdout  # the summary covers this call's steps
     # The same command again: nothing to train, said in one line, before starting anything.
     again = _train(*common, "trainer.steps=3")

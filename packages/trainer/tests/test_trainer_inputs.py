@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlwire.trainer.config import load_config
+from rlwire.trainer.config import ConfigError, load_config
 from rlwire.trainer.data import load_data
 from rlwire.trainer.errors import RunError
-from rlwire.trainer.inputs import resolve_model
+from rlwire.trainer.inputs import latest_checkpoint, prune_checkpoints, resolve_model
 from rlwire.trainer.rewards import gsm8k_score, load_reward, math_score
 from rlwire.trainer.rollout import Example
 
@@ -51,6 +51,23 @@ def test_the_tiny_model_follows_trainer_seed_in_an_old_run_directory(tmp_path):
     assert first == again != other and other.parent == tmp_path  # same seed: built once
     a, b = (load_file(d / "model.safetensors") for d in (first, other))
     assert not torch.equal(a["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints_and_one_being_written(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in range(1, 7):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / "actor_rank0.pt").write_bytes(b"x")
+        if step not in (4, 6):  # 4: a save cut off; 6: one being written now
+            (root / f"step_{step}" / "COMPLETE").write_text(str(step))
+    (root / "notes").mkdir()  # not a checkpoint: never touched
+    removed = prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in removed) == ["step_1", "step_2", "step_4"]
+    assert sorted(p.name for p in root.iterdir()) == ["notes", "step_3", "step_5", "step_6"]
+    assert latest_checkpoint(tmp_path) == root / "step_5"
+    assert prune_checkpoints(tmp_path, keep=2) == []  # nothing more to remove
+    with pytest.raises(ConfigError, match="trainer.max_checkpoints_to_keep: 0 is not allowed"):
+        load_config(overrides=["trainer.max_actor_ckpt_to_keep=0"])
 
 
 def test_builtin_data_is_deterministic_per_step(tiny_dir):

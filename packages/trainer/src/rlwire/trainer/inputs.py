@@ -4,12 +4,13 @@ reward: :mod:`rlwire.trainer.data`, :mod:`rlwire.trainer.rewards`)."""
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 from .config import TrainerConfig
 from .errors import RunError
 
-__all__ = ["checkpoint_step", "latest_checkpoint", "resolve_model"]
+__all__ = ["checkpoint_step", "latest_checkpoint", "prune_checkpoints", "resolve_model"]
 
 
 def resolve_model(config: TrainerConfig, run_dir: Path, *, build: bool = True) -> Path:
@@ -34,14 +35,38 @@ def resolve_model(config: TrainerConfig, run_dir: Path, *, build: bool = True) -
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def _checkpoints(run_dir: Path) -> list[tuple[int, bool, Path]]:
+    """``(step, complete, directory)`` of every ``checkpoints/step_<n>``, oldest first."""
     root = run_dir / "checkpoints"
     found = []
     if root.is_dir():
         for child in root.iterdir():
-            if (m := _STEP_DIR.match(child.name)) and (child / "COMPLETE").exists():
-                found.append((int(m[1]), child))
-    return max(found)[1] if found else None
+            if m := _STEP_DIR.match(child.name):
+                found.append((int(m[1]), (child / "COMPLETE").exists(), child))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    complete = [path for _, done, path in _checkpoints(run_dir) if done]
+    return complete[-1] if complete else None
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` complete checkpoints, and unfinished ones older
+    than the newest complete one (a save that was cut off); what was removed. A checkpoint
+    is removed only when ``keep`` newer complete ones exist, so a crash in the middle of a
+    save or of this pruning leaves the last complete checkpoint in place (``COMPLETE`` goes
+    first: a half-removed directory is an unfinished one)."""
+    found = _checkpoints(run_dir)
+    complete = [path for _, done, path in found if done]
+    if not complete:
+        return []
+    newest = checkpoint_step(complete[-1])
+    doomed = complete[:-keep] + [p for step, done, p in found if not done and step < newest]
+    for path in doomed:
+        (path / "COMPLETE").unlink(missing_ok=True)
+        shutil.rmtree(path)
+    return doomed
 
 
 def checkpoint_step(checkpoint: Path) -> int:

@@ -27,6 +27,7 @@ from .cluster import (
 from .errors import RunError
 from .grpo import group_advantages
 from .hybrid import HybridWorker
+from .inputs import prune_checkpoints
 from .loggers import Tracker
 from .metrics import StepMetrics, UpdateMetrics
 from .rollout import Rollout, rollout_engine_class
@@ -407,6 +408,9 @@ class Job:
         target = self.run_dir / "checkpoints" / f"step_{done}"
         self.call([a.save.remote(str(target), done) for a in self.actors], "saving")
         (target / "COMPLETE").write_text(str(done))
+        keep = self.config.trainer.max_checkpoints_to_keep
+        if keep is not None:
+            prune_checkpoints(self.run_dir, keep)
 
     def save_if_due(self, done: int) -> None:
         if self.save_due(done):

@@ -458,6 +458,10 @@ class TrainerSection:
     """Run directory: config, metrics.jsonl, plot, log, checkpoints."""
     save_every: int = 25
     """Checkpoint every this many steps (0: only at the end)."""
+    max_checkpoints_to_keep: int | None = None
+    """Complete checkpoints kept in ``checkpoints/`` (verl's ``max_actor_ckpt_to_keep``):
+    older ones, and unfinished ones older than the newest complete one, are removed only
+    after a newer checkpoint is complete. Null: keep all."""
     resume: str = "auto"
     """``auto`` (latest checkpoint in output_dir, if any), ``never``, or a checkpoint path."""
     logger: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
@@ -489,6 +493,13 @@ class TrainerSection:
             _check_choice(name, "trainer.logger", LOGGERS)
         _check(self.steps >= 1, "trainer.steps", self.steps, "use an int >= 1")
         _check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
+        keep = self.max_checkpoints_to_keep
+        _check(
+            keep is None or keep >= 1,
+            "trainer.max_checkpoints_to_keep",
+            keep,
+            "use an int >= 1, or null (keep all)",
+        )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

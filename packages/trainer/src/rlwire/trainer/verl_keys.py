@@ -108,6 +108,7 @@ ALIASES: tuple[Alias, ...] = (
     Alias("algorithm.adv_estimator", "", _choices({"grpo": None}), "only grpo"),
     Alias("trainer.total_training_steps", "trainer.steps"),
     Alias("trainer.save_freq", "trainer.save_every", _save_freq, "-1 -> 0"),
+    Alias("trainer.max_actor_ckpt_to_keep", "trainer.max_checkpoints_to_keep"),
     Alias("trainer.default_local_dir", "trainer.output_dir"),
     Alias(
         "trainer.resume_mode",
