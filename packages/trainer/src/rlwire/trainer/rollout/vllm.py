@@ -118,6 +118,10 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
         self._adapters: Path | None = None
         if config.actor.lora.enabled:
             rank = config.actor.lora.rank
+            if rank > max(_LORA_RANKS):
+                raise ValueError(
+                    f"actor.lora.rank: {rank} is more than vLLM serves ({max(_LORA_RANKS)})"
+                )
             options |= {
                 "enable_lora": True,
                 "max_lora_rank": min(r for r in _LORA_RANKS if r >= rank),
