@@ -21,6 +21,7 @@ from typing import Any
 
 from rlwire.ckpt_engine import registry as engine_registry
 
+from .checks import check
 from .rollout.base import rollout_engine_class
 from .sections import (
     ActorConfig,
@@ -34,7 +35,6 @@ from .sections import (
     RewardConfig,
     RolloutConfig,
     TrainerSection,
-    _check,
 )
 from .verl_keys import translate
 
@@ -79,7 +79,7 @@ class TrainerConfig:
         per_step = actor.world_size * (actor.micro_batch_size or 1)
         split = "actor.world_size" + (" x actor.micro_batch_size" if actor.micro_batch_size else "")
         if mini == prompts:
-            _check(
+            check(
                 prompts * self.rollout.n % per_step == 0,
                 "data.train_batch_size",
                 prompts,
@@ -87,7 +87,7 @@ class TrainerConfig:
                 f"of {split} ({per_step})",
             )
         else:
-            _check(
+            check(
                 prompts % mini == 0 and mini * self.rollout.n % per_step == 0,
                 "actor.ppo_mini_batch_size",
                 mini,
@@ -96,7 +96,7 @@ class TrainerConfig:
             )
         if self.async_.partial_rollout and self.trainer.mode == "fully_async":
             engine = rollout_engine_class(self.rollout.backend)
-            _check(
+            check(
                 engine.can_continue,
                 "async.partial_rollout",
                 True,
@@ -105,7 +105,7 @@ class TrainerConfig:
             )
 
         if self.actor.lora.enabled:
-            _check(
+            check(
                 rollout_engine_class(self.rollout.backend).takes_lora,
                 "actor.lora.rank",
                 self.actor.lora.rank,
@@ -114,14 +114,14 @@ class TrainerConfig:
             )
         if self.rollout.hybrid_engine:
             obstacles = self._hybrid_obstacles()
-            _check(
+            check(
                 not obstacles,
                 "rollout.hybrid_engine",
                 True,
                 f"it cannot be on with {'; '.join(obstacles)}; set it to false or null",
             )
         if self.ckpt_engine.delta == "on":
-            _check(
+            check(
                 rollout_engine_class(self.rollout.backend).takes_deltas,
                 "ckpt_engine.delta",
                 "on",
@@ -133,7 +133,7 @@ class TrainerConfig:
                 sends_deltas = backend == "auto" or engine_registry.capabilities(backend).delta
             except (ValueError, ImportError) as err:  # unknown, or its dependency is missing
                 raise ConfigError(f"ckpt_engine.backend: {err}") from None
-            _check(
+            check(
                 sends_deltas,
                 "ckpt_engine.delta",
                 "on",

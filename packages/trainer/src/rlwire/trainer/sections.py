@@ -1,21 +1,21 @@
 """The sections of the trainer's configuration: typed, documented dataclasses, each
 validating its own values (``ConfigError`` names the key, the value and what is allowed).
-:mod:`rlwire.trainer.config` assembles them and reads files and overrides."""
+:mod:`rlwire.trainer.config` assembles them and reads files and overrides. Sections owned
+by one part of the trainer live beside it and are re-exported here: ``actor``
+(:mod:`rlwire.trainer.actor.config`), ``algorithm.rollout_correction``
+(:mod:`rlwire.trainer.correction`), ``actor.lora`` (:mod:`rlwire.trainer.lora`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import Any
 
 from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, DELTA_MODES, parse_bucket_size
-from rlwire.grad_sync import GradSyncConfig
 
-from .actor.base import ACTOR_ENGINES, actor_engine_class
+from .actor.config import ActorConfig, MegatronSection, OptimConfig
+from .checks import ConfigError, check, check_choice, check_engine
 from .correction import RolloutCorrectionConfig
 from .loggers import LOGGERS
-from .lora import LoraSection
 from .rollout.base import ROLLOUT_ENGINES, rollout_engine_class
 
 __all__ = [
@@ -36,33 +36,6 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A configuration value or key is not allowed; the message names the key."""
-
-
-def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {value!r} is not allowed; {allowed}")
-
-
-def _check_choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
-    """``value`` must be one of ``choices`` (the message lists them: "use 'a', 'b' or 'c'")."""
-    quoted = [repr(c) for c in choices]
-    listed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
-    _check(value in choices, key, value, f"use {listed}")
-
-
-def _check_engine(value: str, key: str, known: dict, load: Callable[[str], type]) -> None:
-    """An engine name from ``known``, or a dotted path imported now so a bad one fails early."""
-    if ":" not in value:
-        _check_choice(value, key, tuple(known))
-        return
-    try:
-        load(value)
-    except (ImportError, ValueError) as err:
-        raise ConfigError(f"{key}: cannot load {value!r}: {err}") from None
-
-
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ModelConfig:
     path: str = "tiny"
@@ -74,7 +47,7 @@ class ModelConfig:
     ``bfloat16``."""
 
     def __post_init__(self) -> None:
-        _check_choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
+        check_choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -95,7 +68,7 @@ class DataConfig:
     """Prompts per step (each sampled ``rollout.n`` times)."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.train_batch_size >= 1,
             "data.train_batch_size",
             self.train_batch_size,
@@ -116,123 +89,6 @@ class RewardConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class OptimConfig:
-    lr: float = 3e-3
-    """AdamW learning rate (suits the built-in tiny model; real models want ~1e-6)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0 disables clipping)."""
-    stale_lr_kl: float | None = 0.1
-    """Staleness-aware step size (off-policy modes): an update whose samples are older than
-    the weights it changes takes ``lr / (1 + mean version lag)`` when the updates since the
-    samples were drawn moved the policy by more than this many nats per response
-    (``kl_behaviour_proximal`` x ``response_length``, over the whole batch): there one-step
-    stale gradients at the full step overshoot, and token-level importance weights do not
-    see a shift of the whole response (measured in the trainer README). 0: on every stale
-    batch; null: never. ``lr_scale`` in the metrics shows each step's factor; colocated
-    updates (lag 0) are never scaled."""
-
-    def __post_init__(self) -> None:
-        _check(self.lr > 0, "actor.optim.lr", self.lr, "use a float > 0")
-        _check(self.grad_clip >= 0, "actor.optim.grad_clip", self.grad_clip, "use a float >= 0")
-        _check(
-            self.stale_lr_kl is None or self.stale_lr_kl >= 0,
-            "actor.optim.stale_lr_kl",
-            self.stale_lr_kl,
-            "use a float >= 0, or null (never)",
-        )
-
-    def lr_scale(self, lag: float, kl: float) -> float:
-        """The factor on ``lr`` for an update whose samples lag ``lag`` versions on average,
-        the policy having moved ``kl`` nats per response since they were drawn."""
-        if lag <= 0 or self.stale_lr_kl is None or kl <= self.stale_lr_kl:
-            return 1.0
-        return 1.0 / (1.0 + lag)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class MegatronSection:
-    use_distributed_optimizer: bool = True
-    """Megatron's distributed optimizer: optimizer state and fp32 main parameters sharded
-    over the data-parallel ranks (works on gloo/CPU too)."""
-    optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Megatron ``OptimizerConfig`` fields beyond ``actor.optim`` (which gives ``lr``,
-    ``weight_decay`` and ``clip_grad``), e.g. ``use_precision_aware_optimizer``,
-    ``main_grads_dtype``; dtypes as strings (``bf16``, ``fp32``)."""
-    override_optimizer_config: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """``OptimizerConfig`` fields applied last (verl's ``override_optimizer_config``)."""
-    override_ddp_config: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """``DistributedDataParallelConfig`` fields; they win over the gradient dtype
-    ``rlwire.megatron_ddp`` derives from the optimizer (e.g. ``grad_reduce_in_fp32``,
-    ``bucket_size``, ``overlap_grad_reduce``)."""
-    tensor_model_parallel_size: int = 1
-    """Only 1: this engine is data parallel (TP needs Megatron's own model code)."""
-    pipeline_model_parallel_size: int = 1
-    """Only 1: this engine is data parallel (PP needs Megatron's own model code)."""
-
-    def __post_init__(self) -> None:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            _check(
-                getattr(self, key) == 1,
-                f"actor.megatron.{key}",
-                getattr(self, key),
-                "the Megatron engine is data parallel only (tensor and pipeline parallelism "
-                "are out of scope); use 1 and scale with actor.world_size",
-            )
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class ActorConfig:
-    strategy: str = "fsdp2"
-    """The actor engine: ``fsdp2`` (``fully_shard``), ``fsdp`` (FSDP1), ``megatron``
-    (Megatron-Core DDP and optimizer, through ``rlwire-megatron-ddp``), or a dotted path
-    ``package.module:Class`` to a ``rlwire.trainer.actor.ActorEngine`` subclass (imported
-    when the config loads, and in every actor process)."""
-    world_size: int = 1
-    """Actor ranks (Ray actors forming a gloo/NCCL group)."""
-    micro_batch_size: int | None = None
-    """Sequences per forward/backward on one rank (verl's ``ppo_micro_batch_size_per_gpu``).
-    None: a whole mini-batch share in one pass (fastest where it fits in memory: on the
-    default job 1445 samples/s against 985 with 8; set it for models whose activations do
-    not fit)."""
-    ppo_mini_batch_size: int | None = None
-    """Prompts per optimizer step (verl's meaning: each with its ``rollout.n`` samples,
-    split over the actor ranks); a batch of ``data.train_batch_size`` prompts takes
-    ``train_batch_size / ppo_mini_batch_size`` steps per epoch. None: the whole batch,
-    one step."""
-    ppo_epochs: int = 1
-    """Passes over each batch's mini-batches."""
-    mixed_precision: bool = False
-    """bf16 compute with fp32 gradient reduction (FSDP MixedPrecisionPolicy)."""
-    offload: bool = False
-    """Move parameters and optimizer state to host between phases (``rlwire.offload``)."""
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    grad_sync: GradSyncConfig = dataclasses.field(default_factory=GradSyncConfig)
-    """``rlwire.grad_sync``'s own config (``policy``: ``defer``, ``every`` or ``auto``;
-    ``memory_budget_bytes`` for ``auto``). verl's
-    ``actor.fsdp.use_no_sync_for_gradient_accumulation`` (True → defer, False → every) is
-    accepted as an alias."""
-    megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
-    lora: LoraSection = dataclasses.field(default_factory=LoraSection)
-
-    def __post_init__(self) -> None:
-        _check_engine(self.strategy, "actor.strategy", ACTOR_ENGINES, actor_engine_class)
-        _check(
-            not (self.lora.enabled and self.strategy == "megatron"),
-            "actor.lora.rank",
-            self.lora.rank,
-            "the megatron strategy trains every weight; use actor.strategy=fsdp2 or fsdp for "
-            "LoRA, or rank 0",
-        )
-        _check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
-        _check(self.ppo_epochs >= 1, "actor.ppo_epochs", self.ppo_epochs, "use an int >= 1")
-        for key in ("micro_batch_size", "ppo_mini_batch_size"):
-            value = getattr(self, key)
-            _check(value is None or value >= 1, f"actor.{key}", value, "use an int >= 1 or null")
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
 class VLLMSection:
     kv_cache_memory_bytes: int | None = None
     """KV-cache size of each vLLM engine in bytes. None: on GPUs sized from
@@ -247,13 +103,13 @@ class VLLMSection:
     """No CUDA graphs / compilation: fast start, slower decoding on GPUs."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
             "rollout.vllm.kv_cache_memory_bytes",
             self.kv_cache_memory_bytes,
             "use an int > 0 or null",
         )
-        _check(
+        check(
             0 < self.gpu_memory_utilization <= 1,
             "rollout.vllm.gpu_memory_utilization",
             self.gpu_memory_utilization,
@@ -295,17 +151,17 @@ class RolloutConfig:
     and tests of overlap)."""
 
     def __post_init__(self) -> None:
-        _check_engine(self.backend, "rollout.backend", ROLLOUT_ENGINES, rollout_engine_class)
-        _check(self.paced_step_s >= 0, "rollout.paced_step_s", self.paced_step_s, "use >= 0")
-        _check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
-        _check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")
-        _check(
+        check_engine(self.backend, "rollout.backend", ROLLOUT_ENGINES, rollout_engine_class)
+        check(self.paced_step_s >= 0, "rollout.paced_step_s", self.paced_step_s, "use >= 0")
+        check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
+        check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")
+        check(
             self.max_new_tokens >= 1,
             "rollout.max_new_tokens",
             self.max_new_tokens,
             "use an int >= 1",
         )
-        _check(self.temperature > 0, "rollout.temperature", self.temperature, "use a float > 0")
+        check(self.temperature > 0, "rollout.temperature", self.temperature, "use a float > 0")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -326,14 +182,14 @@ class AlgorithmConfig:
     )
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             0 < self.clip_ratio < 1,
             "algorithm.clip_ratio",
             self.clip_ratio,
             "use a float in (0, 1)",
         )
-        _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "use a float >= 0")
-        _check_choice(self.loss_agg, "algorithm.loss_agg", ("token-mean", "seq-mean-token-mean"))
+        check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "use a float >= 0")
+        check_choice(self.loss_agg, "algorithm.loss_agg", ("token-mean", "seq-mean-token-mean"))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -370,8 +226,8 @@ class CheckpointEngineConfig:
             parse_bucket_size(self.bucket_size)
         except ValueError as err:  # "bucket_size: ... is not allowed; use ..."
             raise ConfigError(f"ckpt_engine.{err}") from None
-        _check(self.timeout > 0, "ckpt_engine.timeout", self.timeout, "use seconds > 0")
-        _check_choice(self.delta, "ckpt_engine.delta", DELTA_MODES)
+        check(self.timeout > 0, "ckpt_engine.timeout", self.timeout, "use seconds > 0")
+        check_choice(self.delta, "ckpt_engine.delta", DELTA_MODES)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -400,26 +256,26 @@ class AsyncConfig:
     """With ``partial_rollout``: tokens generated between two checks for a weight sync."""
 
     def __post_init__(self) -> None:
-        _check(
+        check(
             self.staleness_threshold >= 0,
             "async.staleness_threshold",
             self.staleness_threshold,
             "use a float >= 0",
         )
-        _check(
+        check(
             self.trigger_parameter_sync_step >= 1,
             "async.trigger_parameter_sync_step",
             self.trigger_parameter_sync_step,
             "use an int >= 1",
         )
-        _check(
+        check(
             self.max_version_lag is None or self.max_version_lag >= 0,
             "async.max_version_lag",
             self.max_version_lag,
             "use an int >= 0 or null",
         )
-        _check(self.sample_timeout > 0, "async.sample_timeout", self.sample_timeout, "use > 0")
-        _check(
+        check(self.sample_timeout > 0, "async.sample_timeout", self.sample_timeout, "use > 0")
+        check(
             self.partial_rollout_chunk_tokens >= 1,
             "async.partial_rollout_chunk_tokens",
             self.partial_rollout_chunk_tokens,
@@ -483,18 +339,18 @@ class TrainerSection:
 
     def __post_init__(self) -> None:
         self.mode = _MODE_ALIASES.get(self.mode, self.mode)
-        _check_choice(self.mode, "trainer.mode", MODES)
+        check_choice(self.mode, "trainer.mode", MODES)
         if isinstance(self.logger, str):  # one name, or verl's list
             self.logger = [self.logger]
-        _check(
+        check(
             isinstance(self.logger, list), "trainer.logger", self.logger, f"use a list of {LOGGERS}"
         )
         for name in self.logger:
-            _check_choice(name, "trainer.logger", LOGGERS)
-        _check(self.steps >= 1, "trainer.steps", self.steps, "use an int >= 1")
-        _check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
+            check_choice(name, "trainer.logger", LOGGERS)
+        check(self.steps >= 1, "trainer.steps", self.steps, "use an int >= 1")
+        check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
         keep = self.max_checkpoints_to_keep
-        _check(
+        check(
             keep is None or keep >= 1,
             "trainer.max_checkpoints_to_keep",
             keep,
@@ -534,11 +390,11 @@ class RayConfig:
     def __post_init__(self) -> None:
         for key in ("startup_timeout", "task_timeout"):
             value = getattr(self, key)
-            _check(value > 0, f"ray.{key}", value, "use seconds > 0")
-        _check(
+            check(value > 0, f"ray.{key}", value, "use seconds > 0")
+        check(
             self.driver_threads >= 1, "ray.driver_threads", self.driver_threads, "use an int >= 1"
         )
-        _check(
+        check(
             self.worker_threads is None or self.worker_threads >= 1,
             "ray.worker_threads",
             self.worker_threads,

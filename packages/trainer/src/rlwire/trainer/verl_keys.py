@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .sections import ConfigError
+from .checks import ConfigError
 
 __all__ = ["ALIASES", "alias_table", "translate"]
 

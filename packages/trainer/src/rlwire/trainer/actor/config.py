@@ -1,0 +1,132 @@
+"""The ``actor`` section: the actor engine's configuration (strategy, batch splitting, the
+optimizer, Megatron's own settings, LoRA), beside the engines that read it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rlwire.grad_sync import GradSyncConfig
+
+from ..checks import check, check_engine
+from ..lora import LoraSection
+from .base import ACTOR_ENGINES, actor_engine_class
+
+__all__ = ["ActorConfig", "MegatronSection", "OptimConfig"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 3e-3
+    """AdamW learning rate (suits the built-in tiny model; real models want ~1e-6)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    stale_lr_kl: float | None = 0.1
+    """Staleness-aware step size (off-policy modes): an update whose samples are older than
+    the weights it changes takes ``lr / (1 + mean version lag)`` when the updates since the
+    samples were drawn moved the policy by more than this many nats per response
+    (``kl_behaviour_proximal`` x ``response_length``, over the whole batch): there one-step
+    stale gradients at the full step overshoot, and token-level importance weights do not
+    see a shift of the whole response (measured in the trainer README). 0: on every stale
+    batch; null: never. ``lr_scale`` in the metrics shows each step's factor; colocated
+    updates (lag 0) are never scaled."""
+
+    def __post_init__(self) -> None:
+        check(self.lr > 0, "actor.optim.lr", self.lr, "use a float > 0")
+        check(self.grad_clip >= 0, "actor.optim.grad_clip", self.grad_clip, "use a float >= 0")
+        check(
+            self.stale_lr_kl is None or self.stale_lr_kl >= 0,
+            "actor.optim.stale_lr_kl",
+            self.stale_lr_kl,
+            "use a float >= 0, or null (never)",
+        )
+
+    def lr_scale(self, lag: float, kl: float) -> float:
+        """The factor on ``lr`` for an update whose samples lag ``lag`` versions on average,
+        the policy having moved ``kl`` nats per response since they were drawn."""
+        if lag <= 0 or self.stale_lr_kl is None or kl <= self.stale_lr_kl:
+            return 1.0
+        return 1.0 / (1.0 + lag)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class MegatronSection:
+    use_distributed_optimizer: bool = True
+    """Megatron's distributed optimizer: optimizer state and fp32 main parameters sharded
+    over the data-parallel ranks (works on gloo/CPU too)."""
+    optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Megatron ``OptimizerConfig`` fields beyond ``actor.optim`` (which gives ``lr``,
+    ``weight_decay`` and ``clip_grad``), e.g. ``use_precision_aware_optimizer``,
+    ``main_grads_dtype``; dtypes as strings (``bf16``, ``fp32``)."""
+    override_optimizer_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``OptimizerConfig`` fields applied last (verl's ``override_optimizer_config``)."""
+    override_ddp_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``DistributedDataParallelConfig`` fields; they win over the gradient dtype
+    ``rlwire.megatron_ddp`` derives from the optimizer (e.g. ``grad_reduce_in_fp32``,
+    ``bucket_size``, ``overlap_grad_reduce``)."""
+    tensor_model_parallel_size: int = 1
+    """Only 1: this engine is data parallel (TP needs Megatron's own model code)."""
+    pipeline_model_parallel_size: int = 1
+    """Only 1: this engine is data parallel (PP needs Megatron's own model code)."""
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            check(
+                getattr(self, key) == 1,
+                f"actor.megatron.{key}",
+                getattr(self, key),
+                "the Megatron engine is data parallel only (tensor and pipeline parallelism "
+                "are out of scope); use 1 and scale with actor.world_size",
+            )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ActorConfig:
+    strategy: str = "fsdp2"
+    """The actor engine: ``fsdp2`` (``fully_shard``), ``fsdp`` (FSDP1), ``megatron``
+    (Megatron-Core DDP and optimizer, through ``rlwire-megatron-ddp``), or a dotted path
+    ``package.module:Class`` to a ``rlwire.trainer.actor.ActorEngine`` subclass (imported
+    when the config loads, and in every actor process)."""
+    world_size: int = 1
+    """Actor ranks (Ray actors forming a gloo/NCCL group)."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward on one rank (verl's ``ppo_micro_batch_size_per_gpu``).
+    None: a whole mini-batch share in one pass (fastest where it fits in memory: on the
+    default job 1445 samples/s against 985 with 8; set it for models whose activations do
+    not fit)."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per optimizer step (verl's meaning: each with its ``rollout.n`` samples,
+    split over the actor ranks); a batch of ``data.train_batch_size`` prompts takes
+    ``train_batch_size / ppo_mini_batch_size`` steps per epoch. None: the whole batch,
+    one step."""
+    ppo_epochs: int = 1
+    """Passes over each batch's mini-batches."""
+    mixed_precision: bool = False
+    """bf16 compute with fp32 gradient reduction (FSDP MixedPrecisionPolicy)."""
+    offload: bool = False
+    """Move parameters and optimizer state to host between phases (``rlwire.offload``)."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    grad_sync: GradSyncConfig = dataclasses.field(default_factory=GradSyncConfig)
+    """``rlwire.grad_sync``'s own config (``policy``: ``defer``, ``every`` or ``auto``;
+    ``memory_budget_bytes`` for ``auto``). verl's
+    ``actor.fsdp.use_no_sync_for_gradient_accumulation`` (True → defer, False → every) is
+    accepted as an alias."""
+    megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
+    lora: LoraSection = dataclasses.field(default_factory=LoraSection)
+
+    def __post_init__(self) -> None:
+        check_engine(self.strategy, "actor.strategy", ACTOR_ENGINES, actor_engine_class)
+        check(
+            not (self.lora.enabled and self.strategy == "megatron"),
+            "actor.lora.rank",
+            self.lora.rank,
+            "the megatron strategy trains every weight; use actor.strategy=fsdp2 or fsdp for "
+            "LoRA, or rank 0",
+        )
+        check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
+        check(self.ppo_epochs >= 1, "actor.ppo_epochs", self.ppo_epochs, "use an int >= 1")
+        for key in ("micro_batch_size", "ppo_mini_batch_size"):
+            value = getattr(self, key)
+            check(value is None or value >= 1, f"actor.{key}", value, "use an int >= 1 or null")
