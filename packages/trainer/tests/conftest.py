@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -77,14 +78,19 @@ FSDP2_REFERENCE = (
 
 
 @pytest.fixture(scope="session")
-def fsdp2_reference(ray_cluster, tmp_path_factory) -> list[dict]:
-    """Metrics of 2 steps of FSDP2 on 2 gloo ranks with :data:`FSDP2_REFERENCE`."""
+def fsdp2_reference_run(ray_cluster, tmp_path_factory) -> Path:
+    """The run directory of 3 steps of FSDP2 on 2 gloo ranks with :data:`FSDP2_REFERENCE`
+    (a checkpoint after every step)."""
     from trainer_cli import train_cli
 
-    records, _ = train_cli(
-        tmp_path_factory.mktemp("fsdp2") / "run",
-        *FSDP2_REFERENCE,
-        "trainer.steps=2",
-        cluster=ray_cluster,
-    )
-    return records
+    run = tmp_path_factory.mktemp("fsdp2") / "run"
+    train_cli(run, *FSDP2_REFERENCE, "trainer.steps=3", cluster=ray_cluster)
+    return run
+
+
+@pytest.fixture(scope="session")
+def fsdp2_reference(fsdp2_reference_run) -> list[dict]:
+    """The metrics of :func:`fsdp2_reference_run`."""
+    from trainer_cli import metrics
+
+    return metrics(fsdp2_reference_run)

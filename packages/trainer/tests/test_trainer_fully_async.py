@@ -11,8 +11,7 @@ import threading
 import time
 
 import pytest
-import torch
-from trainer_cli import metrics, train_cli
+from trainer_cli import checkpoint_state, metrics, train_cli
 
 from rlwire.trainer.config import AsyncConfig, load_config
 from rlwire.trainer.sample_queue import SampleQueue, max_stale_groups
@@ -312,8 +311,8 @@ def test_killed_rollout_worker_stops_the_run_with_its_error(ray_cluster, tmp_pat
     steps = [r["step"] for r in metrics(out)]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 200
     # the checkpoint written before the failure is complete and loadable
-    state = torch.load(out / "checkpoints" / "step_2" / "actor_rank0.pt", weights_only=False)
-    assert state["step"] == 2 and state["model"]
+    state = checkpoint_state(out / "checkpoints" / "step_2")
+    assert state["model"] and state["optimizer"]["state"]
 
 
 def test_background_runs_one_coroutine_at_a_time_and_hands_back_its_outcome():

@@ -14,7 +14,7 @@ from rlwire.trainer.config import ConfigError, load_config
 from rlwire.trainer.tiny import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_cli import train_cli  # noqa: E402
+from trainer_cli import checkpoint_state, train_cli  # noqa: E402
 
 
 def _peft_model(path, section, dtype=torch.float32, seed=0):
@@ -130,7 +130,7 @@ def test_lora_run_syncs_only_the_adapter_and_exports_both_forms(ray_cluster, tmp
     assert "LoRA rank 4 (alpha 8)" in log and "weight syncs carry the adapter only" in log
     assert f"AdamW state {2 * adapter_bytes / 2**20:.2f} MiB (full fine-tuning" in log
     assert "the KL reference is the model with its adapter disabled: no second copy" in log
-    state = torch.load(run / "checkpoints" / "step_3" / "actor_rank0.pt", weights_only=False)
+    state = checkpoint_state(run / "checkpoints" / "step_3")
     assert state["model"] and all(lora.is_adapter(n) for n in state["model"])
     assert len(state["optimizer"]["state"]) == len(state["model"])  # no base-weight state
     base = AutoModelForCausalLM.from_pretrained(run / "tiny-model-seed0")

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FSDP2_REFERENCE
-from trainer_cli import train_cli
+from reshard import assert_resharded, torchrun
+from trainer_cli import checkpoint_state, train_cli
 
 pytest.importorskip(
     "megatron.core", reason="needs megatron-core: pip install 'rlwire-trainer[megatron]'"
@@ -132,18 +133,23 @@ def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(
     assert abs(megatron[0]["policy_loss"] - fsdp2[0]["policy_loss"]) <= LOSS_TOLERANCE
     assert megatron[0]["grad_norm"] == pytest.approx(fsdp2[0]["grad_norm"], rel=1e-5)
 
-    # resume: the step count, weights and Megatron's (distributed) optimizer state carry on
-    resumed, stderr = _train(tmp_path / "megatron", ray_cluster, "trainer.steps=3")
+    # resume on one rank: the step count, weights and Megatron's distributed optimizer state
+    # (saved as full per-parameter states) carry on at another data-parallel size
+    resumed, stderr = _train(
+        tmp_path / "megatron", ray_cluster, "trainer.steps=3", "actor.world_size=1"
+    )
     assert "warning: megatron" not in stderr
     assert [r["step"] for r in resumed] == [1, 2, 3]
-    for rank in range(2):
-        state = torch.load(
-            tmp_path / "megatron" / "checkpoints" / "step_3" / f"actor_rank{rank}.pt",
-            weights_only=False,
-        )
-        assert state["step"] == 3
-        steps = {float(s["step"]) for o in state["optimizer"] for s in o["state"].values()}
-        assert steps == {3.0}  # AdamW's own step count continued through the resume
+    log = (tmp_path / "megatron" / "train.log").read_text()
+    assert "resumed at actor.world_size=1 from a checkpoint saved at 2" in log
+    state = checkpoint_state(tmp_path / "megatron" / "checkpoints" / "step_3")
+    assert float(state["optimizer"]["step"]) == 3.0  # Adam's own step count continued
+
+
+def test_megatron_checkpoint_saved_on_two_ranks_loads_on_one(tmp_path):
+    torchrun(2, "save", tmp_path, "megatron")
+    torchrun(1, "load", tmp_path, "megatron")
+    assert_resharded(tmp_path, "megatron", 2, 1)
 
 
 def test_an_engine_refusing_its_config_at_setup_stops_the_run_with_one_line(ray_cluster, tmp_path):

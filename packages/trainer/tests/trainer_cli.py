@@ -35,3 +35,17 @@ def train_cli(
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return metrics(run), result.stdout + result.stderr
+
+
+def checkpoint_state(checkpoint: Path) -> dict:
+    """The actor state of ``checkpoints/step_<n>`` (DCP) as one dict of full tensors, read
+    without a process group: ``{"model": {...}, "optimizer": {...}}``."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = checkpoint / "actor.pt"
+    dcp_to_torch_save(checkpoint / "actor", whole)
+    try:
+        return torch.load(whole, weights_only=False)
+    finally:
+        whole.unlink()

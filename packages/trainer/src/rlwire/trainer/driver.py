@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import read_trainer_state
 from .cluster import init_ray, ray_environment, stop_ray
 from .colocated import run_colocated
 from .config import TrainerConfig, to_dict
@@ -68,6 +69,9 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
         resume_from = Path(config.trainer.resume).resolve()
         if not (resume_from / "COMPLETE").exists():
             raise RunError(f"trainer.resume: {resume_from} is not a complete checkpoint")
+    resume = None
+    if resume_from is not None:  # one that this run can continue from, or one line why not
+        resume = (resume_from, read_trainer_state(resume_from, config))
     import yaml
 
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
@@ -90,7 +94,7 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
         init_ray(config)
         _phase(bar, "starting workers")
         job = Job(config, run_dir, str(model_path))
-        result = _train(job, (batches, reward_fn, resume_from, trackers), bar)
+        result = _train(job, (batches, reward_fn, resume, trackers), bar)
         log.info("plotting")
         plotted = pool.submit(plot_run, run_dir)  # while Ray's processes stop
         return result

@@ -10,11 +10,13 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from .checkpoint import write_trainer_state
 from .cluster import (
     Watch,
     cause,
@@ -101,9 +103,10 @@ class Job:
         self.processes = self.actors if self.hybrid else [*self.actors, *self.rollouts]
         self.layout = layout
 
-    def start(self, batches, reward_fn, resume_from, trackers: list[Tracker]) -> None:
-        """Load the model in every worker (``model_path`` exists now), resume from
-        ``resume_from`` if given, and join the checkpoint engine."""
+    def start(self, batches, reward_fn, resume, trackers: list[Tracker]) -> None:
+        """Load the model in every worker (``model_path`` exists now), resume if ``resume``
+        is given (a checkpoint directory and its trainer state: :mod:`rlwire.trainer.checkpoint`),
+        and join the checkpoint engine."""
         import ray
 
         config, layout, model_path = self.config, self.layout, self.model_path
@@ -149,10 +152,9 @@ class Job:
             log.warning("%s", warning)
             print(f"rlwire-train: warning: {warning}", file=sys.stderr)
         self.start_step = 0
-        if resume_from is not None:
-            loads = [a.load.remote(str(resume_from)) for a in self.actors]
-            self.start_step = self.call(loads, "loading the checkpoint")[0]
-            log.info("resumed from %s at step %d", resume_from, self.start_step)
+        self.resumed: dict[str, Any] = {}  # the checkpoint's trainer_state.json
+        if resume is not None:
+            self._resume(*resume)
         if layout is not None:  # bundle indices, and the GPU ids Ray gave each process
             ids = self.watch.get(
                 [w.gpu_ids.remote() for w in self.processes],
@@ -180,8 +182,30 @@ class Job:
         )
         self.engine_backend = self._engine_setup(layout, len(names) == 1, model_path)
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        if self.start_step == 0 and self.metrics_path.exists():
-            self.metrics_path.unlink()
+        if self.metrics_path.exists():  # a fresh run's, or steps after the checkpoint
+            lines = self.metrics_path.read_text().splitlines()
+            kept = [line for line in lines if _step(line) <= self.start_step]
+            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def _resume(self, checkpoint, saved: dict[str, Any]) -> None:
+        """Load ``checkpoint`` on every actor rank (resharded to this world size)."""
+        self.resumed, self.start_step = saved, saved["step"]
+        same_world = saved["actor_world_size"] == self.world
+        loads = [
+            a.load.remote(str(checkpoint), same_world=same_world, step=self.start_step)
+            for a in self.actors
+        ]
+        self.call(loads, "loading the checkpoint")
+        log.info("resumed from %s at step %d", checkpoint, self.start_step)
+        if not same_world:
+            log.info(
+                "resumed at actor.world_size=%d from a checkpoint saved at %d: the weights and "
+                "the optimizer state resharded; the actor ranks' RNGs reseeded from "
+                "trainer.seed + %d",
+                self.world,
+                saved["actor_world_size"],
+                self.start_step,
+            )
 
     def _engine_setup(self, layout, one_host: bool, model_path: str) -> str:
         """Join every member to the checkpoint engine; its backend. Hybrid: each rank hands
@@ -404,9 +428,26 @@ class Job:
         every, last = self.config.trainer.save_every, self.config.trainer.steps
         return bool(every and done % every == 0) or done == last
 
-    def save(self, done: int) -> None:
+    def save(self, done: int, **state: Any) -> None:
+        """Checkpoint ``checkpoints/step_<done>`` (:mod:`rlwire.trainer.checkpoint`); ``state``:
+        the mode's own part of ``trainer_state.json``. ``COMPLETE`` is written last."""
         target = self.run_dir / "checkpoints" / f"step_{done}"
-        self.call([a.save.remote(str(target), done) for a in self.actors], "saving")
+        if target.exists():  # a cut-off save of this step, or one of a run resumed earlier
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        self.call([a.save.remote(str(target)) for a in self.actors], "saving")
+        actor = self.config.actor
+        write_trainer_state(
+            target,
+            {
+                "step": done,
+                "mode": self.config.trainer.mode,
+                "actor_world_size": self.world,
+                "strategy": actor.strategy,
+                "lora_rank": actor.lora.rank,
+                **state,
+            },
+        )
         (target / "COMPLETE").write_text(str(done))
         keep = self.config.trainer.max_checkpoints_to_keep
         if keep is not None:
@@ -415,6 +456,11 @@ class Job:
     def save_if_due(self, done: int) -> None:
         if self.save_due(done):
             self.save(done)
+
+
+def _step(line: str) -> int:
+    """The step of a metrics line."""
+    return json.loads(line)["step"]
 
 
 def _seed(config, step: int, worker: int) -> int:

@@ -16,7 +16,6 @@ import contextlib
 import datetime
 import functools
 import os
-import random
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 
 from .actor import ActorEngine, actor_engine_class
 from .background import Background
+from .checkpoint import load_actor, save_actor
 from .config import TrainerConfig
 from .correction import correction_weights
 from .lora import save_adapter
@@ -350,26 +350,20 @@ class ActorWorker(WorkerProcess):
                     save_adapter(weights, self.config.actor.lora, self.model_path, Path(adapter))
 
     # --- checkpoints -----------------------------------------------------------------------
-    def save(self, directory: str, step: int) -> None:
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
+    def save(self, directory: str) -> None:
+        """This rank's part of a checkpoint (:mod:`rlwire.trainer.checkpoint`)."""
         with self._resident(optimizer=True):
-            torch.save(
-                {
-                    **self.actor.state(),
-                    "step": step,
-                    "rng": torch.get_rng_state(),
-                    "py_rng": random.getstate(),
-                },
-                path / f"actor_rank{self.rank}.pt",
-            )
+            save_actor(self.actor, Path(directory), self.rank)
 
-    def load(self, directory: str) -> int:
-        state = torch.load(Path(directory) / f"actor_rank{self.rank}.pt", weights_only=False)
-        self.actor.load_state(state)
-        torch.set_rng_state(state["rng"])
-        random.setstate(state["py_rng"])
-        return int(state["step"])
+    def load(self, directory: str, *, same_world: bool, step: int) -> None:
+        """Restore a checkpoint saved after ``step`` updates (resharded to this group; the RNG
+        states only at the world size they were saved with, else reseeded from the seed
+        and the step). The learning rate is ``actor.optim.lr``'s again."""
+        with self._resident(optimizer=True):
+            reseed = self.config.trainer.seed + step
+            load_actor(self.actor, Path(directory), self.rank, same_world=same_world, reseed=reseed)
+        self.actor.scale_lr(1.0)  # the checkpoint holds the lr in effect then
+        self.lr_scale = 1.0
 
 
 def _report(stats, export_s: float, digest: WeightsDigest | None) -> dict[str, Any]:

@@ -107,11 +107,15 @@ class ActorEngine(abc.ABC):
     # --- checkpoints -------------------------------------------------------------------
     @abc.abstractmethod
     def state(self) -> dict[str, Any]:
-        """This rank's model and optimizer state, for ``torch.save``."""
+        """The model and optimizer state for :mod:`torch.distributed.checkpoint` (a
+        collective: every rank calls it): keyed so that it does not depend on the world
+        size (``DTensor`` shards, or full tensors that every rank holds alike), so a
+        checkpoint resumes at any world size. Before the first step it still has the
+        optimizer state's layout (``load_state`` fills it)."""
 
     @abc.abstractmethod
     def load_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state` returned."""
+        """Restore what :meth:`state` returned, once DCP has read the checkpoint into it."""
 
     # --- for the log -----------------------------------------------------------------
     def describe(self) -> dict[str, list[str]]:

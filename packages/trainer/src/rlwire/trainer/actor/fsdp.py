@@ -16,6 +16,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from .. import lora
 from ..modeling import load_hf_model
@@ -112,14 +117,26 @@ class _FSDPEngine(ActorEngine):
             load_model(self.reference)
 
     def state(self) -> dict[str, Any]:
-        model = self.model.state_dict()
-        if self.lora is not None:  # what trains; the base comes from model.path
+        # One logical layout for FSDP2, FSDP1 and a plain module (canonical parameter names,
+        # the optimizer's state keyed by them): what torch.distributed.checkpoint reshards.
+        # With LoRA only what trains (the base comes from model.path).
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=self._options())
+        if self.lora is not None:  # a tied output layer is not a frozen *parameter*: drop it
             model = {name: value for name, value in model.items() if lora.is_adapter(name)}
-        return {"model": model, "optimizer": self.optimizer.state_dict()}
+        return {"model": model, "optimizer": optimizer}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"], strict=self.lora is None)
-        self.optimizer.load_state_dict(state["optimizer"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self._options(),
+        )
+
+    def _options(self) -> StateDictOptions:
+        lora_only = self.lora is not None  # the frozen base is neither saved nor expected
+        return StateDictOptions(ignore_frozen_params=lora_only, strict=not lora_only)
 
     def describe(self) -> dict[str, list[str]]:
         return {"info": self._info, "warnings": []}

@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..modeling import load_hf_model
 from .base import ActorEngine
+from .megatron_state import full_optimizer_state, load_full_optimizer_state
 
 __all__ = ["MegatronActor", "MegatronEngine", "cpu_shim", "megatron_configs", "optimizer_settings"]
 
@@ -204,20 +205,20 @@ class MegatronActor:
         return [c.optimizer for c in chained]
 
     def state(self) -> dict[str, Any]:
-        """This rank's model and optimizer state (the distributed optimizer's own shard)."""
+        """The full weights and every parameter's full Adam state under Hugging Face names:
+        the same on every data-parallel rank whatever their number (a collective)."""
         return {
             "model": {k: v.detach().clone() for k, v in self.hf_state_dict().items()},
-            "optimizer": [opt.state_dict() for opt in self._inner_optimizers()],
+            "optimizer": full_optimizer_state(self.optimizer, self._names()),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             self.model.module.load_state_dict(state["model"])
-            if hasattr(self.optimizer, "reload_model_params"):
-                with cpu_shim(self.device):
-                    self.optimizer.reload_model_params()  # fp32 main params from the model
-            for opt, saved in zip(self._inner_optimizers(), state["optimizer"], strict=True):
-                opt.load_state_dict(saved)
+        load_full_optimizer_state(self.optimizer, self._names(), state["optimizer"])
+
+    def _names(self) -> dict[torch.nn.Parameter, str]:
+        return {p: name for name, p in self.model.module.named_parameters()}
 
     # --- offload between phases (Megatron's own buffer offload) -------------------------------
     def offload(self) -> None:

@@ -1,0 +1,138 @@
+"""World-size-independent checkpoints: actor engines save at one world size and load at
+another (torchrun, gloo), bit for bit; what a run refuses to resume from."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlwire.trainer.checkpoint import FORMAT, read_trainer_state, write_trainer_state
+from rlwire.trainer.config import load_config
+from rlwire.trainer.errors import RunError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import FSDP2_REFERENCE  # noqa: E402
+from reshard import assert_resharded, torchrun  # noqa: E402
+from trainer_cli import train_cli  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoints(tmp_path_factory) -> Path:
+    """FSDP2, FSDP1 and FSDP2 with LoRA saved on 2 ranks, loaded on 1 (and FSDP2 on 4)."""
+    directory = tmp_path_factory.mktemp("checkpoints")
+    torchrun(2, "save", directory, "fsdp2", "fsdp", "fsdp2_lora")
+    torchrun(1, "load", directory, "fsdp2", "fsdp", "fsdp2_lora")
+    torchrun(4, "load", directory, "fsdp2")
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("case", "loaded_at"), [("fsdp2", 1), ("fsdp2", 4), ("fsdp", 1), ("fsdp2_lora", 1)]
+)
+def test_a_checkpoint_saved_on_two_ranks_loads_on_another_number(fsdp_checkpoints, case, loaded_at):
+    assert_resharded(fsdp_checkpoints, case, 2, loaded_at)
+    # one file per rank that held a shard, and DCP's metadata: nothing per world size to match
+    files = sorted(p.name for p in (fsdp_checkpoints / case / "actor").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_lora_checkpoints_hold_the_adapter_only(fsdp_checkpoints):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from rlwire.trainer.lora import is_adapter
+
+    def saved_keys(case: str) -> list[str]:
+        metadata = FileSystemReader(fsdp_checkpoints / case / "actor").read_metadata()
+        return list(metadata.state_dict_metadata)
+
+    model = [k for k in saved_keys("fsdp2_lora") if k.startswith("model.")]
+    assert model and all(is_adapter(k) for k in model)  # not even the tied output layer
+    optimizer = [k for k in saved_keys("fsdp2_lora") if k.startswith("optimizer.state.")]
+    assert optimizer and all(is_adapter(k) for k in optimizer)
+
+    def size(case: str) -> int:
+        return sum(p.stat().st_size for p in (fsdp_checkpoints / case / "actor").iterdir())
+
+    assert size("fsdp2_lora") < size("fsdp2") / 2
+
+
+def _state(tmp_path: Path, **fields) -> Path:
+    directory = tmp_path / "step_3"
+    directory.mkdir()
+    write_trainer_state(
+        directory,
+        {
+            "step": 3,
+            "mode": "colocated",
+            "actor_world_size": 2,
+            "strategy": "fsdp2",
+            "lora_rank": 0,
+            **fields,
+        },
+    )
+    return directory
+
+
+def test_trainer_state_round_trip_and_refusals(tmp_path):
+    config = load_config()
+    directory = _state(tmp_path)
+    assert read_trainer_state(directory, config)["format"] == FORMAT
+    # another strategy or LoRA rank: one line, before anything starts
+    with pytest.raises(RunError, match=r"saved with actor.strategy=fsdp2 and actor.lora.rank=0;"):
+        read_trainer_state(directory, load_config(overrides=["actor.strategy=fsdp"]))
+    with pytest.raises(RunError, match=r"this run has fsdp2 and 8"):
+        read_trainer_state(directory, load_config(overrides=["actor.lora.rank=8"]))
+    (directory / "trainer_state.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(RunError, match="is checkpoint format 99; this version reads format 2"):
+        read_trainer_state(directory, config)
+
+
+def test_a_checkpoint_from_before_this_format_is_refused_with_the_reason(tmp_path):
+    old = tmp_path / "step_2"
+    old.mkdir()
+    (old / "actor_rank0.pt").write_bytes(b"per-rank state")
+    (old / "COMPLETE").write_text("2")
+    with pytest.raises(RunError) as err:
+        read_trainer_state(old, load_config())
+    assert str(err.value) == (
+        f"trainer.resume: {old} holds per-rank files (actor_rank<r>.pt), the checkpoint "
+        "format of rlwire-trainer before world-size-independent checkpoints; this version "
+        "cannot read them: resume it with the version that wrote it, or start again "
+        "(trainer.resume=never)"
+    )
+
+
+def untimed(record: dict) -> dict:
+    """A metrics line without what depends on the clock, or on how many syncs the process
+    made before (the engine's delta density: the first delta after start-up is dense)."""
+    clocked = ("time_", "wait_for_samples_s", "rollout_paused_s", "weight_sync_delta_density")
+    return {
+        k: v
+        for k, v in record.items()
+        if not k.startswith(clocked) and not k.endswith(("_per_s", "_gbps"))
+    }
+
+
+def test_a_resumed_run_continues_bit_for_bit(
+    fsdp2_reference_run, fsdp2_reference, ray_cluster, tmp_path
+):
+    """3 steps, against 1 step then resumed to 3 (the same world size): the same metrics
+    for steps 2 and 3, digests of the weights each step included, and the same final
+    weights. What this needs is in the checkpoint: weights, AdamW's state and step, every
+    actor rank's RNGs; the data and the sampling seeds follow the step."""
+    step_1 = fsdp2_reference_run / "checkpoints" / "step_1"
+    resumed, _ = train_cli(
+        tmp_path / "run",
+        *FSDP2_REFERENCE,
+        "trainer.steps=3",
+        f"trainer.resume_from_path={step_1}",  # verl's key
+        cluster=ray_cluster,
+    )
+    assert [r["step"] for r in resumed] == [2, 3]
+    assert [untimed(r) for r in resumed] == [untimed(r) for r in fsdp2_reference[1:]]
+    assert resumed[-1]["weight_digest_actor"] == fsdp2_reference[-1]["weight_digest_actor"]
+    final = (tmp_path / "run" / "hf_model" / "model.safetensors").read_bytes()
+    assert final == (fsdp2_reference_run / "hf_model" / "model.safetensors").read_bytes()
