@@ -5,6 +5,7 @@ verified by digest after every sync, and a killed worker."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import threading
@@ -21,18 +22,34 @@ def _batches(step: int) -> list[tuple[str, str]]:
     return [(f"p{step}-{i}", f"a{step}-{i}") for i in range(4)]
 
 
-def _queue(**settings) -> SampleQueue:
-    """A queue over the test batches, from version 0, polling every 50 ms."""
-    return SampleQueue(batches=_batches, start_version=0, seed=0, poll=0.05, **settings)
+def _queue(start_version: int = 0, **settings) -> SampleQueue:
+    """A queue over the test batches, polling every 50 ms."""
+    return SampleQueue(batches=_batches, start_version=start_version, seed=0, poll=0.05, **settings)
 
 
 async def _simulate(
-    *, staleness: float, trigger: int, workers: int, steps: int, max_lag: int, seed: int
+    *,
+    staleness: float,
+    trigger: int,
+    workers: int,
+    steps: int,
+    max_lag: int,
+    seed: int,
+    start: int = 0,
+    resume: dict | None = None,
+    stop_after: int | None = None,
 ) -> dict:
-    """Workers of random speed against a trainer; returns what the trainer consumed."""
+    """Workers of random speed against a trainer; returns what the trainer consumed.
+
+    ``stop_after``: the trainer checkpoints after that many updates (the queue's
+    ``position``), having taken the next update's groups already as the real loop does,
+    and the run ends there (those groups are lost with it); ``start`` and ``resume``: a run
+    resumed from such a checkpoint."""
     rng = random.Random(seed)
     required = 4
     queue = _queue(
+        start_version=start,
+        resume=resume,
         groups_per_step=required,
         trigger_sync=trigger,
         staleness_threshold=staleness,
@@ -58,14 +75,15 @@ async def _simulate(
                 continue
             await asyncio.sleep(rng.uniform(0.0005, 0.006))
             groups = [{"prompt": p} for p, _ in task["examples"]]
-            await queue.put(w, [version] * len(groups), groups)
+            await queue.put(w, [version] * len(groups), groups, task["indices"])
 
     tasks = [asyncio.create_task(worker(w)) for w in range(workers)]
-    pushed.setdefault(0, asyncio.Event()).set()
-    assert await queue.wait_synced(0, 5) is not None
+    pushed.setdefault(start, asyncio.Event()).set()
+    assert await queue.wait_synced(start, 5) is not None
     in_flight = None  # like the trainer: a push does not wait for the workers' boundaries
     consumed: list[tuple[int, int, str]] = []  # (trainer version, group version, prompt)
-    for step in range(steps):
+    position = None
+    for step in range(start, steps):
         got = await queue.get(required, step, timeout=5)
         assert "groups" in got, got
         consumed += [
@@ -73,6 +91,10 @@ async def _simulate(
             for version, g in zip(got["versions"], got["groups"], strict=True)
         ]
         await asyncio.sleep(rng.uniform(0.001, 0.01))  # the update
+        if step + 1 == stop_after:
+            assert "groups" in await queue.get(required, step + 1, timeout=5)  # taken ahead
+            position = await queue.position(step + 1)
+            break
         if in_flight is not None:  # completed after the next update, before another starts
             assert await queue.wait_synced(in_flight, 5) is not None
             in_flight = None
@@ -82,9 +104,11 @@ async def _simulate(
             in_flight = step + 1
     if in_flight is not None:
         assert await queue.wait_synced(in_flight, 5) is not None
+    if position is None:  # where a checkpoint at the end would leave the stream
+        position = await queue.position(steps)
     await queue.stop()
     await asyncio.wait_for(asyncio.gather(*tasks), 5)
-    return {"consumed": consumed, "stale": seen_stale, "queue": queue}
+    return {"consumed": consumed, "stale": seen_stale, "queue": queue, "position": position}
 
 
 @pytest.mark.parametrize(
@@ -122,6 +146,32 @@ def test_queue_respects_the_staleness_bound_and_loses_nothing(staleness, trigger
     prompts = [p for _, _, p in out["consumed"]]
     expected = [p for s in range(len(prompts) // 4) for p, _ in _batches(s)]
     assert sorted(prompts) == sorted(expected) and len(set(prompts)) == len(prompts)
+
+
+@pytest.mark.parametrize(("staleness", "trigger", "workers"), [(1.0, 1, 2), (0.5, 2, 3)])
+def test_a_resumed_queue_trains_every_group_once(staleness, trigger, workers):
+    """Interrupted after 3 updates and resumed from the checkpoint's position, against a run
+    that never stopped: the same groups are trained, none twice, none lost (those queued,
+    being generated or taken ahead at the checkpoint are generated again)."""
+    settings = {"staleness": staleness, "trigger": trigger, "workers": workers, "seed": 5}
+    lag = AsyncConfig(
+        staleness_threshold=staleness, trigger_parameter_sync_step=trigger
+    ).version_lag_bound()
+    whole = asyncio.run(_simulate(**settings, steps=8, max_lag=lag))
+    first = asyncio.run(_simulate(**settings, steps=8, max_lag=lag, stop_after=3))
+    position = first["position"]
+    assert position["pending"] and position["next_group"] > 3 * 4  # generated ahead
+    second = asyncio.run(_simulate(**settings, steps=8, max_lag=lag, start=3, resume=position))
+    trained = [p for _, _, p in first["consumed"]] + [p for _, _, p in second["consumed"]]
+    assert len(trained) == len(set(trained)) == len(whole["consumed"]) == 8 * 4
+    assert min(v for _, v, _ in second["consumed"]) >= 3  # the version went on from 3
+    # Nothing lost: every group before the stream's end was trained or is still pending,
+    # in the resumed run as in the whole one (which groups finish first is the workers').
+    for run, names in ((second, trained), (whole, [p for _, _, p in whole["consumed"]])):
+        end = run["position"]
+        left = {_batches(i // 4)[i % 4][0] for i in end["pending"]}
+        every = {_batches(i // 4)[i % 4][0] for i in range(end["next_group"])}
+        assert set(names) | left == every and not set(names) & left
 
 
 def test_queue_drops_groups_older_than_max_version_lag():
@@ -259,6 +309,7 @@ def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tm
     continued = [r["continued_fraction"] for r in records if r["version_span_max"] == 2]
     assert continued and all(0 < c <= 1 for c in continued), records
     assert (run / "checkpoints" / "step_6" / "COMPLETE").exists()
+    assert_every_group_once(run, records)
 
 
 def test_killed_rollout_worker_stops_the_run_with_its_error(ray_cluster, tmp_path):
@@ -267,17 +318,16 @@ def test_killed_rollout_worker_stops_the_run_with_its_error(ray_cluster, tmp_pat
     from rlwire.trainer.driver import RunError, run
 
     out = tmp_path / "run"
+    overrides = [
+        f"trainer.output_dir={out}",
+        "trainer.mode=fully_async",
+        "rollout.num_workers=2",
+        "trainer.save_every=2",
+        "async.staleness_threshold=0.5",
+        "trainer.steps=200",
+    ]
     config = load_config(
-        overrides=[
-            f"trainer.output_dir={out}",
-            "trainer.mode=fully_async",
-            "rollout.num_workers=2",
-            "trainer.steps=200",
-            "trainer.save_every=2",
-            "async.staleness_threshold=0.5",
-            "ray.startup_timeout=300",
-            f"ray.address={ray_cluster}",
-        ]
+        overrides=[*overrides, "ray.startup_timeout=300", f"ray.address={ray_cluster}"]
     )
     killed: dict[str, float] = {}
 
@@ -313,6 +363,29 @@ def test_killed_rollout_worker_stops_the_run_with_its_error(ray_cluster, tmp_pat
     # the checkpoint written before the failure is complete and loadable
     state = checkpoint_state(out / "checkpoints" / "step_2")
     assert state["model"] and state["optimizer"]["state"]
+
+    # Resumed with the same command (and 3 steps more): the steps after the checkpoint
+    # are trained again, not appended; no prompt group is lost or trained twice.
+    done = max(int(p.parent.name.split("_")[1]) for p in out.glob("checkpoints/step_*/COMPLETE"))
+    resumed, _ = train_cli(out, *overrides[1:-1], f"trainer.steps={done + 3}", cluster=ray_cluster)
+    assert [r["step"] for r in resumed] == list(range(1, done + 4))
+    assert min(r["weight_version"] for r in resumed[done:]) >= done  # no version went back
+    assert_every_group_once(out, resumed)
+
+
+def assert_every_group_once(run, records: list[dict]) -> None:
+    """Each prompt group trained at most once, 8 per step, and every group the stream
+    started was trained or is still pending in the last checkpoint (to generate again on
+    resume): none lost (groups dropped for their lag are counted apart)."""
+    trained = [i for r in records for i in r["group_indices"]]
+    assert len(trained) == len(set(trained)) == 8 * len(records)
+    final = json.loads(
+        (run / "checkpoints" / f"step_{len(records)}" / "trainer_state.json").read_text()
+    )
+    pending, started = set(final["queue"]["pending"]), final["queue"]["next_group"]
+    dropped = sum(r["dropped_samples"] for r in records) // 8  # rollout.n samples per group
+    assert not pending & set(trained)
+    assert len(set(trained) | pending) == started - dropped
 
 
 def test_background_runs_one_coroutine_at_a_time_and_hands_back_its_outcome():

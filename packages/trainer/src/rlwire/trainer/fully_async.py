@@ -49,6 +49,7 @@ def run_fully_async(job: Job, bar) -> None:
         num_workers=len(job.rollouts),
         start_version=job.start_step,
         seed=config.trainer.seed,
+        resume=job.resumed.get("queue"),  # groups started before the checkpoint, to redo
     )
     loops = [r.run.remote(queue) for r in job.rollouts]
     watch = Watch(loops)
@@ -123,6 +124,7 @@ def run_fully_async(job: Job, bar) -> None:
                 "samples": len(groups) * n,
                 "version": held,
                 "lags": lags,
+                "group_indices": got["indices"],
                 "dropped_samples": got["dropped"] * n,
                 "wait_for_samples_s": got["wait_s"],
                 "rollout_paused_s": paused - paused_before,
@@ -136,7 +138,8 @@ def run_fully_async(job: Job, bar) -> None:
             else:  # completed while the next step takes its samples and updates
                 pending = (step, started, fields)
             if due:  # the actor saves after its push: the weights of this update
-                job.save(step + 1)
+                position = queue.position.remote(step + 1)
+                job.save(step + 1, queue=watch.get(position, timeout=wait_s, what="checkpoint"))
         if pending is not None:
             write(pending[0], finish_sync(pending[1]), pending[2])
         ray.get(queue.stop.remote(), timeout=wait_s)

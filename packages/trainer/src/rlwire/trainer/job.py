@@ -197,6 +197,15 @@ class Job:
         ]
         self.call(loads, "loading the checkpoint")
         log.info("resumed from %s at step %d", checkpoint, self.start_step)
+        pending = len(saved.get("queue", {}).get("pending", []))
+        if pending and self.config.trainer.mode != "fully_async":
+            warning = (
+                f"{checkpoint} is a fully_async checkpoint with {pending} prompt groups started "
+                f"but not trained; trainer.mode={self.config.trainer.mode} goes on from step "
+                f"{self.start_step}'s batch and does not generate them again"
+            )
+            log.warning("%s", warning)
+            print(f"rlwire-train: warning: {warning}", file=sys.stderr)
         if not same_world:
             log.info(
                 "resumed at actor.world_size=%d from a checkpoint saved at %d: the weights and "

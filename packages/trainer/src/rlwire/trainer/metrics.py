@@ -92,6 +92,10 @@ class StepMetrics(UpdateMetrics):
     weight_version: int
     version_lag_mean: float
     version_lag_max: int
+    group_indices: list[int] | None = None
+    """Fully async only: the data position of each prompt group trained (``step x
+    data.train_batch_size + i`` for the i-th prompt of the data's step), so a resumed run
+    can be checked for groups lost or trained twice."""
     dropped_samples: int | None = None
     """Fully async only: samples dropped for lagging more than ``async.max_version_lag``."""
     wait_for_samples_s: float | None = None

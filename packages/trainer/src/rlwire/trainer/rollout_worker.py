@@ -156,5 +156,8 @@ class RolloutWorker(WorkerProcess):
             for group, example in zip(groups, task["examples"], strict=True):
                 group.examples = [example] * n
             versions = [group.version for group in groups]
-            ray.get(queue.put.remote(self.index, versions, groups), timeout=poll_timeout)
+            ray.get(
+                queue.put.remote(self.index, versions, groups, task["indices"]),
+                timeout=poll_timeout,
+            )
             chunks += 1

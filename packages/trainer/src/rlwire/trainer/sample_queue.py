@@ -40,10 +40,12 @@ __all__ = ["SampleQueue", "max_stale_groups"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Queued:
-    """A group in the queue: the weight version and worker that generated it."""
+    """A group in the queue: the weight version and worker that generated it, and its data
+    position (the index of its prompt in the stream of groups)."""
 
     version: int
     worker: int
+    index: int
     group: Any
 
 
@@ -66,8 +68,12 @@ class SampleQueue:
         num_workers: int,
         start_version: int,
         seed: int,
+        resume: dict[str, Any] | None = None,
         poll: float = 1.0,
     ) -> None:
+        """``resume``: a checkpoint's :meth:`position` (the data position to go on from and the
+        groups to generate again first); without it, the stream starts at the start
+        version's first group."""
         self.batches = batches
         self.required = groups_per_step
         self.bound = max_stale_groups(groups_per_step, trigger_sync, staleness_threshold)
@@ -81,6 +87,12 @@ class SampleQueue:
         self.stale = 0
         self.in_flight = 0
         self.next_group = start_version * groups_per_step  # the data position follows the step
+        self.redo: collections.deque[int] = collections.deque()
+        if resume is not None:  # groups started but not trained when the checkpoint was saved
+            self.next_group = resume["next_group"]
+            self.redo.extend(resume["pending"])
+        self.open: set[int] = set()  # handed out, neither taken for an update nor dropped
+        self.taken_groups: dict[int, list[int]] = {}  # trainer version -> the groups taken
         self.sync_to: int | None = start_version  # workers start by receiving the weights
         self.worker_versions = [-1] * num_workers
         self.sync_info: list[dict] = [{} for _ in range(num_workers)]
@@ -122,27 +134,31 @@ class SampleQueue:
             finally:
                 self.paused_s[worker] += paused
             count = min(self.chunk, self.bound - self.stale)
-            first = self.next_group
-            self.next_group += count
+            indices = [self.redo.popleft() for _ in range(min(count, len(self.redo)))]
+            fresh = count - len(indices)
+            indices += range(self.next_group, self.next_group + fresh)
+            self.next_group += fresh
+            self.open.update(indices)
             self.stale += count
             self.in_flight += count
             return {
                 "kind": "generate",
-                "first": first,
-                "examples": [self._group(first + i) for i in range(count)],
-                "seed": self.seed * 7919 + first,
+                "indices": indices,
+                "examples": [self._group(i) for i in indices],
+                "seed": self.seed * 7919 + indices[0],
             }
 
     def _group(self, index: int) -> Any:
         step, position = divmod(index, self.required)
         return self.batches(step)[position]
 
-    async def put(self, worker: int, versions: list[int], groups: list) -> None:
+    async def put(self, worker: int, versions: list[int], groups: list, indices: list[int]) -> None:
         """Finished groups of one chunk (opaque to the queue) from ``worker``; ``versions``:
-        the weight version of each group (its oldest token's, with partial rollouts)."""
+        the weight version of each group (its oldest token's, with partial rollouts);
+        ``indices``: the task's."""
         async with self.cond:
-            for version, group in zip(versions, groups, strict=True):
-                self.queue.append(_Queued(version, worker, group))
+            for version, group, index in zip(versions, groups, indices, strict=True):
+                self.queue.append(_Queued(version, worker, index, group))
             self.in_flight -= len(groups)
             self.generated += len(groups)
             self.cond.notify_all()
@@ -170,8 +186,10 @@ class SampleQueue:
 
     # --- the trainer's side ----------------------------------------------------------------
     def _drop_lagging(self, trainer_version: int) -> int:
+        lagging = [g.index for g in self.queue if trainer_version - g.version > self.max_lag]
         kept = [g for g in self.queue if trainer_version - g.version <= self.max_lag]
-        dropped = len(self.queue) - len(kept)
+        dropped = len(lagging)
+        self.open.difference_update(lagging)
         self.queue = collections.deque(kept)
         self.dropped += dropped
         self.stale -= dropped  # dropped groups free their place under the bound
@@ -200,9 +218,13 @@ class SampleQueue:
                 await self._wait(None, min(left, self.poll))
             taken = [self.queue.popleft() for _ in range(count)]
             self.taken[trainer_version] = self.taken.get(trainer_version, 0) + count
+            indices = [q.index for q in taken]
+            self.open.difference_update(indices)
+            self.taken_groups.setdefault(trainer_version, []).extend(indices)
         return {
             "groups": [q.group for q in taken],
             "versions": [q.version for q in taken],
+            "indices": indices,
             "dropped": dropped,
             "wait_s": time.perf_counter() - start,
             "paused_s": sum(self.paused_s),
@@ -231,6 +253,18 @@ class SampleQueue:
                 lambda: self.sync_to is None and self.version == version, timeout
             )
             return list(self.sync_info) if done else None
+
+    async def position(self, trained: int) -> dict[str, Any]:
+        """What a checkpoint after ``trained`` updates keeps of the stream: the next data
+        position and every group started but not trained by then (queued, being generated,
+        taken for a later update, or still to be generated again), to generate again first on
+        resume: none is lost, none trained twice. (Groups dropped for their lag are not
+        kept: a run that never stopped would not train them either.)"""
+        async with self.cond:
+            self.taken_groups = {v: g for v, g in self.taken_groups.items() if v >= trained}
+            later = [i for groups in self.taken_groups.values() for i in groups]
+            pending = sorted({*self.open, *later, *self.redo})
+            return {"next_group": self.next_group, "pending": pending}
 
     async def stop(self) -> None:
         async with self.cond:
