@@ -136,3 +136,67 @@ def test_a_resumed_run_continues_bit_for_bit(
     assert resumed[-1]["weight_digest_actor"] == fsdp2_reference[-1]["weight_digest_actor"]
     final = (tmp_path / "run" / "hf_model" / "model.safetensors").read_bytes()
     assert final == (fsdp2_reference_run / "hf_model" / "model.safetensors").read_bytes()
+
+
+def _saving_actor_pids() -> list[int]:
+    """Processes running an actor rank's ``save`` now (Ray titles a worker process by the
+    method it runs: ``ray::ActorWorker.save``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry / "cmdline").read_bytes().startswith(b"ray::ActorWorker.save"):
+                pids.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def test_an_actor_killed_while_saving_leaves_the_last_checkpoint_to_resume_from(
+    ray_cluster, tmp_path
+):
+    import os
+    import signal
+    import threading
+    import time
+
+    from rlwire.trainer.driver import run
+    from rlwire.trainer.inputs import latest_checkpoint
+
+    out = tmp_path / "run"
+    overrides = ["actor.world_size=2", "trainer.save_every=1", "trainer.max_checkpoints_to_keep=2"]
+    config = load_config(
+        overrides=[
+            f"trainer.output_dir={out}",
+            *overrides,
+            "trainer.steps=60",
+            "ray.startup_timeout=300",
+            f"ray.address={ray_cluster}",
+        ]
+    )
+    killed: dict[str, object] = {}
+
+    def killer() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and "pid" not in killed:
+            if (out / "checkpoints" / "step_2" / "COMPLETE").exists():
+                for pid in _saving_actor_pids()[:1]:
+                    saving = sorted(p.name for p in (out / "checkpoints").iterdir())
+                    os.kill(pid, signal.SIGKILL)
+                    killed.update(pid=pid, dirs=saving)
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with pytest.raises(RunError, match=r"^saving: actor rank [01] died \(ActorDiedError: "):
+        run(config, progress=False)
+    thread.join(timeout=10)
+    assert "pid" in killed, "no save was caught in progress"
+    cut = [p for p in (out / "checkpoints").iterdir() if not (p / "COMPLETE").exists()]
+    assert len(cut) == 1, killed  # the save that was cut off, never marked complete
+    last = latest_checkpoint(out)
+    assert last is not None and int(last.name.split("_")[1]) < int(cut[0].name.split("_")[1])
+    # The same command resumes from the last complete one; the cut-off save is replaced.
+    done = int(last.name.split("_")[1])
+    records, _ = train_cli(out, *overrides, f"trainer.steps={done + 2}", cluster=ray_cluster)
+    assert [r["step"] for r in records] == list(range(1, done + 3))
+    assert all((p / "COMPLETE").exists() for p in (out / "checkpoints").iterdir())

@@ -240,12 +240,17 @@ def cause(err: BaseException) -> BaseException:
 _READY_GET_S = 60.0
 
 
+_INTACT = "the last checkpoint in the run directory is intact (resume with the same command)"
+
+
 class Watch:
     """Waits on Ray futures (bounded unless ``timeout`` is None) that fail at once when one
-    of them fails or a rollout worker's loop ends."""
+    of them fails or a rollout worker's loop ends; ``names``: Ray actor id (hex) -> the
+    worker's name in messages (``actor rank 1``)."""
 
-    def __init__(self, loops: list) -> None:
+    def __init__(self, loops: list, names: dict[str, str] | None = None) -> None:
         self.loops = loops
+        self.names = names or {}
 
     def get(self, refs, *, timeout: float | None, what: str):
         import ray
@@ -267,9 +272,11 @@ class Watch:
                     values[ref] = ray.get(ref, timeout=_READY_GET_S)
                 except Exception as err:
                     reason = cause(err)
-                    raise RunError(
-                        f"{what}: {type(reason).__name__}: {first_line(reason)}"
-                    ) from None
+                    said = f"{type(reason).__name__}: {first_line(reason)}"
+                    dead = self.names.get(getattr(reason, "actor_id", None) or "")
+                    if dead is not None:  # a worker process died: name it
+                        raise RunError(f"{what}: {dead} died ({said}); {_INTACT}") from None
+                    raise RunError(f"{what}: {said}") from None
         return values[refs] if single else [values[r] for r in refs]
 
     def failed(self, ref) -> None:
@@ -281,6 +288,6 @@ class Watch:
         except Exception as err:  # the worker's own error, or Ray's ActorDiedError
             raise RunError(
                 f"rollout worker {worker} stopped: {type(err).__name__}: {first_line(err)}; "
-                "the last checkpoint in the run directory is intact (resume with the same command)"
+                f"{_INTACT}"
             ) from None
         raise RunError(f"rollout worker {worker} left its loop before the run ended")

@@ -52,7 +52,7 @@ def run_fully_async(job: Job, bar) -> None:
         resume=job.resumed.get("queue"),  # groups started before the checkpoint, to redo
     )
     loops = [r.run.remote(queue) for r in job.rollouts]
-    watch = Watch(loops)
+    watch = Watch(loops, job.watch.names)
     wait_s = cfg.sample_timeout
     sync_s = config.ckpt_engine.timeout + 30
 

@@ -141,7 +141,12 @@ class Job:
         except ray.exceptions.RayTaskError as err:  # setup raised: the engine refused the config
             raise RunError(f"actor setup failed: {first_line(cause(err))}") from None
         # Every later call to a worker: bounded, and a dead worker stops the run at once.
-        self.watch = Watch([])
+        names = {a._actor_id.hex(): f"actor rank {r}" for r, a in enumerate(self.actors)}
+        if not self.hybrid:
+            names.update(
+                {w._actor_id.hex(): f"rollout worker {i}" for i, w in enumerate(self.rollouts)}
+            )
+        self.watch = Watch([], names)
         self.task_timeout = config.ray.task_timeout
         described = self.watch.get(  # what the actor engine reports once (Megatron: DDP)
             self.actors[0].describe.remote(), timeout=config.ray.startup_timeout, what="setup"
