@@ -138,15 +138,19 @@ def test_a_resumed_run_continues_bit_for_bit(
     assert final == (fsdp2_reference_run / "hf_model" / "model.safetensors").read_bytes()
 
 
-def _saving_actor_pids() -> list[int]:
-    """Processes running an actor rank's ``save`` now (Ray titles a worker process by the
-    method it runs: ``ray::ActorWorker.save``)."""
+def _saving_actor_pids(cluster: str) -> list[int]:
+    """Processes of the Ray cluster at ``cluster`` running an actor rank's ``save`` now (Ray
+    titles a worker process by the method it runs: ``ray::ActorWorker.save``; its parent,
+    the raylet, names the cluster's GCS address)."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:
-            if (entry / "cmdline").read_bytes().startswith(b"ray::ActorWorker.save"):
+            if not (entry / "cmdline").read_bytes().startswith(b"ray::ActorWorker.save"):
+                continue
+            parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            if cluster.encode() in Path(f"/proc/{parent}/cmdline").read_bytes():
                 pids.append(int(entry.name))
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             continue
     return pids
 
@@ -179,7 +183,7 @@ def test_an_actor_killed_while_saving_leaves_the_last_checkpoint_to_resume_from(
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and "pid" not in killed:
             if (out / "checkpoints" / "step_2" / "COMPLETE").exists():
-                for pid in _saving_actor_pids()[:1]:
+                for pid in _saving_actor_pids(ray_cluster)[:1]:
                     saving = sorted(p.name for p in (out / "checkpoints").iterdir())
                     os.kill(pid, signal.SIGKILL)
                     killed.update(pid=pid, dirs=saving)
