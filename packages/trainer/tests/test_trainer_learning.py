@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from rlwire.trainer.grpo import group_advantages
+from rlwire.trainer.algorithm import group_advantages
 from rlwire.trainer.rollout import hf_generate
 from rlwire.trainer.step import compute_old_logprobs, grpo_update
 from rlwire.trainer.tiny import build_tiny_model, repeat_prompts, repeat_reward

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .algorithm import compute_advantages
 from .checkpoint import write_trainer_state
 from .cluster import (
     Watch,
@@ -27,7 +28,6 @@ from .cluster import (
     shm_bytes_needed,
 )
 from .errors import RunError
-from .grpo import group_advantages
 from .hybrid import HybridWorker
 from .inputs import prune_checkpoints
 from .loggers import Tracker
@@ -349,8 +349,8 @@ class Job:
         rewards, reward_extra = self.reward_fn(batch.examples, batch.texts)
         reward_s = time.perf_counter() - start
         batch.rewards = rewards
-        batch.advantages = group_advantages(
-            rewards, n, norm_by_std=self.config.algorithm.norm_adv_by_std
+        batch.advantages = compute_advantages(
+            self.config.algorithm, rewards, batch.response_mask, n
         )
         # The actors need tensors only: the strings stay here.
         tensors = dataclasses.replace(batch, texts=[], examples=[])

@@ -2,8 +2,9 @@
 validating its own values (``ConfigError`` names the key, the value and what is allowed).
 :mod:`rlwire.trainer.config` assembles them and reads files and overrides. Sections owned
 by one part of the trainer live beside it and are re-exported here: ``actor``
-(:mod:`rlwire.trainer.actor.config`), ``algorithm.rollout_correction``
-(:mod:`rlwire.trainer.correction`), ``actor.lora`` (:mod:`rlwire.trainer.lora`)."""
+(:mod:`rlwire.trainer.actor.config`), ``algorithm`` (:mod:`rlwire.trainer.algorithm`) and its
+``rollout_correction`` (:mod:`rlwire.trainer.correction`), ``actor.lora``
+(:mod:`rlwire.trainer.lora`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import math
 from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, DELTA_MODES, parse_bucket_size
 
 from .actor.config import ActorConfig, MegatronSection, OptimConfig
+from .algorithm import AlgorithmConfig
 from .checks import ConfigError, check, check_choice, check_engine
-from .correction import RolloutCorrectionConfig
 from .loggers import LOGGERS
 from .rollout.base import ROLLOUT_ENGINES, rollout_engine_class
 
@@ -162,34 +163,6 @@ class RolloutConfig:
             "use an int >= 1",
         )
         check(self.temperature > 0, "rollout.temperature", self.temperature, "use a float > 0")
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class AlgorithmConfig:
-    clip_ratio: float = 0.2
-    """PPO clip range epsilon: ratios outside [1 - eps, 1 + eps] stop contributing."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to a frozen reference policy (the initial weights);
-    0 turns the reference model off (not loaded, no extra forward pass)."""
-    loss_agg: str = "token-mean"
-    """``token-mean`` (every token of the batch weighs the same) or
-    ``seq-mean-token-mean`` (mean over each sequence, then over sequences)."""
-    norm_adv_by_std: bool = True
-    """Divide group-centred rewards by the group's standard deviation (GRPO);
-    False keeps the plain centred reward (Dr. GRPO)."""
-    rollout_correction: RolloutCorrectionConfig = dataclasses.field(
-        default_factory=RolloutCorrectionConfig
-    )
-
-    def __post_init__(self) -> None:
-        check(
-            0 < self.clip_ratio < 1,
-            "algorithm.clip_ratio",
-            self.clip_ratio,
-            "use a float in (0, 1)",
-        )
-        check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "use a float >= 0")
-        check_choice(self.loss_agg, "algorithm.loss_agg", ("token-mean", "seq-mean-token-mean"))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

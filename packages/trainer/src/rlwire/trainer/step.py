@@ -16,7 +16,7 @@ import torch
 
 from rlwire.grad_sync import decide_policy, retained_grad_bytes, run_micro_batches
 
-from .grpo import aggregate, k3_kl, policy_loss
+from .grpo import LossScale, aggregate, k3_kl, policy_loss
 from .rollout import Rollout, sequence_logprobs
 
 __all__ = ["clip_and_step", "compute_old_logprobs", "grpo_update", "ppo_update"]
@@ -52,7 +52,12 @@ def grpo_update(
     micro_batch_size: int,
     temperature: float,
     clip_ratio: float,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    loss_mode: str = "vanilla",
     loss_agg: str = "token-mean",
+    entropy_coeff: float = 0.0,
+    scale: LossScale | None = None,
     grad_clip: float = 1.0,
     grad_sync: object = "defer",
     ref_logprobs: torch.Tensor | None = None,
@@ -70,9 +75,13 @@ def grpo_update(
     would return, without its forward pass); they are written into ``record``
     (``(B, T)``) when given, for the metrics that need them.
 
-    Each micro-batch's loss is scaled by its share of the batch so that the
-    accumulated gradient equals the full-batch gradient. With ``ref_logprobs``
-    and ``kl_coef > 0`` the k3 KL to the reference policy is added to the loss.
+    Each micro-batch's loss is its share of the mini-batch's aggregate
+    (:func:`rlwire.trainer.grpo.aggregate`, normalised by ``scale``: the mini-batch's
+    counts over every rank; None: this call's rows are the whole mini-batch), so the
+    accumulated gradient is the mini-batch's. The loss is ``policy_loss`` (``loss_mode``,
+    the clip ranges ``clip_ratio`` / ``clip_ratio_high`` and the dual clip
+    ``clip_ratio_c``), minus ``entropy_coeff`` times the entropy, plus ``kl_coef`` times
+    the k3 KL to the reference policy (with ``ref_logprobs``), each aggregated alike.
     ``weights`` and ``loss_mask`` (``(B, T)``) are an off-policy correction's
     (:func:`rlwire.trainer.correction.correction_weights`): a factor on every token's
     loss term, and the response mask less the rejected tokens.
@@ -84,6 +93,8 @@ def grpo_update(
     held between micro-batches) and ``grad_sync_policy``.
     """
     total = rollout.response_ids.shape[0]
+    if scale is None:
+        scale = LossScale.of(rollout.response_mask if loss_mask is None else loss_mask)
     slices = [slice(s, min(s + micro_batch_size, total)) for s in range(0, total, micro_batch_size)]
     held: list[int] = []
     timing = {"forward_backward": 0.0}
@@ -111,22 +122,28 @@ def grpo_update(
             advantages[s],
             mask,
             clip_ratio=clip_ratio,
+            clip_ratio_high=clip_ratio_high,
+            clip_ratio_c=clip_ratio_c,
+            loss_mode=loss_mode,
             loss_agg=loss_agg,
+            scale=scale,
             weights=None if weights is None else weights[s],
         )
+        if entropy_coeff > 0:
+            loss = loss - entropy_coeff * aggregate(entropy, mask, loss_agg, scale)
         kl = torch.zeros(())
         if ref_logprobs is not None and kl_coef > 0:
-            kl = aggregate(k3_kl(logp, ref_logprobs[s]), mask, loss_agg)
+            kl = aggregate(k3_kl(logp, ref_logprobs[s]), mask, loss_agg, scale)
             loss = loss + kl_coef * kl
-        weight = (s.stop - s.start) / total
-        (loss * weight).backward()
+        loss.backward()  # already its share of the mini-batch's aggregate
         held.append(retained_grad_bytes(model))
         timing["forward_backward"] += time.perf_counter() - start
+        weight = (s.stop - s.start) / total  # for the per-row metrics
         return (
-            loss.item() * weight,
+            loss.item(),
             clip_frac.item() * weight,
             aggregate(entropy.detach(), mask, "token-mean").item() * weight,
-            kl.item() * weight,
+            kl.item(),
         )
 
     results = run_micro_batches(model, slices, step, policy=grad_sync)
@@ -156,6 +173,7 @@ def ppo_update(
     mini_batch_size: int,
     epochs: int,
     update: Callable[..., dict[str, float]],
+    scale_of: Callable[[torch.Tensor], LossScale] | None = None,
     **per_row: torch.Tensor | None,
 ) -> dict[str, float]:
     """``epochs`` passes over the rollout in mini-batches of ``mini_batch_size`` rows, one
@@ -163,7 +181,9 @@ def ppo_update(
 
     ``update`` is :func:`grpo_update` with everything but the rows bound; ``per_row`` are
     its ``(B, ...)`` tensor arguments (``advantages``, ``ref_logprobs``, ``weights``,
-    ``loss_mask``; None passes through), cut to each mini-batch like the rollout. Returns
+    ``loss_mask``; None passes through), cut to each mini-batch like the rollout;
+    ``scale_of`` gives each mini-batch's :class:`~rlwire.trainer.grpo.LossScale` from its
+    loss mask on this rank (over every rank: a collective; None: this rank's). Returns
     the steps' mean ``policy_loss``, ``clip_fraction``, ``entropy``, ``kl_ref`` and
     ``grad_norm``, the most ``retained_grad_bytes``, the ``grad_sync_policy``,
     ``optimizer_steps`` and the summed ``time_forward_backward_s`` and ``time_optimizer_s``.
@@ -176,7 +196,10 @@ def ppo_update(
             rows = slice(start, min(start + mini_batch_size, total))
             cut = {k: None if v is None else v[rows] for k, v in per_row.items()}
             old = None if proximal is None else proximal[rows]
-            steps.append(update(rollout=rollout.select(rows), old_logprobs=old, **cut))
+            part = rollout.select(rows)
+            mask = part.response_mask if cut.get("loss_mask") is None else cut["loss_mask"]
+            scale = None if scale_of is None else scale_of(mask)
+            steps.append(update(rollout=part, old_logprobs=old, scale=scale, **cut))
     means = ("policy_loss", "clip_fraction", "entropy", "kl_ref", "grad_norm")
     sums = ("time_forward_backward_s", "time_optimizer_s")
     return {

@@ -73,11 +73,12 @@ ALIASES: tuple[Alias, ...] = (
     Alias(_ACTOR + "ppo_mini_batch_size", "actor.ppo_mini_batch_size"),
     Alias(_ACTOR + "ppo_epochs", "actor.ppo_epochs"),
     Alias(_ACTOR + "ppo_micro_batch_size_per_gpu", "actor.micro_batch_size"),
-    Alias(
-        _ACTOR + "loss_agg_mode",
-        "algorithm.loss_agg",
-        _choices({"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean"}),
-    ),
+    Alias(_ACTOR + "clip_ratio_low", "algorithm.clip_ratio_low"),
+    Alias(_ACTOR + "clip_ratio_high", "algorithm.clip_ratio_high"),
+    Alias(_ACTOR + "clip_ratio_c", "algorithm.clip_ratio_c"),
+    Alias(_ACTOR + "policy_loss.loss_mode", "algorithm.loss_mode"),
+    Alias(_ACTOR + "entropy_coeff", "algorithm.entropy_coeff"),
+    Alias(_ACTOR + "loss_agg_mode", "algorithm.loss_agg"),
     *(  # verl's key, and the short spelling rlwire-train accepted before
         Alias(key, "actor.grad_sync.policy", _NO_SYNC, "true: defer, false: every")
         for key in (
@@ -105,7 +106,8 @@ ALIASES: tuple[Alias, ...] = (
         "N -> 'NMiB'",
     ),
     Alias("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
-    Alias("algorithm.adv_estimator", "", _choices({"grpo": None}), "only grpo"),
+    Alias("algorithm.adv_estimator", "algorithm.adv_estimator"),
+    Alias("algorithm.gamma", "", _choices({1: None}), "only 1 (outcome rewards)"),
     Alias("trainer.total_training_steps", "trainer.steps"),
     Alias("trainer.save_freq", "trainer.save_every", _save_freq, "-1 -> 0"),
     Alias("trainer.max_actor_ckpt_to_keep", "trainer.max_checkpoints_to_keep"),
@@ -156,7 +158,6 @@ _VERL_SHARED = {
     "data.shuffle",
     "algorithm.use_kl_in_reward",
     "algorithm.kl_penalty",
-    "algorithm.gamma",
     "algorithm.lam",
     "trainer.n_gpus_per_node",
     "trainer.nnodes",

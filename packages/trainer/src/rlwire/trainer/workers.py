@@ -28,6 +28,7 @@ from .background import Background
 from .checkpoint import load_actor, save_actor
 from .config import TrainerConfig
 from .correction import correction_weights
+from .grpo import LossScale
 from .lora import save_adapter
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
 from .step import compute_old_logprobs, grpo_update, ppo_update
@@ -138,16 +139,21 @@ class ActorWorker(WorkerProcess):
         if lr_scale != self.lr_scale:
             actor.scale_lr(lr_scale)
             self.lr_scale = lr_scale
+        algorithm = cfg.algorithm
         update = functools.partial(
             grpo_update,
             actor.model,
             None,
             micro_batch_size=cfg.micro_batch_rows(),
             temperature=temperature,
-            clip_ratio=cfg.algorithm.clip_ratio,
-            loss_agg=cfg.algorithm.loss_agg,
+            clip_ratio=algorithm.clip_low,
+            clip_ratio_high=algorithm.clip_high,
+            clip_ratio_c=algorithm.clip_ratio_c,
+            loss_mode=algorithm.loss_mode,
+            loss_agg=algorithm.loss_agg,
+            entropy_coeff=algorithm.entropy_coeff,
             grad_sync=cfg.actor.grad_sync,
-            kl_coef=cfg.algorithm.kl_coef,
+            kl_coef=algorithm.kl_coef,
             optimizer_step=actor.optimizer_step,
             record=proximal if reuse else None,
         )
@@ -157,6 +163,7 @@ class ActorWorker(WorkerProcess):
             mini_batch_size=cfg.mini_batch_rows(),
             epochs=cfg.actor.ppo_epochs,
             update=update,
+            scale_of=self._loss_scale,
             advantages=rollout.advantages,
             ref_logprobs=ref,
             weights=None if weights is None else weights.weights,
@@ -176,6 +183,24 @@ class ActorWorker(WorkerProcess):
             "kl_rollout": float(kl_rollout),
             "lr_scale": lr_scale,
         }
+
+    def _loss_scale(self, mask: torch.Tensor) -> LossScale:
+        """A mini-batch's counts over every actor rank, from this rank's loss ``mask`` (a
+        collective): what each micro-batch's loss is normalised by."""
+        import torch.distributed as dist
+
+        counts = torch.tensor(
+            [float(mask.sum()), float((mask.sum(dim=1) > 0).sum())],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(counts)
+        return LossScale(
+            tokens=float(counts[0]),
+            sequences=float(counts[1]),
+            world=self.config.actor.world_size,
+            horizon=self.config.rollout.max_new_tokens,
+        )
 
     def _mean_over_ranks(self, value: float, weight: float) -> float:
         """The ``weight``-weighted mean of every actor rank's ``value`` (a collective)."""

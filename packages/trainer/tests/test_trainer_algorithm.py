@@ -1,0 +1,143 @@
+"""Advantage estimators, loss aggregation over a split mini-batch, and the policy losses, by
+hand (verl's own functions: test_trainer_verl.py, in the verl environment)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlwire.trainer.algorithm import LOSS_AGG_MODES, AlgorithmConfig, compute_advantages
+from rlwire.trainer.config import ConfigError, load_config
+from rlwire.trainer.grpo import LossScale, aggregate, policy_loss
+
+
+def _mask(lengths: list[int], width: int = 4) -> torch.Tensor:
+    return (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).float()
+
+
+def _advantages(estimator: str, rewards: list[float], n: int, lengths: list[int]) -> torch.Tensor:
+    config = AlgorithmConfig(adv_estimator=estimator)
+    return compute_advantages(config, torch.tensor(rewards), _mask(lengths), n)
+
+
+def test_rloo_is_the_reward_minus_the_mean_of_the_others():
+    adv = _advantages("rloo", [1.0, 0.0, 0.0, 3.0, 3.0, 0.0], 3, [1] * 6)
+    torch.testing.assert_close(adv, torch.tensor([1.0, -0.5, -0.5, 1.5, 1.5, -3.0]))
+
+
+def test_reinforce_plus_plus_whitens_over_tokens():
+    # tokens: one of reward 1, three of reward 0: mean 0.25, unbiased variance 0.25
+    adv = _advantages("reinforce_plus_plus", [1.0, 0.0], 1, [1, 3])
+    torch.testing.assert_close(adv, torch.tensor([1.5, -0.5]) * (0.5 / math.sqrt(0.25 + 1e-8)))
+
+
+def test_reinforce_plus_plus_baseline_centres_in_the_group_then_whitens():
+    adv = _advantages("reinforce_plus_plus_baseline", [1.0, 0.0, 2.0, 2.0], 2, [1, 3, 2, 2])
+    # centred [0.5, -0.5, 0, 0]; token mean -1/8; unbiased variance 0.125
+    expected = torch.tensor([0.625, -0.375, 0.125, 0.125]) / math.sqrt(0.125 + 1e-8)
+    torch.testing.assert_close(adv, expected)
+
+
+def test_grpo_with_groups_of_one_keeps_the_reward_as_verl_does():
+    adv = _advantages("grpo", [1.0, 0.0], 1, [2, 2])
+    torch.testing.assert_close(adv, torch.tensor([1.0 / (1 + 1e-6), 0.0]))
+
+
+def test_aggregation_modes_by_hand():
+    values = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 9.0, 9.0, 9.0], [5.0, 5.0, 5.0, 5.0]])
+    mask = _mask([3, 1, 0])  # the last sequence has no counted token: not counted
+    got = {mode: aggregate(values, mask, mode).item() for mode in LOSS_AGG_MODES}
+    assert got == pytest.approx(
+        {
+            "token-mean": (6 + 4) / 4,
+            "seq-mean-token-sum": (6 + 4) / 2,
+            "seq-mean-token-mean": (2 + 4) / 2,
+            "seq-mean-token-sum-norm": (6 + 4) / 2 / 4,  # the horizon: the mask's width
+        }
+    )
+    with pytest.raises(ValueError, match="loss_agg: 'mean' is not allowed; use 'token-mean'"):
+        aggregate(values, mask, "mean")
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_a_mini_batch_split_over_micro_batches_and_ranks_aggregates_as_a_whole(mode):
+    """Each part's share, summed over micro-batches (gradient accumulation) and averaged
+    over ranks (data parallelism), is the whole mini-batch's aggregate: the gradient does
+    not depend on the split, nor on how rejection sampling thinned a micro-batch."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(8, 6, generator=generator, dtype=torch.float64)
+    mask = _mask([6, 1, 0, 3, 6, 2, 5, 4], width=6).double()
+    whole = aggregate(values, mask, mode, LossScale.of(mask, horizon=6))
+    scale = LossScale.of(mask, world=2, horizon=6)  # the counts over both ranks
+    ranks = [slice(0, 4), slice(4, 8)]
+    micro = [[slice(0, 1), slice(1, 4)], [slice(0, 3), slice(3, 4)]]  # uneven on purpose
+    per_rank = [
+        sum(aggregate(values[r][m], mask[r][m], mode, scale) for m in parts)
+        for r, parts in zip(ranks, micro, strict=True)
+    ]
+    torch.testing.assert_close(sum(per_rank) / 2, whole)
+
+
+def _loss(log_ratio: list[float], advantage: float, **kwargs) -> torch.Tensor:
+    logprobs = torch.tensor([log_ratio])
+    return policy_loss(
+        logprobs,
+        torch.zeros_like(logprobs),
+        torch.tensor([advantage]),
+        torch.ones_like(logprobs),
+        clip_ratio=0.2,
+        **kwargs,
+    )[0]
+
+
+def test_clip_higher_and_the_dual_clip():
+    ratio = math.log(1.25)
+    assert _loss([ratio], 1.0).item() == pytest.approx(-1.2)  # clipped at 1 + 0.2
+    assert _loss([ratio], 1.0, clip_ratio_high=0.28).item() == pytest.approx(-1.25)
+    # a negative advantage and a ratio of e^2: PPO's max(...) lets it grow with the ratio;
+    # the dual clip bounds it at -A x c
+    assert _loss([2.0], -1.0).item() == pytest.approx(math.exp(2.0))
+    assert _loss([2.0], -1.0, clip_ratio_c=3.0).item() == pytest.approx(3.0)
+    assert _loss([2.0], 1.0, clip_ratio_c=3.0).item() == pytest.approx(-1.2)  # A > 0: no effect
+
+
+def test_gspo_clips_the_sequence_ratio_and_its_gradient_is_the_sequences():
+    # log-ratios 0.1 and 0.3: the sequence's is their mean 0.2, e^0.2 = 1.221 > 1.2: clipped
+    assert _loss([0.1, 0.3], 1.0, loss_mode="gspo").item() == pytest.approx(-1.2)
+    logprobs = torch.tensor([[0.05, -0.05]], requires_grad=True)
+    loss, _ = policy_loss(
+        logprobs,
+        torch.zeros(1, 2),
+        torch.tensor([1.0]),
+        torch.ones(1, 2),
+        clip_ratio=0.2,
+        loss_mode="gspo",
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0)  # the sequence's ratio is exactly 1
+    # d/d logp_t of -A x s, s = sg[s] p_t / sg[p_t]: -s per token, token-mean over 2
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.5, -0.5]]))
+
+
+def test_new_keys_and_their_verl_spellings():
+    config = load_config(
+        overrides=[
+            "algorithm.adv_estimator=rloo",
+            "actor_rollout_ref.actor.clip_ratio_low=0.2",
+            "actor_rollout_ref.actor.clip_ratio_high=0.28",
+            "actor_rollout_ref.actor.clip_ratio_c=10.0",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+            "actor_rollout_ref.actor.entropy_coeff=0.001",
+            "algorithm.gamma=1.0",
+        ]
+    )
+    a = config.algorithm
+    assert (a.adv_estimator, a.clip_low, a.clip_high, a.clip_ratio_c) == ("rloo", 0.2, 0.28, 10.0)
+    assert (a.loss_mode, a.loss_agg, a.entropy_coeff) == ("gspo", "seq-mean-token-sum-norm", 0.001)
+    with pytest.raises(ConfigError, match=r"^algorithm.clip_ratio_c: 1.0 is not allowed; use"):
+        load_config(overrides=["algorithm.clip_ratio_c=1.0"])
+    with pytest.raises(ConfigError, match=r"^algorithm.loss_mode: 'dppo_tv' is not allowed"):
+        load_config(overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv"])
