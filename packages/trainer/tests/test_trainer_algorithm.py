@@ -141,3 +141,120 @@ def test_new_keys_and_their_verl_spellings():
         load_config(overrides=["algorithm.clip_ratio_c=1.0"])
     with pytest.raises(ConfigError, match=r"^algorithm.loss_mode: 'dppo_tv' is not allowed"):
         load_config(overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv"])
+
+
+def test_overlong_buffer_penalises_the_last_tokens_linearly():
+    from rlwire.trainer.shaping import OverlongBufferConfig, overlong_penalty
+
+    config = OverlongBufferConfig(enable=True, len=8, penalty_factor=1.0)
+    # max 32 tokens, the last 8 penalised: from 0 at 24 tokens to -1 at 32
+    penalty = overlong_penalty(torch.tensor([20, 24, 28, 32]), 32, config)
+    torch.testing.assert_close(penalty, torch.tensor([0.0, 0.0, -0.5, -1.0]))
+    with pytest.raises(ConfigError, match=r"^reward.overlong_buffer.len: 64 is not allowed; use"):
+        load_config(
+            overrides=["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=64"]
+        )
+    verl = load_config(
+        overrides=[
+            "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+            "reward.reward_kwargs.overlong_buffer_cfg.len=4",
+            "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+            "reward_model.overlong_buffer.log=false",
+        ]
+    )
+    assert verl.reward.overlong_buffer == OverlongBufferConfig(
+        enable=True, len=4, penalty_factor=0.5
+    )
+
+
+def _generated(texts: list[str], prompts: list[str]):
+    """A generated batch of ``texts`` (one token each) with its ``examples``."""
+    from rlwire.trainer.rollout import Example, Rollout
+
+    b = len(texts)
+    ones = torch.ones(b, 1, dtype=torch.int64)
+    batch = Rollout(ones, ones, ones, ones, torch.zeros(b, 1), texts)
+    batch.examples = [Example(prompt=p, answer="") for p in prompts]
+    return batch
+
+
+def test_dynamic_sampling_keeps_groups_that_differ_and_generates_until_full():
+    from rlwire.trainer.errors import RunError
+    from rlwire.trainer.scoring import fill
+
+    config = load_config(
+        overrides=["rollout.n=2", "data.train_batch_size=3", "algorithm.filter_groups.enable=true"]
+    )
+
+    def reward(examples, texts):  # what the driver's reward gives: the response's length
+        return torch.tensor([float(len(t)) for t in texts]), {}
+
+    # 3 groups of 2: only the second differs; then 3 more, of which 2 differ; then 3 more
+    batches = iter(
+        [
+            _generated(["a", "a", "a", "bb", "c", "c"], ["p0", "p0", "p1", "p1", "p2", "p2"]),
+            _generated(["d", "dd", "e", "e", "f", "ff"], ["p3", "p3", "p4", "p4", "p5", "p5"]),
+        ]
+    )
+    first = next(batches)
+    batch, scored = fill(config, reward, first, lambda: next(batches))
+    assert [e.prompt for e in batch.examples] == ["p1", "p1", "p3", "p3", "p5", "p5"]
+    assert scored.rewards.tolist() == [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
+    assert (scored.gen_batches, scored.filtered_groups) == (2, 3)
+    limited = load_config(
+        overrides=[
+            "rollout.n=2",
+            "data.train_batch_size=3",
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.max_num_gen_batches=1",
+        ]
+    )
+    again = _generated(["a", "a", "a", "bb", "c", "c"], ["p0", "p0", "p1", "p1", "p2", "p2"])
+    with pytest.raises(RunError) as err:
+        fill(limited, reward, again, lambda: pytest.fail("a second batch was generated"))
+    assert str(err.value) == (
+        "algorithm.filter_groups: 1 generation batches gave 1 of 3 prompt groups whose rewards "
+        "differ (max_num_gen_batches=1); raise it, or 0 for no limit"
+    )
+    with pytest.raises(ConfigError, match=r"^algorithm.filter_groups.enable: True is not allowed"):
+        load_config(overrides=["algorithm.filter_groups.enable=true", "trainer.mode=fully_async"])
+
+
+def test_dapos_recipe_runs_end_to_end_through_verls_keys(ray_cluster, tmp_path):
+    """Clip-higher, dynamic sampling, token-mean and overlong shaping, set with verl's keys:
+    about half the prompts score 0 on every sample (their groups are dropped and more are
+    generated), the others by their text."""
+    import json
+
+    from trainer_cli import train_cli
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        "def reward(prompts, responses, answers):\n"
+        "    return [0.0 if sum(map(ord, p)) % 2 else sum(map(ord, r)) % 7 / 7\n"
+        "            for p, r in zip(prompts, responses)]\n"
+    )
+    run = tmp_path / "run"
+    records, _ = train_cli(
+        run,
+        "trainer.steps=3",
+        f"custom_reward_function.path={reward}",
+        "custom_reward_function.name=reward",
+        "actor_rollout_ref.actor.clip_ratio_low=0.2",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=reward",
+        "algorithm.filter_groups.max_num_gen_batches=20",
+        "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
+        "reward.reward_kwargs.overlong_buffer_cfg.len=4",
+        "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+        cluster=ray_cluster,
+    )
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert sum(r["filtered_groups"] for r in records) > 0
+    assert all(r["gen_batches"] >= 1 and r["reward_std"] > 0 for r in records)
+    assert all(-1.0 <= r["reward_extra/overlong_penalty"] <= 0.0 for r in records)
+    state = json.loads((run / "checkpoints" / "step_3" / "trainer_state.json").read_text())
+    # the data position moved on by the extra batches: a resume goes on from there
+    assert state["extra_batches"] == sum(r["gen_batches"] - 1 for r in records)

@@ -26,6 +26,7 @@ import torch
 
 from .checks import check, check_choice
 from .correction import RolloutCorrectionConfig
+from .dynamic_sampling import FilterGroupsConfig
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -81,6 +82,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to a frozen reference policy (the initial weights);
     0 turns the reference model off (not loaded, no extra forward pass)."""
+    filter_groups: FilterGroupsConfig = dataclasses.field(default_factory=FilterGroupsConfig)
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(
         default_factory=RolloutCorrectionConfig
     )

@@ -28,19 +28,25 @@ data position follows the step.
 from __future__ import annotations
 
 import json
+import logging
 import random
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import RunError
+from .inputs import prune_checkpoints
 
 __all__ = [
     "FORMAT",
     "load_actor",
+    "load_checkpoint",
     "read_trainer_state",
     "save_actor",
+    "save_checkpoint",
     "write_trainer_state",
 ]
 
@@ -49,6 +55,8 @@ FORMAT = 2
 the world size that wrote it) is refused with a line that says so."""
 
 _STATE = "trainer_state.json"
+
+log = logging.getLogger("rlwire.trainer")
 
 
 def write_trainer_state(directory: Path, state: dict[str, Any]) -> None:
@@ -122,3 +130,60 @@ def load_actor(engine, directory: Path, rank: int, *, same_world: bool, reseed: 
     if saved["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(saved["cuda"])
     random.setstate(saved["python"])
+
+
+def save_checkpoint(job, done: int, **state: Any) -> None:
+    """``checkpoints/step_<done>`` for ``job`` (a :class:`rlwire.trainer.job.Job`): every actor
+    rank's part, then ``trainer_state.json`` (with ``state``), then ``COMPLETE``; then the
+    pruning of ``trainer.max_checkpoints_to_keep``. A directory of that step already there
+    (a cut-off save, or one of a run resumed earlier) is replaced."""
+    config = job.config
+    target = job.run_dir / "checkpoints" / f"step_{done}"
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    job.call([a.save.remote(str(target)) for a in job.actors], "saving")
+    actor = config.actor
+    write_trainer_state(
+        target,
+        {
+            "step": done,
+            "mode": config.trainer.mode,
+            "actor_world_size": job.world,
+            "strategy": actor.strategy,
+            "lora_rank": actor.lora.rank,
+            **state,
+        },
+    )
+    (target / "COMPLETE").write_text(str(done))
+    keep = config.trainer.max_checkpoints_to_keep
+    if keep is not None:
+        prune_checkpoints(job.run_dir, keep)
+
+
+def load_checkpoint(job, checkpoint: Path, saved: dict[str, Any]) -> None:
+    """Load ``checkpoint`` (its trainer state ``saved``) on every actor rank of ``job``,
+    resharded to its world size; what changed is logged."""
+    step = saved["step"]
+    same_world = saved["actor_world_size"] == job.world
+    loads = [a.load.remote(str(checkpoint), same_world=same_world, step=step) for a in job.actors]
+    job.call(loads, "loading the checkpoint")
+    log.info("resumed from %s at step %d", checkpoint, step)
+    mode = job.config.trainer.mode
+    pending = len(saved.get("queue", {}).get("pending", []))
+    if pending and mode != "fully_async":
+        warning = (
+            f"{checkpoint} is a fully_async checkpoint with {pending} prompt groups started "
+            f"but not trained; trainer.mode={mode} goes on from step {step}'s batch and does "
+            "not generate them again"
+        )
+        log.warning("%s", warning)
+        print(f"rlwire-train: warning: {warning}", file=sys.stderr)
+    if not same_world:
+        log.info(
+            "resumed at actor.world_size=%d from a checkpoint saved at %d: the weights and the "
+            "optimizer state resharded; the actor ranks' RNGs reseeded from trainer.seed + %d",
+            job.world,
+            saved["actor_world_size"],
+            step,
+        )

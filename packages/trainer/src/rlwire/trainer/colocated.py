@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 from .job import Job
+from .scoring import fill
 
 __all__ = ["run_colocated"]
 
@@ -14,18 +16,29 @@ def run_colocated(job: Job, bar) -> None:
 
     The calls of a step are made together: each worker runs them in order (the update, the
     sync, then the next step's generation), so no worker waits for the driver between
-    them; the driver records the step while the next batch is generated. The times are
+    them; the driver records the step while the next batch is generated. With dynamic
+    sampling (``algorithm.filter_groups``) the batch is scored first and filled up with more
+    generation batches (the rollout engines hold the weights being updated). The times are
     the driver's: from the end of the previous sync to the samples, to the end of the
     update, to the end of the sync.
     """
     steps = job.config.trainer.steps
+    filtering = job.config.algorithm.filter_groups.enable
     job.sync(job.start_step)  # the rollout engines start from the actor's (maybe resumed) weights
     following = job.start_generation(job.start_step) if job.start_step < steps else None
     t0 = time.perf_counter()
     for step in range(job.start_step, steps):
         batch = following()
+        scored, extra = None, {}
+        if filtering:  # dynamic sampling: more batches, same weights, until it is full
+            more = functools.partial(job.generate_more, step)
+            batch, scored = fill(job.config, job.reward_fn, batch, more)
+            extra = {
+                "gen_batches": scored.gen_batches,
+                "filtered_groups": scored.filtered_groups,
+            }
         t_rollout = time.perf_counter()
-        update = job.start_update(batch)
+        update = job.start_update(batch, scored=scored)
         # Sleeping engines (GPUs) wake only once the update has freed the device.
         early = update() if job.rollout_sleeps else None
         sync = job.start_sync(step + 1)
@@ -42,6 +55,7 @@ def run_colocated(job: Job, bar) -> None:
             samples=len(batch),
             version=step + 1,
             lags=[0],
+            **extra,
         )
         t0 = t_sync
         job.record(record, bar)

@@ -104,6 +104,21 @@ class TrainerConfig:
                 f"(not a rlwire.trainer.rollout.PartialRolloutEngine); set it to false",
             )
 
+        check(
+            not self.algorithm.filter_groups.enable or self.trainer.mode == "colocated",
+            "algorithm.filter_groups.enable",
+            True,
+            f"dynamic sampling runs in colocated mode only so far (trainer.mode="
+            f"{self.trainer.mode}); set trainer.mode=colocated or turn it off",
+        )
+        overlong = self.reward.overlong_buffer
+        if overlong.enable:
+            check(
+                overlong.len <= self.rollout.max_new_tokens,
+                "reward.overlong_buffer.len",
+                overlong.len,
+                f"use at most rollout.max_new_tokens ({self.rollout.max_new_tokens})",
+            )
         if self.actor.lora.enabled:
             check(
                 rollout_engine_class(self.rollout.backend).takes_lora,

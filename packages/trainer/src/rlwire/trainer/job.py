@@ -10,14 +10,13 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .algorithm import compute_advantages
-from .checkpoint import write_trainer_state
+from .checkpoint import load_checkpoint, save_checkpoint
 from .cluster import (
     Watch,
     cause,
@@ -29,11 +28,11 @@ from .cluster import (
 )
 from .errors import RunError
 from .hybrid import HybridWorker
-from .inputs import prune_checkpoints
 from .loggers import Tracker
-from .metrics import StepMetrics, UpdateMetrics
+from .metrics import StepMetrics, UpdateMetrics, step_record
 from .rollout import Rollout, rollout_engine_class
 from .rollout_worker import RolloutWorker
+from .scoring import Scored, score
 from .workers import ActorWorker
 
 __all__ = ["Job"]
@@ -157,6 +156,7 @@ class Job:
             log.warning("%s", warning)
             print(f"rlwire-train: warning: {warning}", file=sys.stderr)
         self.start_step = 0
+        self.extra_batches = 0  # generation batches beyond one per step (dynamic sampling)
         self.resumed: dict[str, Any] = {}  # the checkpoint's trainer_state.json
         if resume is not None:
             self._resume(*resume)
@@ -195,31 +195,8 @@ class Job:
     def _resume(self, checkpoint, saved: dict[str, Any]) -> None:
         """Load ``checkpoint`` on every actor rank (resharded to this world size)."""
         self.resumed, self.start_step = saved, saved["step"]
-        same_world = saved["actor_world_size"] == self.world
-        loads = [
-            a.load.remote(str(checkpoint), same_world=same_world, step=self.start_step)
-            for a in self.actors
-        ]
-        self.call(loads, "loading the checkpoint")
-        log.info("resumed from %s at step %d", checkpoint, self.start_step)
-        pending = len(saved.get("queue", {}).get("pending", []))
-        if pending and self.config.trainer.mode != "fully_async":
-            warning = (
-                f"{checkpoint} is a fully_async checkpoint with {pending} prompt groups started "
-                f"but not trained; trainer.mode={self.config.trainer.mode} goes on from step "
-                f"{self.start_step}'s batch and does not generate them again"
-            )
-            log.warning("%s", warning)
-            print(f"rlwire-train: warning: {warning}", file=sys.stderr)
-        if not same_world:
-            log.info(
-                "resumed at actor.world_size=%d from a checkpoint saved at %d: the weights and "
-                "the optimizer state resharded; the actor ranks' RNGs reseeded from "
-                "trainer.seed + %d",
-                self.world,
-                saved["actor_world_size"],
-                self.start_step,
-            )
+        self.extra_batches = saved.get("extra_batches", 0)
+        load_checkpoint(self, checkpoint, saved)
 
     def _engine_setup(self, layout, one_host: bool, model_path: str) -> str:
         """Join every member to the checkpoint engine; its backend. Hybrid: each rank hands
@@ -291,16 +268,18 @@ class Job:
         return self.start_sync(version)()
 
     def start_generation(self, step: int) -> Callable[[], Rollout]:
-        """Start generating step ``step``'s batch (``rollout.n`` samples of each prompt, the
-        prompts split over the rollout engines); returns what waits for it (with the
+        """Start generating step ``step``'s batch: the data's batch ``step``, moved on by the
+        extra batches dynamic sampling took, ``rollout.n`` samples of each prompt, the
+        prompts split over the rollout engines. Returns what waits for it (with the
         samples' ``examples``; on GPUs the engines are asleep after it)."""
         config = self.config
-        examples = self.batches(step)
+        position = step + self.extra_batches  # the data's batch (and the seeds) to generate
+        examples = self.batches(position)
         prompts = [e.prompt for e in examples]
         workers = len(self.rollouts)
         share = -(-len(prompts) // workers)
         refs = [
-            r.generate.remote(prompts[i * share : (i + 1) * share], _seed(config, step, i))
+            r.generate.remote(prompts[i * share : (i + 1) * share], _seed(config, position, i))
             for i, r in enumerate(self.rollouts)
             if prompts[i * share : (i + 1) * share]
         ]
@@ -315,6 +294,12 @@ class Job:
             return batch
 
         return done
+
+    def generate_more(self, step: int) -> Rollout:
+        """Dynamic sampling: the data's next batch, generated now for step ``step`` (the data
+        position moves on by one batch for the rest of the run)."""
+        self.extra_batches += 1
+        return self.start_generation(step)()
 
     def call(self, refs, what: str):
         """Wait for calls to the workers, bounded by ``ray.task_timeout``; a failed or dead
@@ -338,16 +323,18 @@ class Job:
         """Score ``batch`` and run the update (see :meth:`start_update`)."""
         return self.start_update(batch, lag)()
 
-    def start_update(self, batch: Rollout, lag: float = 0.0) -> Callable[[], UpdateMetrics]:
-        """Score ``batch`` (with its ``examples``), compute advantages and start the update
+    def start_update(
+        self, batch: Rollout, lag: float = 0.0, scored: Scored | None = None
+    ) -> Callable[[], UpdateMetrics]:
+        """Score ``batch`` (with its ``examples``; unless ``scored`` already: dynamic
+        sampling), compute advantages and start the update
         on every actor rank, each on its shard (``actor.ppo_mini_batch_size`` and
         ``actor.ppo_epochs`` set its optimizer steps); ``lag``: the samples' mean version
         lag behind the weights updated (the staleness-aware step size). Returns what waits
         for it."""
         n = self.config.rollout.n
-        start = time.perf_counter()
-        rewards, reward_extra = self.reward_fn(batch.examples, batch.texts)
-        reward_s = time.perf_counter() - start
+        scored = score(self.config, self.reward_fn, batch) if scored is None else scored
+        rewards, reward_extra, reward_s = scored.rewards, scored.extra, scored.seconds
         batch.rewards = rewards
         batch.advantages = compute_advantages(
             self.config.algorithm, rewards, batch.response_mask, n
@@ -382,43 +369,7 @@ class Job:
 
         return done
 
-    @staticmethod
-    def step_record(
-        step: int,
-        result: UpdateMetrics,
-        phases: tuple[float, float, float],
-        synced: dict[str, Any],
-        *,
-        samples: int,
-        version: int,
-        lags: list[int],
-        **extra: Any,
-    ) -> StepMetrics:
-        """The metrics every mode records: ``phases`` are the driver's seconds waiting for
-        the samples, for the update and for the sync (the step's time is their sum);
-        ``lags`` the version lag of each sample or prompt group; ``extra`` the mode's own
-        optional fields."""
-        rollout_s, update_s, sync_s = phases
-        seconds = rollout_s + update_s + sync_s
-        return StepMetrics(
-            step=step + 1,
-            **{f.name: getattr(result, f.name) for f in dataclasses.fields(UpdateMetrics)},
-            time_rollout_s=rollout_s,
-            time_update_s=update_s,
-            time_weight_sync_s=sync_s,
-            weight_sync_gbps=synced["weight_sync_gbps"],
-            weight_sync_bytes=synced.get("weight_sync_bytes"),
-            weight_sync_wire_bytes=synced.get("weight_sync_wire_bytes"),
-            weight_sync_delta_density=synced.get("weight_sync_delta_density"),
-            time_weight_export_s=synced.get("time_weight_export_s"),
-            tokens_per_s=result.tokens / seconds,
-            samples_per_s=samples / seconds,
-            weight_version=version,
-            version_lag_mean=sum(lags) / len(lags),
-            version_lag_max=max(lags),
-            **(_digests(synced, synced["pulls"]) if synced["pulls"] else {}),
-            **extra,
-        )
+    step_record = staticmethod(step_record)
 
     def record(self, metrics: StepMetrics, bar) -> None:
         values = metrics.to_json()
@@ -443,29 +394,10 @@ class Job:
         return bool(every and done % every == 0) or done == last
 
     def save(self, done: int, **state: Any) -> None:
-        """Checkpoint ``checkpoints/step_<done>`` (:mod:`rlwire.trainer.checkpoint`); ``state``:
-        the mode's own part of ``trainer_state.json``. ``COMPLETE`` is written last."""
-        target = self.run_dir / "checkpoints" / f"step_{done}"
-        if target.exists():  # a cut-off save of this step, or one of a run resumed earlier
-            shutil.rmtree(target)
-        target.mkdir(parents=True)
-        self.call([a.save.remote(str(target)) for a in self.actors], "saving")
-        actor = self.config.actor
-        write_trainer_state(
-            target,
-            {
-                "step": done,
-                "mode": self.config.trainer.mode,
-                "actor_world_size": self.world,
-                "strategy": actor.strategy,
-                "lora_rank": actor.lora.rank,
-                **state,
-            },
-        )
-        (target / "COMPLETE").write_text(str(done))
-        keep = self.config.trainer.max_checkpoints_to_keep
-        if keep is not None:
-            prune_checkpoints(self.run_dir, keep)
+        """Checkpoint ``checkpoints/step_<done>`` (see
+        :func:`rlwire.trainer.checkpoint.save_checkpoint`); ``state``: the mode's own part of
+        ``trainer_state.json``."""
+        save_checkpoint(self, done, extra_batches=self.extra_batches, **state)
 
     def save_if_due(self, done: int) -> None:
         if self.save_due(done):
@@ -480,12 +412,3 @@ def _step(line: str) -> int:
 def _seed(config, step: int, worker: int) -> int:
     """Rollout worker ``worker``'s sampling seed at ``step``."""
     return config.trainer.seed * 7919 + step + worker * 1_000_003
-
-
-def _digests(push: dict, pulls: list[dict]) -> dict[str, Any]:
-    if push.get("digest") is None:
-        return {}
-    return {
-        "weight_digest_actor": push["digest"],
-        "weight_digest_rollout": [p["digest"] for p in pulls],
-    }

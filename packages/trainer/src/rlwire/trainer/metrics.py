@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["StepMetrics", "UpdateMetrics"]
+__all__ = ["StepMetrics", "UpdateMetrics", "step_record"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -92,6 +92,10 @@ class StepMetrics(UpdateMetrics):
     weight_version: int
     version_lag_mean: float
     version_lag_max: int
+    gen_batches: int | None = None
+    """With dynamic sampling: the generation batches this step took to fill its batch."""
+    filtered_groups: int | None = None
+    """With dynamic sampling: the prompt groups dropped because their rewards were equal."""
     group_indices: list[int] | None = None
     """Fully async only: the data position of each prompt group trained (``step x
     data.train_batch_size + i`` for the i-th prompt of the data's step), so a resumed run
@@ -117,3 +121,50 @@ class StepMetrics(UpdateMetrics):
         line.update({f"reward_extra/{k}": v for k, v in extra.items()})
         line.update({k: v for k, v in values.items() if v is not None})
         return line
+
+
+def step_record(
+    step: int,
+    result: UpdateMetrics,
+    phases: tuple[float, float, float],
+    synced: dict[str, Any],
+    *,
+    samples: int,
+    version: int,
+    lags: list[int],
+    **extra: Any,
+) -> StepMetrics:
+    """The metrics every mode records: ``phases`` are the driver's seconds waiting for
+    the samples, for the update and for the sync (the step's time is their sum);
+    ``lags`` the version lag of each sample or prompt group; ``extra`` the mode's own
+    optional fields."""
+    rollout_s, update_s, sync_s = phases
+    seconds = rollout_s + update_s + sync_s
+    return StepMetrics(
+        step=step + 1,
+        **{f.name: getattr(result, f.name) for f in dataclasses.fields(UpdateMetrics)},
+        time_rollout_s=rollout_s,
+        time_update_s=update_s,
+        time_weight_sync_s=sync_s,
+        weight_sync_gbps=synced["weight_sync_gbps"],
+        weight_sync_bytes=synced.get("weight_sync_bytes"),
+        weight_sync_wire_bytes=synced.get("weight_sync_wire_bytes"),
+        weight_sync_delta_density=synced.get("weight_sync_delta_density"),
+        time_weight_export_s=synced.get("time_weight_export_s"),
+        tokens_per_s=result.tokens / seconds,
+        samples_per_s=samples / seconds,
+        weight_version=version,
+        version_lag_mean=sum(lags) / len(lags),
+        version_lag_max=max(lags),
+        **(_digests(synced, synced["pulls"]) if synced["pulls"] else {}),
+        **extra,
+    )
+
+
+def _digests(push: dict, pulls: list[dict]) -> dict[str, Any]:
+    if push.get("digest") is None:
+        return {}
+    return {
+        "weight_digest_actor": push["digest"],
+        "weight_digest_rollout": [p["digest"] for p in pulls],
+    }

@@ -18,6 +18,7 @@ from .algorithm import AlgorithmConfig
 from .checks import ConfigError, check, check_choice, check_engine
 from .loggers import LOGGERS
 from .rollout.base import ROLLOUT_ENGINES, rollout_engine_class
+from .shaping import OverlongBufferConfig
 
 __all__ = [
     "ActorConfig",
@@ -87,6 +88,7 @@ class RewardConfig:
     ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` returning a
     float or a dict with ``"score"`` (its other numbers become metrics). verl's
     ``custom_reward_function.path`` and ``.name`` are accepted."""
+    overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

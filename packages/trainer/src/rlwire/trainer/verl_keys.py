@@ -22,6 +22,10 @@ def _same(key: str, value: Any) -> Any:
     return value
 
 
+def _same_none(key: str, value: Any) -> Any:
+    return None  # accepted, nothing to set
+
+
 def _choices(mapping: Mapping[Any, Any]) -> Callable[[str, Any], Any]:
     def convert(key: str, value: Any) -> Any:
         if value not in mapping:
@@ -106,6 +110,15 @@ ALIASES: tuple[Alias, ...] = (
         "N -> 'NMiB'",
     ),
     Alias("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
+    *(  # verl 0.9's dapo reward manager's keys, and the DAPO recipe's older spelling
+        Alias(f"{prefix}.{key}", f"reward.overlong_buffer.{key}")
+        for prefix in ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.overlong_buffer")
+        for key in ("enable", "len", "penalty_factor")
+    ),
+    *(
+        Alias(f"{prefix}.log", "", _same_none, "always logged")
+        for prefix in ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.overlong_buffer")
+    ),
     Alias("algorithm.adv_estimator", "algorithm.adv_estimator"),
     Alias("algorithm.gamma", "", _choices({1: None}), "only 1 (outcome rewards)"),
     Alias("trainer.total_training_steps", "trainer.steps"),

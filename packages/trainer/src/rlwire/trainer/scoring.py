@@ -1,0 +1,85 @@
+"""Scoring a generated batch in the driver: the reward function, then the shaping that follows
+it (:mod:`rlwire.trainer.shaping`), and with dynamic sampling
+(:mod:`rlwire.trainer.dynamic_sampling`) the groups kept and the generation batches it took."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .dynamic_sampling import varied_groups
+from .errors import RunError
+from .rollout import Rollout
+from .shaping import overlong_penalty
+
+__all__ = ["Scored", "fill", "score"]
+
+
+@dataclasses.dataclass(slots=True)
+class Scored:
+    """A batch's rewards (``(B,)``), the reward's numeric extras (batch means) and the
+    seconds scoring took; with dynamic sampling, the generation batches and the groups
+    dropped for equal rewards."""
+
+    rewards: torch.Tensor
+    extra: dict[str, float]
+    seconds: float
+    gen_batches: int | None = None
+    filtered_groups: int | None = None
+
+
+def score(config, reward_fn, batch: Rollout) -> Scored:
+    """The rewards of ``batch`` (with its ``examples``), shaped."""
+    start = time.perf_counter()
+    rewards, extra = reward_fn(batch.examples, batch.texts)
+    overlong = config.reward.overlong_buffer
+    if overlong.enable:  # DAPO's shaping, after the reward function
+        lengths = batch.response_mask.sum(dim=1)
+        penalty = overlong_penalty(lengths, config.rollout.max_new_tokens, overlong)
+        rewards = rewards + penalty
+        extra = {
+            **extra,
+            "overlong_penalty": float(penalty.mean()),
+            "overlong_fraction": float((penalty < 0).float().mean()),
+        }
+    return Scored(rewards, extra, time.perf_counter() - start)
+
+
+def fill(
+    config, reward_fn, batch: Rollout, generate_more: Callable[[], Rollout]
+) -> tuple[Rollout, Scored]:
+    """Dynamic sampling: score ``batch``, keep its groups whose rewards differ, and call
+    ``generate_more`` (the next prompts, the same weights) until ``data.train_batch_size``
+    groups are kept; the batch of the first that many, and its scores."""
+    n, required = config.rollout.n, config.data.train_batch_size
+    limit = config.algorithm.filter_groups.max_num_gen_batches
+    parts: list[Rollout] = []
+    extras: list[dict[str, float]] = []
+    generated, dropped, seconds = 0, 0, 0.0
+    while True:
+        generated += 1
+        scored = score(config, reward_fn, batch)
+        seconds += scored.seconds
+        extras.append(scored.extra)
+        keep = varied_groups(scored.rewards, n)
+        dropped += int((~keep).sum())
+        rows = keep.repeat_interleave(n).nonzero().flatten()
+        batch.rewards = scored.rewards
+        parts.append(batch.select(rows))
+        kept = sum(len(p) for p in parts) // n
+        if kept >= required:
+            break
+        if limit and generated >= limit:
+            raise RunError(
+                f"algorithm.filter_groups: {generated} generation batches gave {kept} of "
+                f"{required} prompt groups whose rewards differ (max_num_gen_batches="
+                f"{limit}); raise it, or 0 for no limit"
+            )
+        batch = generate_more()
+    whole = Rollout.concat(parts).select(slice(0, required * n))
+    extra: dict[str, Any] = {k: sum(e[k] for e in extras) / len(extras) for k in extras[0]}
+    return whole, Scored(whole.rewards, extra, seconds, generated, dropped)
