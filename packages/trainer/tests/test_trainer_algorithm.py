@@ -249,8 +249,14 @@ def test_dapos_recipe_runs_end_to_end_through_verls_keys(ray_cluster, tmp_path):
         "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
         "reward.reward_kwargs.overlong_buffer_cfg.len=4",
         "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+        "validation.source=builtin:repeat",  # colocated validation (one_step_off: its test)
+        "validation.every=2",
         cluster=ray_cluster,
     )
+    held_out = [r for r in records if "reward_mean" not in r]
+    records = [r for r in records if "reward_mean" in r]
+    assert [r["step"] for r in held_out] == [2, 3]
+    assert "val/reward_mean" in (run / "train.log").read_text()
     assert [r["step"] for r in records] == [1, 2, 3]
     assert sum(r["filtered_groups"] for r in records) > 0
     assert all(r["gen_batches"] >= 1 and r["reward_std"] > 0 for r in records)
@@ -258,3 +264,30 @@ def test_dapos_recipe_runs_end_to_end_through_verls_keys(ray_cluster, tmp_path):
     state = json.loads((run / "checkpoints" / "step_3" / "trainer_state.json").read_text())
     # the data position moved on by the extra batches: a resume goes on from there
     assert state["extra_batches"] == sum(r["gen_batches"] - 1 for r in records)
+
+
+def test_validation_keys_and_where_it_runs():
+    config = load_config(
+        overrides=[
+            "data.val_files=[held_out.jsonl]",
+            "trainer.test_freq=-1",  # verl's never
+            "trainer.val_before_train=true",
+            "actor_rollout_ref.rollout.val_kwargs.n=4",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=0.7",
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+            "actor_rollout_ref.rollout.val_kwargs.top_p=1.0",
+        ]
+    )
+    v = config.validation
+    assert (v.source, v.every, v.before_train, v.n, v.temperature) == (
+        "held_out.jsonl",
+        0,
+        True,
+        4,
+        0.7,
+    )
+    assert v.sampling.greedy is False
+    with pytest.raises(ConfigError, match=r"^validation.source: 'builtin:repeat' is not allowed"):
+        load_config(overrides=["data.val_files=builtin:repeat", "trainer.mode=fully_async"])
+    with pytest.raises(ConfigError, match=r"val_kwargs.top_p: 0.9 is not allowed"):
+        load_config(overrides=["actor_rollout_ref.rollout.val_kwargs.top_p=0.9"])

@@ -36,7 +36,23 @@ def test_one_version_stale_and_deterministic(ray_cluster, tmp_path):
         "trainer.seed=3",
     )
     first, _ = train_cli(tmp_path / "a", *settings, cluster=ray_cluster)
-    second, _ = train_cli(tmp_path / "b", *settings, cluster=ray_cluster)
+    # the second validates too (verl's keys; greedy, held-out prompts): it must not change
+    # a single training metric
+    validation = (
+        "data.val_files=builtin:repeat",
+        "trainer.test_freq=2",
+        "trainer.val_before_train=true",
+        "actor_rollout_ref.rollout.val_kwargs.n=1",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
+    )
+    lines, _ = train_cli(tmp_path / "b", *settings, *validation, cluster=ray_cluster)
+    second = [r for r in lines if "reward_mean" in r]
+    held_out = [r for r in lines if "reward_mean" not in r]
+    assert [r["step"] for r in held_out] == [0, 2, 4]  # before, every 2nd, and the last
+    for r in held_out:
+        assert 0.0 <= r["val/reward_mean"] <= 1.0 and r["val/response_length"] > 0
+        assert r["val/builtin:repeat/reward_mean"] == r["val/reward_mean"]
+    assert held_out[0]["val/reward_mean"] != held_out[2]["val/reward_mean"]  # trained
     assert [r["version_lag_max"] for r in first] == [0, 1, 1, 1]
     assert [r["version_lag_mean"] for r in first] == [0.0, 1.0, 1.0, 1.0]
     assert [r["weight_version"] for r in first] == [1, 2, 3, 3]  # no sync after the last

@@ -7,6 +7,7 @@ import time
 
 from .job import Job
 from .scoring import fill
+from .validation import start_validation, validation_due
 
 __all__ = ["run_colocated"]
 
@@ -18,14 +19,22 @@ def run_colocated(job: Job, bar) -> None:
     sync, then the next step's generation), so no worker waits for the driver between
     them; the driver records the step while the next batch is generated. With dynamic
     sampling (``algorithm.filter_groups``) the batch is scored first and filled up with more
-    generation batches (the rollout engines hold the weights being updated). The times are
+    generation batches (the rollout engines hold the weights being updated). Validation
+    (:mod:`rlwire.trainer.validation`) is queued between a sync and the next generation and
+    left out of the steps' times. The times are
     the driver's: from the end of the previous sync to the samples, to the end of the
     update, to the end of the sync.
     """
-    steps = job.config.trainer.steps
-    filtering = job.config.algorithm.filter_groups.enable
+    config = job.config
+    steps = config.trainer.steps
+    filtering = config.algorithm.filter_groups.enable
     job.sync(job.start_step)  # the rollout engines start from the actor's (maybe resumed) weights
+    held_out = None
+    if validation_due(config, job.start_step, before=True):
+        held_out = start_validation(job, job.val_examples)
     following = job.start_generation(job.start_step) if job.start_step < steps else None
+    if held_out is not None:
+        job.validate(job.start_step, held_out)
     t0 = time.perf_counter()
     for step in range(job.start_step, steps):
         batch = following()
@@ -42,6 +51,9 @@ def run_colocated(job: Job, bar) -> None:
         # Sleeping engines (GPUs) wake only once the update has freed the device.
         early = update() if job.rollout_sleeps else None
         sync = job.start_sync(step + 1)
+        # validation: between the sync and the next generation on every rollout engine
+        due = validation_due(config, step + 1)
+        held_out = start_validation(job, job.val_examples) if due else None
         following = job.start_generation(step + 1) if step + 1 < steps else None
         result = early if early is not None else update()
         t_update = time.perf_counter()
@@ -60,4 +72,7 @@ def run_colocated(job: Job, bar) -> None:
         t0 = t_sync
         job.record(record, bar)
         bar.update(1)
+        if held_out is not None:
+            job.validate(step + 1, held_out)
+            t0 = time.perf_counter()  # the next step's time leaves the validation out
         job.save_if_due(step + 1)

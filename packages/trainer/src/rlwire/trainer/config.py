@@ -36,6 +36,7 @@ from .sections import (
     RolloutConfig,
     TrainerSection,
 )
+from .validation import ValidationConfig
 from .verl_keys import translate
 
 SMALL_MODEL_PARAMETERS = 1_000_000
@@ -67,6 +68,7 @@ class TrainerConfig:
     actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     ckpt_engine: CheckpointEngineConfig = dataclasses.field(default_factory=CheckpointEngineConfig)
     trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
     async_: AsyncConfig = dataclasses.field(default_factory=AsyncConfig)
@@ -110,6 +112,13 @@ class TrainerConfig:
             True,
             f"dynamic sampling runs in colocated mode only so far (trainer.mode="
             f"{self.trainer.mode}); set trainer.mode=colocated or turn it off",
+        )
+        check(
+            self.validation.source is None or self.trainer.mode != "fully_async",
+            "validation.source",
+            self.validation.source,
+            "validation runs in colocated and one_step_off modes so far (fully-async rollout "
+            "workers take no call outside their loop); set it to null",
         )
         overlong = self.reward.overlong_buffer
         if overlong.enable:

@@ -20,7 +20,7 @@ from .errors import RunError
 from .rollout import Example
 from .tiny import BUILTIN_TASKS
 
-__all__ = ["load_data"]
+__all__ = ["load_data", "load_validation"]
 
 _ANSWER_KEYS = ("answer", "reward_model.ground_truth")  # tried in order when unset
 _MISSING = object()
@@ -36,7 +36,7 @@ def _field(row: Mapping[str, Any], dotted: str) -> Any:
     return value
 
 
-def _reader(path: Path) -> list[tuple[str, Any]]:
+def _reader(path: Path, key: str) -> list[tuple[str, Any]]:
     """``(where, row)`` for every row of the file (``where`` names it in errors)."""
     if path.suffix == ".jsonl":
         rows = []
@@ -46,24 +46,24 @@ def _reader(path: Path) -> list[tuple[str, Any]]:
             try:
                 rows.append((f"line {number}", json.loads(line)))
             except json.JSONDecodeError as err:
-                raise RunError(f"data.source: {path} line {number} is not JSON: {err}") from None
+                raise RunError(f"{key}: {path} line {number} is not JSON: {err}") from None
         return rows
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
             raise RunError(
-                "data.source: reading Parquet needs pyarrow: pip install 'rlwire-trainer[parquet]'"
+                f"{key}: reading Parquet needs pyarrow: pip install 'rlwire-trainer[parquet]'"
             ) from None
         return [(f"row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist(), 1)]
-    raise RunError(f"data.source: {path} must be .jsonl or .parquet")
+    raise RunError(f"{key}: {path} must be .jsonl or .parquet")
 
 
 class _Renderer:
     """Chat messages -> prompt text with the model's tokenizer (loaded on first use)."""
 
-    def __init__(self, model_path: Path, source: Path) -> None:
-        self.model_path, self.source = model_path, source
+    def __init__(self, model_path: Path, source: Path, key: str) -> None:
+        self.model_path, self.source, self.key = model_path, source, key
         self.tokenizer = None
 
     def __call__(self, messages: list, where: str) -> str:
@@ -73,7 +73,7 @@ class _Renderer:
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         if not getattr(self.tokenizer, "chat_template", None):
             raise RunError(
-                f"data.source: {self.source} {where}: the prompt is a list of chat messages "
+                f"{self.key}: {self.source} {where}: the prompt is a list of chat messages "
                 f"but the tokenizer of {self.model_path} has no chat template; use a model "
                 "whose tokenizer_config.json has a 'chat_template', or store the prompts as text"
             )
@@ -83,20 +83,20 @@ class _Renderer:
             )
         except Exception as err:  # a malformed message list
             raise RunError(
-                f"data.source: {self.source} {where}: cannot render the chat messages: {err}"
+                f"{self.key}: {self.source} {where}: cannot render the chat messages: {err}"
             ) from None
 
 
-def _example(row: Any, where: str, config: TrainerConfig, render: _Renderer, path: Path):
+def _example(row: Any, where: str, config: TrainerConfig, render: _Renderer, path: Path, key: str):
     if not isinstance(row, Mapping):
-        raise RunError(f"data.source: {path} {where} is not an object (a mapping of fields)")
+        raise RunError(f"{key}: {path} {where} is not an object (a mapping of fields)")
     prompt_key = config.data.prompt_key
     prompt = _field(row, prompt_key)
     answer_keys = (config.data.answer_key,) if config.data.answer_key else _ANSWER_KEYS
     answer = next((v for k in answer_keys if (v := _field(row, k)) is not _MISSING), _MISSING)
     if prompt is _MISSING or answer is _MISSING:
         wanted = " or ".join(repr(k) for k in answer_keys)
-        raise RunError(f"data.source: {path} {where} lacks {prompt_key!r} or {wanted}")
+        raise RunError(f"{key}: {path} {where} lacks {prompt_key!r} or {wanted}")
     if isinstance(prompt, (list, tuple)):
         prompt = render(prompt, where)
     source = _field(row, "data_source")
@@ -130,13 +130,35 @@ def load_data(config: TrainerConfig, model_path: Path) -> Callable[[int], list[E
     if not path.is_file():
         names = " or ".join(repr(f"builtin:{name}") for name in BUILTIN_TASKS)
         raise RunError(f"data.source: {source!r} is neither {names} nor a file")
-    render = _Renderer(model_path, path)
-    rows = [_example(row, where, config, render, path) for where, row in _reader(path)]
-    if not rows:
-        raise RunError(f"data.source: {path} holds no rows")
+    rows = _file_rows(config, path, model_path, "data.source")
 
     def batch(step: int) -> list[Example]:
         start = step * size
         return [rows[(start + i) % len(rows)] for i in range(size)]
 
     return batch
+
+
+def _file_rows(config: TrainerConfig, path: Path, model_path: Path, key: str) -> list[Example]:
+    """Every row of the data file ``path`` (named ``key`` in errors), checked."""
+    render = _Renderer(model_path, path, key)
+    rows = [_example(row, where, config, render, path, key) for where, row in _reader(path, key)]
+    if not rows:
+        raise RunError(f"{key}: {path} holds no rows")
+    return rows
+
+
+def load_validation(config: TrainerConfig, model_path: Path) -> list[Example]:
+    """The held-out prompts of ``validation.source``: every row of a file, or
+    ``validation.prompts`` of a built-in task drawn apart from any training batch."""
+    source, seed = config.validation.source, config.trainer.seed
+    builtin = source.startswith("builtin:")
+    task = BUILTIN_TASKS.get(source.removeprefix("builtin:")) if builtin else None
+    if task is not None:  # training draws seed x 1_000_003 + step, step >= 0
+        pairs = task.prompts(config.validation.prompts, seed=seed * 1_000_003 - 1)
+        return [Example(prompt=p, answer=a, data_source=source) for p, a in pairs]
+    path = Path(source)
+    if not path.is_file():
+        names = " or ".join(repr(f"builtin:{name}") for name in BUILTIN_TASKS)
+        raise RunError(f"validation.source: {source!r} is neither {names} nor a file")
+    return _file_rows(config, path, model_path, "validation.source")

@@ -15,7 +15,7 @@ from .checkpoint import read_trainer_state
 from .cluster import init_ray, ray_environment, stop_ray
 from .colocated import run_colocated
 from .config import TrainerConfig, to_dict
-from .data import load_data
+from .data import load_data, load_validation
 from .errors import AlreadyFinished, RunError
 from .fully_async import run_fully_async
 from .inputs import checkpoint_step, latest_checkpoint, resolve_model
@@ -53,6 +53,7 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
     # driver would spend ~2 s importing it, on the cores Ray and the workers start on).
     model_path = resolve_model(config, run_dir, build=False)
     batches = load_data(config, model_path)
+    validation = load_validation(config, model_path) if config.validation.source else []
     reward_fn = load_reward(config)
     resume_from = None
     if config.trainer.resume == "auto":
@@ -94,7 +95,7 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
         init_ray(config)
         _phase(bar, "starting workers")
         job = Job(config, run_dir, str(model_path))
-        result = _train(job, (batches, reward_fn, resume, trackers), bar)
+        result = _train(job, (batches, reward_fn, resume, trackers, validation), bar)
         log.info("plotting")
         plotted = pool.submit(plot_run, run_dir)  # while Ray's processes stop
         return result

@@ -102,7 +102,7 @@ class Job:
         self.processes = self.actors if self.hybrid else [*self.actors, *self.rollouts]
         self.layout = layout
 
-    def start(self, batches, reward_fn, resume, trackers: list[Tracker]) -> None:
+    def start(self, batches, reward_fn, resume, trackers: list[Tracker], validation=()) -> None:
         """Load the model in every worker (``model_path`` exists now), resume if ``resume``
         is given (a checkpoint directory and its trainer state: :mod:`rlwire.trainer.checkpoint`),
         and join the checkpoint engine."""
@@ -112,6 +112,7 @@ class Job:
         world, workers = self.world, config.rollout.num_workers
         self.trackers = trackers
         self.batches, self.reward_fn = batches, reward_fn
+        self.val_examples = list(validation)  # held-out prompts (validation.source)
         gpus = f", sharing {layout.gpus} GPU(s)" if layout else ""
         try:
             if config.model.path == "tiny":
@@ -380,6 +381,16 @@ class Job:
         for tracker in self.trackers:
             tracker.log(values, metrics.step)
         bar.set_postfix(reward=f"{metrics.reward_mean:.3f}")
+
+    def validate(self, done: int, waiting: Callable[[], dict[str, float]]) -> None:
+        """Wait for a validation of the weights after ``done`` updates (queued earlier) and
+        record it: a ``val/...`` line of ``metrics.jsonl``, the log and every logger."""
+        values = {"step": done, **waiting()}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(values) + "\n")
+        log.info("validation after %d updates %s", done, json.dumps(values))
+        for tracker in self.trackers:
+            tracker.log(values, done)
 
     def export_model(self) -> None:
         """The final policy as a Hugging Face directory, ``hf_model/`` in the run directory

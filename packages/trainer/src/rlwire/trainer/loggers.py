@@ -26,7 +26,14 @@ from .errors import RunError
 __all__ = ["LOGGERS", "Tracker", "open_trackers"]
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-_CONSOLE_KEYS = ("reward_mean", "policy_loss", "grad_norm", "response_length", "samples_per_s")
+_CONSOLE_KEYS = (
+    "reward_mean",
+    "policy_loss",
+    "grad_norm",
+    "response_length",
+    "samples_per_s",
+    "val/reward_mean",
+)
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, float]:

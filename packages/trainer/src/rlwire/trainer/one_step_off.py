@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 from .job import Job
+from .validation import start_validation, validation_due
 
 __all__ = ["run_one_step_off"]
 
@@ -29,8 +30,11 @@ def run_one_step_off(job: Job, bar) -> None:
     waits for the update, then for the overlapped generation, then for the sync; the
     step's times are those three waits (``time_rollout_s`` is the generation that the
     update did not hide)."""
-    steps = job.config.trainer.steps
+    config = job.config
+    steps = config.trainer.steps
     job.sync(job.start_step)  # the rollout engines start from the actor's (maybe resumed) weights
+    if validation_due(config, job.start_step, before=True):
+        job.validate(job.start_step, start_validation(job, job.val_examples))
     following = job.start_generation(job.start_step)
     batch = following()
     for step in range(job.start_step, steps):
@@ -38,9 +42,12 @@ def run_one_step_off(job: Job, bar) -> None:
         lags = (step - batch.sample_versions()).tolist()  # the versions the workers stamped
         update = job.start_update(batch, sum(lags) / len(lags))
         last = step + 1 == steps
+        held_out = None
         if not last:  # generated with v(step), which the rollout workers hold now
             following = job.start_generation(step + 1)
             sync = job.start_sync(step + 1)  # queued behind the update and that generation
+            if validation_due(config, step + 1):  # v(step + 1), before batch step + 2
+                held_out = start_validation(job, job.val_examples)
         result = update()
         t_update = time.perf_counter()
         synced: dict = {"weight_sync_gbps": 0.0, "pulls": []}
@@ -62,4 +69,9 @@ def run_one_step_off(job: Job, bar) -> None:
         )
         job.record(record, bar)
         bar.update(1)
+        if last and validation_due(config, step + 1):  # the last weights reach the engines
+            job.sync(step + 1)  # only to be validated
+            held_out = start_validation(job, job.val_examples)
+        if held_out is not None:
+            job.validate(step + 1, held_out)
         job.save_if_due(step + 1)

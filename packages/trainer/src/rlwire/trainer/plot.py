@@ -1,4 +1,5 @@
-"""The run's plot: reward and policy loss per step, from ``metrics.jsonl``."""
+"""The run's plot: reward (and the validation reward) and policy loss per step, from
+``metrics.jsonl``."""
 
 from __future__ import annotations
 
@@ -23,10 +24,21 @@ def plot_run(run_dir: str | Path) -> Path:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} does not exist: is {run_dir} a run directory?")
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    records = [r for r in lines if "reward_mean" in r]
+    held_out = [r for r in lines if "val/reward_mean" in r]  # validation lines
     steps = [r["step"] for r in records]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    top.plot(steps, [r["reward_mean"] for r in records], color="tab:green")
+    top.plot(steps, [r["reward_mean"] for r in records], color="tab:green", label="training")
+    if held_out:
+        top.plot(
+            [r["step"] for r in held_out],
+            [r["val/reward_mean"] for r in held_out],
+            "o-",
+            color="tab:purple",
+            label="validation",
+        )
+        top.legend(loc="best")
     top.set_ylabel("reward (mean)")
     top.grid(alpha=0.3)
     bottom.plot(steps, [r["policy_loss"] for r in records], color="tab:blue")

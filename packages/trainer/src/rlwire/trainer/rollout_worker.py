@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .config import TrainerConfig
-from .rollout import Rollout, rollout_engine_class
+from .rollout import Rollout, Sampling, rollout_engine_class
 from .worker_process import WorkerProcess, set_threads
 
 __all__ = ["RolloutWorker"]
@@ -89,8 +89,11 @@ class RolloutWorker(WorkerProcess):
     def wake_up(self) -> None:
         self.backend.wake_up()
 
-    def generate(self, prompts: list[str], seed: int) -> Rollout:
-        out = self.backend.generate(prompts, seed)
+    def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
+        """``prompts``' samples (``sampling``: other settings than training's: validation),
+        stamped with the version held."""
+        args = (prompts, seed) if sampling is None else (prompts, seed, sampling)
+        out = self.backend.generate(*args)  # a third party's engine may take two only
         out.versions = torch.full_like(out.response_ids, self.version)
         return out
 

@@ -12,9 +12,12 @@ WINDOW = 10
 """Steps in the reward's moving mean (:func:`time_to_target`)."""
 
 
-def records(run_dir: Path) -> list[dict]:
-    """Every line of ``run_dir/metrics.jsonl``."""
-    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+def records(run_dir: Path, *, validation: bool = False) -> list[dict]:
+    """The steps' lines of ``run_dir/metrics.jsonl``, or with ``validation`` the validation
+    lines (``val/...``: :mod:`rlwire.trainer.validation`)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    every = [json.loads(x) for x in lines if x.strip()]
+    return [r for r in every if ("reward_mean" in r) != validation]
 
 
 def step_seconds(record: dict) -> float:

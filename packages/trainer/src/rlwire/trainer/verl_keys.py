@@ -47,8 +47,8 @@ def _mebibytes(key: str, value: Any) -> Any:
     return f"{value}MiB"  # verl's megabytes are 2**20 bytes
 
 
-def _save_freq(key: str, value: Any) -> Any:
-    return 0 if value == -1 else value  # verl's -1: no periodic saves (ours: at the end only)
+def _freq(key: str, value: Any) -> Any:
+    return 0 if value == -1 else value  # verl's -1: never periodically (ours: 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,8 +121,17 @@ ALIASES: tuple[Alias, ...] = (
     ),
     Alias("algorithm.adv_estimator", "algorithm.adv_estimator"),
     Alias("algorithm.gamma", "", _choices({1: None}), "only 1 (outcome rewards)"),
+    Alias("data.val_files", "validation.source", _one_file, "one file"),
+    Alias("trainer.test_freq", "validation.every", _freq, "-1 -> 0"),
+    Alias("trainer.val_before_train", "validation.before_train"),
+    *(
+        Alias(_ROLLOUT + f"val_kwargs.{key}", f"validation.{key}")
+        for key in ("n", "temperature", "do_sample")
+    ),
+    Alias(_ROLLOUT + "val_kwargs.top_k", "", _choices({-1: None, 0: None}), "-1 or 0 only"),
+    Alias(_ROLLOUT + "val_kwargs.top_p", "", _choices({1: None}), "1.0 only"),
     Alias("trainer.total_training_steps", "trainer.steps"),
-    Alias("trainer.save_freq", "trainer.save_every", _save_freq, "-1 -> 0"),
+    Alias("trainer.save_freq", "trainer.save_every", _freq, "-1 -> 0"),
     Alias("trainer.max_actor_ckpt_to_keep", "trainer.max_checkpoints_to_keep"),
     Alias("trainer.default_local_dir", "trainer.output_dir"),
     Alias(
@@ -163,7 +172,6 @@ _VERL_SECTIONS = (
 )
 # verl keys in sections both share, for features rlwire-train does not have
 _VERL_SHARED = {
-    "data.val_files",
     "data.max_prompt_length",
     "data.filter_overlong_prompts",
     "data.truncation",
@@ -174,8 +182,6 @@ _VERL_SHARED = {
     "algorithm.lam",
     "trainer.n_gpus_per_node",
     "trainer.nnodes",
-    "trainer.test_freq",
-    "trainer.val_before_train",
     "trainer.critic_warmup",
 }
 _BY_KEY = {a.verl: a for a in ALIASES}

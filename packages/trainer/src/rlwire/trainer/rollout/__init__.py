@@ -17,6 +17,7 @@ from .base import (
 from .common import (
     Example,
     Rollout,
+    Sampling,
     WeightsDigest,
     sequence_logprobs,
     weights_digest,
@@ -28,6 +29,7 @@ __all__ = [
     "Example",
     "HFEngine",
     "PartialRolloutEngine",
+    "Sampling",
     "Rollout",
     "RolloutEngine",
     "SleepingRolloutEngine",

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from ..plugins import load_class
-from .common import Rollout
+from .common import Rollout, Sampling
 
 __all__ = [
     "ROLLOUT_ENGINES",
@@ -69,10 +69,11 @@ class RolloutEngine(abc.ABC):
         self.config = config
 
     @abc.abstractmethod
-    def generate(self, prompts: list[str], seed: int) -> Rollout:
+    def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
         """``rollout.n`` samples per prompt (consecutive) as a :class:`Rollout` of host
         tensors: token ids, masks, behaviour log-probs (temperature applied), texts and
-        ``pad_id`` (the worker stamps ``versions``)."""
+        ``pad_id`` (the worker stamps ``versions``). ``sampling``: other settings for this
+        call (validation), else ``rollout``'s; an engine that cannot honour it raises."""
 
     @abc.abstractmethod
     async def apply(self, engine) -> int:

@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "Example",
     "Rollout",
+    "Sampling",
     "WeightsDigest",
     "sequence_logprobs",
     "weights_digest",
@@ -24,6 +25,18 @@ def _padded(t: torch.Tensor, width: int, value: float, left: bool) -> torch.Tens
     if missing == 0:
         return t
     return torch.nn.functional.pad(t, (missing, 0) if left else (0, missing), value=value)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sampling:
+    """How a call samples when it is not training's ``rollout`` settings (validation: verl's
+    ``val_kwargs``): ``n`` samples per prompt at ``temperature``, or the most likely token
+    at every step when ``greedy`` (the log-probs are then those of the model's own
+    distribution, temperature 1)."""
+
+    n: int
+    temperature: float
+    greedy: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

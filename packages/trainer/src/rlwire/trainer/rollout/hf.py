@@ -11,7 +11,7 @@ import torch
 from .. import lora
 from ..modeling import load_hf_model
 from .base import PartialRolloutEngine
-from .common import Rollout, weights_digest
+from .common import Rollout, Sampling, weights_digest
 
 __all__ = ["HFEngine", "hf_extend", "hf_generate", "hf_start"]
 
@@ -50,24 +50,32 @@ def hf_start(tokenizer, prompts: list[str], n: int) -> Rollout:
 
 @torch.no_grad()
 def hf_extend(
-    model, tokenizer, batch: Rollout, *, max_new_tokens: int, temperature: float, seed: int
+    model,
+    tokenizer,
+    batch: Rollout,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    greedy: bool = False,
 ) -> tuple[Rollout, torch.Tensor]:
     """Continue every row of ``batch`` (prompt + a response without its end yet) by up to
     ``max_new_tokens`` sampled tokens with ``model.generate`` on the model's device
     (see :meth:`rlwire.trainer.rollout.PartialRolloutEngine.extend`); host tensors back.
 
     Tokens are sampled from ``softmax(logits / temperature)`` and nothing else, whatever
-    the model's own generation config asks for: the recorded log-probs are the sampler's."""
+    the model's own generation config asks for: the recorded log-probs are the sampler's.
+    ``greedy``: the most likely token instead (log-probs at temperature 1)."""
     from transformers import GenerationConfig
 
     device = next(model.parameters()).device
     context = torch.cat([batch.prompt_ids, batch.response_ids], dim=1).to(device)
     attention = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).to(device)
+    if greedy:
+        temperature = 1.0  # what the log-probs below are taken at
     plain = GenerationConfig(
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
+        do_sample=not greedy,
+        **({} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}),
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -119,12 +127,20 @@ def hf_generate(
     max_new_tokens: int,
     temperature: float,
     seed: int,
+    greedy: bool = False,
 ) -> Rollout:
-    """Sample ``n`` responses per prompt with ``model.generate`` on the model's device;
-    the returned tensors are on the host (they travel to the driver)."""
+    """Sample ``n`` responses per prompt with ``model.generate`` on the model's device (the
+    most likely tokens with ``greedy``); the returned tensors are on the host (they travel
+    to the driver)."""
     rows = hf_start(tokenizer, prompts, n)
     grown, _ = hf_extend(
-        model, tokenizer, rows, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
+        model,
+        tokenizer,
+        rows,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        greedy=greedy,
     )
     return grown
 
@@ -171,16 +187,18 @@ class HFEngine(PartialRolloutEngine):
             return weights_digest(self.adapter.items())
         return weights_digest(self.model.state_dict().items())
 
-    def generate(self, prompts: list[str], seed: int) -> Rollout:
+    def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
         cfg = self.config.rollout
+        sampling = sampling or Sampling(n=cfg.n, temperature=cfg.temperature, greedy=False)
         return hf_generate(
             self.model,
             self.tokenizer,
             prompts,
-            n=cfg.n,
+            n=sampling.n,
             max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
+            temperature=sampling.temperature,
             seed=seed,
+            greedy=sampling.greedy,
         )
 
     def start(self, prompts: list[str]) -> Rollout:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .common import Rollout
+from .common import Rollout, Sampling
 from .hf import HFEngine
 
 __all__ = ["PacedEngine"]
@@ -34,9 +34,9 @@ class PacedEngine(HFEngine):
         if left > 0:
             time.sleep(left)
 
-    def generate(self, prompts: list[str], seed: int) -> Rollout:
+    def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
         began = time.perf_counter()
-        out = super().generate(prompts, seed)
+        out = super().generate(prompts, seed, sampling)
         self._paced(began, out.response_ids.shape[1])
         return out
 

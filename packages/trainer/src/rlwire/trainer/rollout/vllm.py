@@ -38,7 +38,7 @@ import torch
 
 from .. import lora
 from .base import PartialRolloutEngine, SleepingRolloutEngine
-from .common import Rollout
+from .common import Rollout, Sampling
 
 __all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension"]
 
@@ -170,7 +170,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
         if self.sleep_mode:
             self.llm.wake_up()
 
-    def _params(self, *, n: int, max_tokens: int, seed: int):
+    def _params(self, *, n: int, max_tokens: int, seed: int, temperature: float | None = None):
         from vllm import SamplingParams
 
         eos = self.tokenizer.eos_token_id
@@ -178,7 +178,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
         # softmax(logits / temperature), the distribution the actor recomputes.
         return SamplingParams(
             n=n,
-            temperature=self.config.rollout.temperature,
+            temperature=self.config.rollout.temperature if temperature is None else temperature,
             top_k=0,
             top_p=1.0,
             min_p=0.0,
@@ -194,12 +194,18 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
     def _encode(self, prompts: list[str]) -> list[list[int]]:
         return [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
-    def generate(self, prompts: list[str], seed: int) -> Rollout:
+    def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
         from vllm.inputs import TokensPrompt
 
         cfg = self.config.rollout
         ids = self._encode(prompts)
-        params = self._params(n=cfg.n, max_tokens=cfg.max_new_tokens, seed=seed)
+        if sampling is None:
+            params = self._params(n=cfg.n, max_tokens=cfg.max_new_tokens, seed=seed)
+        else:  # vLLM samples greedily at temperature 0
+            temperature = 0.0 if sampling.greedy else sampling.temperature
+            params = self._params(
+                n=sampling.n, max_tokens=cfg.max_new_tokens, seed=seed, temperature=temperature
+            )
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in ids],
             params,
