@@ -94,7 +94,20 @@ def test_auto_truncates_per_token_in_off_policy_modes_only():
         {"rollout_rs": "sequence", "rollout_is": "sequence", "rollout_rs_threshold": 1.0},
     ],
 )
-def test_behaviour_equal_to_proximal_leaves_loss_and_gradient_exactly_unchanged(settings):
+@pytest.mark.parametrize(
+    "loss",
+    [
+        {},
+        {"clip_ratio_high": 0.28, "clip_ratio_c": 3.0},  # clip-higher, dual clip
+        {"loss_mode": "gspo", "loss_agg": "seq-mean-token-mean"},
+        {"loss_agg": "seq-mean-token-sum-norm"},
+    ],
+    ids=["vanilla", "clip-higher-dual-clip", "gspo", "seq-mean-token-sum-norm"],
+)
+def test_behaviour_equal_to_proximal_leaves_loss_and_gradient_exactly_unchanged(settings, loss):
+    """The correction's weights multiply every loss mode's per-token term before the
+    aggregation (and rejection removes tokens from the mask and the counts): with
+    behaviour = proximal each weight is exactly 1 and nothing changes, bit for bit."""
     torch.manual_seed(0)
     behaviour = -torch.rand(4, 5) * 3
     mask = torch.tensor([[1] * 5, [1, 1, 1, 0, 0], [1] * 5, [1, 0, 0, 0, 0]])
@@ -107,11 +120,11 @@ def test_behaviour_equal_to_proximal_leaves_loss_and_gradient_exactly_unchanged(
 
     def loss_and_grad(**correction):
         current = logits.clone().requires_grad_()
-        loss, clipped = policy_loss(
-            current, behaviour, advantages, mask, clip_ratio=0.2, **correction
+        value, clipped = policy_loss(
+            current, behaviour, advantages, mask, clip_ratio=0.2, **loss, **correction
         )
-        loss.backward()
-        return loss.detach(), current.grad, clipped
+        value.backward()
+        return value.detach(), current.grad, clipped
 
     plain = loss_and_grad()
     corrected = loss_and_grad(weights=c.weights)
