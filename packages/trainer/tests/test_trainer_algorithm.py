@@ -197,10 +197,11 @@ def test_dynamic_sampling_keeps_groups_that_differ_and_generates_until_full():
         ]
     )
     first = next(batches)
-    batch, scored = fill(config, reward, first, lambda: next(batches))
+    batch, scored = fill(config, reward, first, lambda missing: next(batches))
     assert [e.prompt for e in batch.examples] == ["p1", "p1", "p3", "p3", "p5", "p5"]
     assert scored.rewards.tolist() == [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]
     assert (scored.gen_batches, scored.filtered_groups) == (2, 3)
+    assert scored.kept_groups == [1, 3, 5]  # of the 6 groups seen
     limited = load_config(
         overrides=[
             "rollout.n=2",
@@ -211,7 +212,7 @@ def test_dynamic_sampling_keeps_groups_that_differ_and_generates_until_full():
     )
     again = _generated(["a", "a", "a", "bb", "c", "c"], ["p0", "p0", "p1", "p1", "p2", "p2"])
     with pytest.raises(RunError) as err:
-        fill(limited, reward, again, lambda: pytest.fail("a second batch was generated"))
+        fill(limited, reward, again, lambda missing: pytest.fail("a second batch was generated"))
     assert str(err.value) == (
         "algorithm.filter_groups: 1 generation batches gave 1 of 3 prompt groups whose rewards "
         "differ (max_num_gen_batches=1); raise it, or 0 for no limit"
@@ -220,10 +221,11 @@ def test_dynamic_sampling_keeps_groups_that_differ_and_generates_until_full():
         load_config(overrides=["algorithm.filter_groups.enable=true", "trainer.mode=fully_async"])
 
 
-def test_dapos_recipe_runs_end_to_end_through_verls_keys(ray_cluster, tmp_path):
-    """Clip-higher, dynamic sampling, token-mean and overlong shaping, set with verl's keys:
-    about half the prompts score 0 on every sample (their groups are dropped and more are
-    generated), the others by their text."""
+@pytest.mark.parametrize("mode", ["colocated", "one_step_off", "fully_async"])
+def test_dapos_recipe_runs_end_to_end_through_verls_keys(mode, ray_cluster, tmp_path):
+    """Clip-higher, dynamic sampling, token-mean and overlong shaping, set with verl's keys,
+    in every mode: about half the prompts score 0 on every sample (their groups are dropped
+    and more are generated, or taken from the queue), the others by their text."""
     import json
 
     from trainer_cli import train_cli
@@ -235,8 +237,10 @@ def test_dapos_recipe_runs_end_to_end_through_verls_keys(ray_cluster, tmp_path):
         "            for p, r in zip(prompts, responses)]\n"
     )
     run = tmp_path / "run"
+    validates = mode != "fully_async"  # its workers take no call outside their loop
     records, _ = train_cli(
         run,
+        f"trainer.mode={mode}",
         "trainer.steps=3",
         f"custom_reward_function.path={reward}",
         "custom_reward_function.name=reward",
@@ -249,21 +253,23 @@ def test_dapos_recipe_runs_end_to_end_through_verls_keys(ray_cluster, tmp_path):
         "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
         "reward.reward_kwargs.overlong_buffer_cfg.len=4",
         "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
-        "validation.source=builtin:repeat",  # colocated validation (one_step_off: its test)
-        "validation.every=2",
+        *(["validation.source=builtin:repeat", "validation.every=2"] if validates else []),
         cluster=ray_cluster,
     )
     held_out = [r for r in records if "reward_mean" not in r]
     records = [r for r in records if "reward_mean" in r]
-    assert [r["step"] for r in held_out] == [2, 3]
-    assert "val/reward_mean" in (run / "train.log").read_text()
+    assert [r["step"] for r in held_out] == ([2, 3] if validates else [])
     assert [r["step"] for r in records] == [1, 2, 3]
     assert sum(r["filtered_groups"] for r in records) > 0
     assert all(r["gen_batches"] >= 1 and r["reward_std"] > 0 for r in records)
+    assert all(r["samples_per_s"] > 0 for r in records)
     assert all(-1.0 <= r["reward_extra/overlong_penalty"] <= 0.0 for r in records)
     state = json.loads((run / "checkpoints" / "step_3" / "trainer_state.json").read_text())
-    # the data position moved on by the extra batches: a resume goes on from there
-    assert state["extra_batches"] == sum(r["gen_batches"] - 1 for r in records)
+    if mode == "fully_async":  # the groups trained, none twice; the queue keeps the rest
+        trained = [i for r in records for i in r["group_indices"]]
+        assert len(trained) == len(set(trained)) == 8 * 3
+    else:  # the data position moved on by the extra batches: a resume goes on from there
+        assert state["extra_batches"] == sum(r["gen_batches"] - 1 for r in records)
 
 
 def test_validation_keys_and_where_it_runs():

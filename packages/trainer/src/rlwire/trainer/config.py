@@ -107,13 +107,6 @@ class TrainerConfig:
             )
 
         check(
-            not self.algorithm.filter_groups.enable or self.trainer.mode == "colocated",
-            "algorithm.filter_groups.enable",
-            True,
-            f"dynamic sampling runs in colocated mode only so far (trainer.mode="
-            f"{self.trainer.mode}); set trainer.mode=colocated or turn it off",
-        )
-        check(
             self.validation.source is None or self.trainer.mode != "fully_async",
             "validation.source",
             self.validation.source,

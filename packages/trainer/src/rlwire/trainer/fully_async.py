@@ -18,6 +18,7 @@ from .errors import RunError
 from .job import Job
 from .rollout import Rollout
 from .sample_queue import SampleQueue
+from .scoring import fill
 
 __all__ = ["run_fully_async", "sync_due"]
 
@@ -38,6 +39,7 @@ def run_fully_async(job: Job, bar) -> None:
     config = job.config
     cfg = config.async_
     n, required = config.rollout.n, config.data.train_batch_size
+    filtering = config.algorithm.filter_groups.enable
     trigger = cfg.trigger_parameter_sync_step
     Queue = ray.remote(num_cpus=0)(SampleQueue)
     queue = Queue.options(name="sample-queue", namespace=job.namespace).remote(
@@ -56,9 +58,18 @@ def run_fully_async(job: Job, bar) -> None:
     wait_s = cfg.sample_timeout
     sync_s = config.ckpt_engine.timeout + 30
 
-    def take(step: int):
-        """Ask for the groups of update ``step`` (answered once they are there)."""
-        return queue.get.remote(required, step, wait_s)
+    def take(step: int, count: int = required):
+        """Ask for ``count`` groups for update ``step`` (answered once they are there)."""
+        return queue.get.remote(count, step, wait_s)
+
+    def taken(ref, count: int = required) -> dict[str, Any]:
+        got = watch.get(ref, timeout=wait_s + 30, what="samples")
+        if got.get("timeout"):
+            raise RunError(
+                f"fully_async: fewer than {count} prompt groups arrived within "
+                f"{wait_s:g} s (async.sample_timeout; {got['queued']} queued)"
+            )
+        return got
 
     def start_sync(version: int, *, request: bool = True) -> Any:
         """Ask the workers to take ``version`` at their next boundary and hand it over:
@@ -95,19 +106,31 @@ def run_fully_async(job: Job, bar) -> None:
         ahead = take(job.start_step)
         for step in range(job.start_step, config.trainer.steps):
             t0 = time.perf_counter()
-            got = watch.get(ahead, timeout=wait_s + 30, what="samples")
-            if got.get("timeout"):
-                raise RunError(
-                    f"fully_async: fewer than {required} prompt groups arrived within "
-                    f"{wait_s:g} s (async.sample_timeout; {got['queued']} queued)"
+            got = taken(ahead)
+            groups, versions, indices = got["groups"], got["versions"], got["indices"]
+            batch, scored, extra = Rollout.concat(groups), None, {}
+            if filtering:  # dynamic sampling: more groups from the queue until it is full
+                more = _Refill(
+                    versions,
+                    indices,
+                    required,
+                    take=lambda count, step=step: taken(take(step, count), count),
+                    release=lambda count: watch.get(
+                        queue.release.remote(count), timeout=wait_s, what="samples"
+                    ),
                 )
+                batch, scored = fill(config, job.reward_fn, batch, more)
+                versions = [versions[i] for i in scored.kept_groups]
+                indices = [indices[i] for i in scored.kept_groups]
+                extra = {
+                    "gen_batches": scored.gen_batches,
+                    "filtered_groups": scored.filtered_groups,
+                }
             if step + 1 < config.trainer.steps:
                 ahead = take(step + 1)  # gathered while this update runs
-            groups = got["groups"]
-            lags = [step - version for version in got["versions"]]
-            batch = Rollout.concat(groups)
+            lags = [step - version for version in versions]
             t_samples = time.perf_counter()
-            result = job.update(batch, sum(lags) / len(lags))
+            result = job.update(batch, sum(lags) / len(lags), scored=scored)
             t_update = time.perf_counter()
             if pending is not None:  # the actor ran that push before this update
                 write(pending[0], finish_sync(pending[1]), pending[2])
@@ -121,10 +144,11 @@ def run_fully_async(job: Job, bar) -> None:
             fields = {
                 "result": result,
                 "phases": (t_samples - t0, t_update - t_samples, t_sync - t_update),
-                "samples": len(groups) * n,
+                "samples": len(batch),
                 "version": held,
                 "lags": lags,
-                "group_indices": got["indices"],
+                "group_indices": indices,
+                **extra,
                 "dropped_samples": got["dropped"] * n,
                 "wait_for_samples_s": got["wait_s"],
                 "rollout_paused_s": paused - paused_before,
@@ -147,3 +171,24 @@ def run_fully_async(job: Job, bar) -> None:
         ray.get(loops, timeout=wait_s)
     finally:
         ray.kill(queue)
+
+
+class _Refill:
+    """Dynamic sampling in fully-async mode: :func:`rlwire.trainer.scoring.fill`'s source of
+    more groups. Each call releases the groups dropped since the last (they free their
+    places under the staleness bound) and takes the ``missing`` ones from the queue;
+    ``versions`` and ``indices`` grow with them, in the order ``fill`` sees the groups."""
+
+    def __init__(self, versions: list, indices: list, required: int, *, take, release) -> None:
+        self.versions, self.indices, self.required = versions, indices, required
+        self.take, self.release = take, release
+        self.released = 0
+
+    def __call__(self, missing: int) -> Rollout:
+        dropped = len(self.versions) - (self.required - missing) - self.released
+        self.released += dropped
+        self.release(dropped)
+        got = self.take(missing)
+        self.versions.extend(got["versions"])
+        self.indices.extend(got["indices"])
+        return Rollout.concat(got["groups"])

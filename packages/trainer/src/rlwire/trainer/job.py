@@ -296,9 +296,10 @@ class Job:
 
         return done
 
-    def generate_more(self, step: int) -> Rollout:
+    def generate_more(self, step: int, missing: int = 0) -> Rollout:
         """Dynamic sampling: the data's next batch, generated now for step ``step`` (the data
-        position moves on by one batch for the rest of the run)."""
+        position moves on by one batch for the rest of the run; a whole batch whatever
+        ``missing``, as verl generates)."""
         self.extra_batches += 1
         return self.start_generation(step)()
 
@@ -320,9 +321,11 @@ class Job:
         for worker in self.processes:
             ray.kill(worker, no_restart=True)
 
-    def update(self, batch: Rollout, lag: float = 0.0) -> UpdateMetrics:
+    def update(
+        self, batch: Rollout, lag: float = 0.0, scored: Scored | None = None
+    ) -> UpdateMetrics:
         """Score ``batch`` and run the update (see :meth:`start_update`)."""
-        return self.start_update(batch, lag)()
+        return self.start_update(batch, lag, scored)()
 
     def start_update(
         self, batch: Rollout, lag: float = 0.0, scored: Scored | None = None

@@ -13,9 +13,11 @@ runs with one seed give the same metrics. The off-policy correction's ``auto`` i
 
 from __future__ import annotations
 
+import functools
 import time
 
 from .job import Job
+from .scoring import fill
 from .validation import start_validation, validation_due
 
 __all__ = ["run_one_step_off"]
@@ -32,6 +34,7 @@ def run_one_step_off(job: Job, bar) -> None:
     update did not hide)."""
     config = job.config
     steps = config.trainer.steps
+    filtering = config.algorithm.filter_groups.enable
     job.sync(job.start_step)  # the rollout engines start from the actor's (maybe resumed) weights
     if validation_due(config, job.start_step, before=True):
         job.validate(job.start_step, start_validation(job, job.val_examples))
@@ -39,8 +42,13 @@ def run_one_step_off(job: Job, bar) -> None:
     batch = following()
     for step in range(job.start_step, steps):
         t0 = time.perf_counter()
+        scored, extra = None, {}
+        if filtering:  # dynamic sampling: more batches with the weights held now (v(step))
+            more = functools.partial(job.generate_more, step)
+            batch, scored = fill(config, job.reward_fn, batch, more)
+            extra = {"gen_batches": scored.gen_batches, "filtered_groups": scored.filtered_groups}
         lags = (step - batch.sample_versions()).tolist()  # the versions the workers stamped
-        update = job.start_update(batch, sum(lags) / len(lags))
+        update = job.start_update(batch, sum(lags) / len(lags), scored=scored)
         last = step + 1 == steps
         held_out = None
         if not last:  # generated with v(step), which the rollout workers hold now
@@ -66,6 +74,7 @@ def run_one_step_off(job: Job, bar) -> None:
             samples=samples,
             version=step if last else step + 1,
             lags=lags,
+            **extra,
         )
         job.record(record, bar)
         bar.update(1)

@@ -230,6 +230,15 @@ class SampleQueue:
             "paused_s": sum(self.paused_s),
         }
 
+    async def release(self, count: int) -> None:
+        """``count`` taken groups were dropped by the trainer (dynamic sampling: their
+        rewards were all equal): they free their places under the bound, as groups
+        dropped for their lag do, so that the workers can generate the groups that replace
+        them."""
+        async with self.cond:
+            self.stale -= count
+            self.cond.notify_all()
+
     async def request_sync(self, version: int) -> None:
         """Workers finish their chunk, then receive weights ``version``."""
         async with self.cond:

@@ -30,6 +30,9 @@ class Scored:
     seconds: float
     gen_batches: int | None = None
     filtered_groups: int | None = None
+    kept_groups: list[int] | None = None
+    """With dynamic sampling: the kept groups' places among all the groups scored, in
+    order (the first batch's groups first)."""
 
 
 def score(config, reward_fn, batch: Rollout) -> Scored:
@@ -50,16 +53,18 @@ def score(config, reward_fn, batch: Rollout) -> Scored:
 
 
 def fill(
-    config, reward_fn, batch: Rollout, generate_more: Callable[[], Rollout]
+    config, reward_fn, batch: Rollout, generate_more: Callable[[int], Rollout]
 ) -> tuple[Rollout, Scored]:
     """Dynamic sampling: score ``batch``, keep its groups whose rewards differ, and call
-    ``generate_more`` (the next prompts, the same weights) until ``data.train_batch_size``
-    groups are kept; the batch of the first that many, and its scores."""
+    ``generate_more(missing)`` (more groups: the next prompts; ``missing`` is how many are
+    still wanted) until ``data.train_batch_size`` groups are kept; the batch of the first
+    that many, and its scores."""
     n, required = config.rollout.n, config.data.train_batch_size
     limit = config.algorithm.filter_groups.max_num_gen_batches
     parts: list[Rollout] = []
     extras: list[dict[str, float]] = []
-    generated, dropped, seconds = 0, 0, 0.0
+    generated, dropped, seconds, seen = 0, 0, 0.0, 0
+    kept_groups: list[int] = []
     while True:
         generated += 1
         scored = score(config, reward_fn, batch)
@@ -67,6 +72,8 @@ def fill(
         extras.append(scored.extra)
         keep = varied_groups(scored.rewards, n)
         dropped += int((~keep).sum())
+        kept_groups += (keep.nonzero().flatten() + seen).tolist()
+        seen += len(keep)
         rows = keep.repeat_interleave(n).nonzero().flatten()
         batch.rewards = scored.rewards
         parts.append(batch.select(rows))
@@ -79,7 +86,7 @@ def fill(
                 f"{required} prompt groups whose rewards differ (max_num_gen_batches="
                 f"{limit}); raise it, or 0 for no limit"
             )
-        batch = generate_more()
+        batch = generate_more(required - kept)
     whole = Rollout.concat(parts).select(slice(0, required * n))
     extra: dict[str, Any] = {k: sum(e[k] for e in extras) / len(extras) for k in extras[0]}
-    return whole, Scored(whole.rewards, extra, seconds, generated, dropped)
+    return whole, Scored(whole.rewards, extra, seconds, generated, dropped, kept_groups[:required])
