@@ -237,7 +237,6 @@ def test_dapos_recipe_runs_end_to_end_through_verls_keys(mode, ray_cluster, tmp_
         "            for p, r in zip(prompts, responses)]\n"
     )
     run = tmp_path / "run"
-    validates = mode != "fully_async"  # its workers take no call outside their loop
     records, _ = train_cli(
         run,
         f"trainer.mode={mode}",
@@ -253,12 +252,14 @@ def test_dapos_recipe_runs_end_to_end_through_verls_keys(mode, ray_cluster, tmp_
         "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
         "reward.reward_kwargs.overlong_buffer_cfg.len=4",
         "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
-        *(["validation.source=builtin:repeat", "validation.every=2"] if validates else []),
+        "validation.source=builtin:repeat",  # fully async: through the sample queue
+        "validation.every=2",
         cluster=ray_cluster,
     )
     held_out = [r for r in records if "reward_mean" not in r]
     records = [r for r in records if "reward_mean" in r]
-    assert [r["step"] for r in held_out] == ([2, 3] if validates else [])
+    assert [r["step"] for r in held_out] == [2, 3]  # every 2nd update, and the last
+    assert all(0.0 <= r["val/reward_mean"] <= 1.0 for r in held_out)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert sum(r["filtered_groups"] for r in records) > 0
     assert all(r["gen_batches"] >= 1 and r["reward_std"] > 0 for r in records)
@@ -293,7 +294,5 @@ def test_validation_keys_and_where_it_runs():
         0.7,
     )
     assert v.sampling.greedy is False
-    with pytest.raises(ConfigError, match=r"^validation.source: 'builtin:repeat' is not allowed"):
-        load_config(overrides=["data.val_files=builtin:repeat", "trainer.mode=fully_async"])
     with pytest.raises(ConfigError, match=r"val_kwargs.top_p: 0.9 is not allowed"):
         load_config(overrides=["actor_rollout_ref.rollout.val_kwargs.top_p=0.9"])

@@ -106,13 +106,6 @@ class TrainerConfig:
                 f"(not a rlwire.trainer.rollout.PartialRolloutEngine); set it to false",
             )
 
-        check(
-            self.validation.source is None or self.trainer.mode != "fully_async",
-            "validation.source",
-            self.validation.source,
-            "validation runs in colocated and one_step_off modes so far (fully-async rollout "
-            "workers take no call outside their loop); set it to null",
-        )
         overlong = self.reward.overlong_buffer
         if overlong.enable:
             check(

@@ -19,6 +19,7 @@ from .job import Job
 from .rollout import Rollout
 from .sample_queue import SampleQueue
 from .scoring import fill
+from .validation import validation_due, validation_metrics, validation_tasks
 
 __all__ = ["run_fully_async", "sync_due"]
 
@@ -92,6 +93,21 @@ def run_fully_async(job: Job, bar) -> None:
             raise RunError(f"weight sync: the rollout workers did not apply it within {sync_s:g} s")
         return {**stats, "pulls": pulls}
 
+    def validate(version: int) -> None:
+        """The held-out prompts on every worker with the weights they hold (``version``,
+        just synced): each takes its share at its next boundary; training waits."""
+        tasks = validation_tasks(job, job.val_examples)
+        watch.get(queue.request_validation.remote(tasks), timeout=wait_s, what="validation")
+        timeout = config.ray.task_timeout
+        parts = watch.get(
+            queue.validation_result.remote(timeout), timeout=timeout + 30, what="validation"
+        )
+        if parts is None:
+            raise RunError(
+                f"validation: the rollout workers did not finish it within {timeout:g} s"
+            )
+        job.validate(version, lambda: validation_metrics(job, job.val_examples, parts))
+
     unsynced: dict[str, Any] = {"weight_sync_gbps": 0.0, "pulls": []}
     pending = None  # a step whose record waits for its weight sync to complete
 
@@ -99,8 +115,17 @@ def run_fully_async(job: Job, bar) -> None:
         job.record(job.step_record(step, synced=synced, **fields), bar)
         bar.update(1)
 
+    def write_synced(step: int, started: Any, fields: dict[str, Any]) -> None:
+        """A sync step's record once its sync completed; then, if due, the validation of
+        the weights it synced."""
+        write(step, finish_sync(started), fields)
+        if validation_due(config, step + 1):
+            validate(step + 1)
+
     try:
         finish_sync(start_sync(job.start_step, request=False))
+        if validation_due(config, job.start_step, before=True):
+            validate(job.start_step)
         held = job.start_step  # the version the rollout workers hold
         paused_before = 0.0
         ahead = take(job.start_step)
@@ -133,7 +158,7 @@ def run_fully_async(job: Job, bar) -> None:
             result = job.update(batch, sum(lags) / len(lags), scored=scored)
             t_update = time.perf_counter()
             if pending is not None:  # the actor ran that push before this update
-                write(pending[0], finish_sync(pending[1]), pending[2])
+                write_synced(*pending)
                 pending = None
             started = None
             if sync_due(step, trigger, config.trainer.steps):
@@ -158,14 +183,18 @@ def run_fully_async(job: Job, bar) -> None:
             if started is None:
                 write(step, unsynced, fields)
             elif due:  # the record goes before its checkpoint, as in every other step
-                write(step, finish_sync(started), fields)
+                write_synced(step, started, fields)
             else:  # completed while the next step takes its samples and updates
                 pending = (step, started, fields)
             if due:  # the actor saves after its push: the weights of this update
                 position = queue.position.remote(step + 1)
                 job.save(step + 1, queue=watch.get(position, timeout=wait_s, what="checkpoint"))
         if pending is not None:
-            write(pending[0], finish_sync(pending[1]), pending[2])
+            write_synced(*pending)
+        steps = config.trainer.steps
+        if steps > job.start_step and validation_due(config, steps):  # the final weights
+            finish_sync(start_sync(steps))  # (never synced for training: none is after them)
+            validate(steps)
         ray.get(queue.stop.remote(), timeout=wait_s)
         watch.loops = []  # their ends are expected now
         ray.get(loops, timeout=wait_s)

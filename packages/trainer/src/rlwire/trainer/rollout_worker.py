@@ -127,7 +127,8 @@ class RolloutWorker(WorkerProcess):
         return Rollout.concat([done[i] for i in range(len(done))])
 
     def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
-        """The fully-async loop: generate, sync or wait as the queue says, until ``stop``."""
+        """The fully-async loop: generate, sync, validate or wait as the queue says, until
+        ``stop``."""
         import ray
 
         def sync() -> None:
@@ -148,6 +149,10 @@ class RolloutWorker(WorkerProcess):
                 continue
             if task["kind"] == "sync":
                 sync()
+                continue
+            if task["kind"] == "validate":  # held-out prompts, with the weights held
+                out = self.generate(task["prompts"], task["seed"], task["sampling"])
+                ray.get(queue.put_validation.remote(self.index, out), timeout=poll_timeout)
                 continue
             prompts = [e.prompt for e in task["examples"]]
             if partial:

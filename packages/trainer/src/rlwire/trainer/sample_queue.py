@@ -6,7 +6,7 @@ needs whole groups. With ``R`` groups per update (``data.train_batch_size``),
 ``T = trigger_parameter_sync_step`` and ``S = staleness_threshold``:
 
 - a rollout worker asks :meth:`SampleQueue.next_task` what to do: generate a chunk of
-  groups, receive a weight update, wait (paused), or stop;
+  groups, receive a weight update, run its part of a validation, wait (paused), or stop;
 - every group it starts counts toward ``stale``; workers pause while
   ``stale >= R x T x (1 + S)`` (verl's ``max_required_samples``). After a weight sync
   ``stale`` restarts from the groups still queued (now generated with old weights),
@@ -101,6 +101,9 @@ class SampleQueue:
         self.generated = 0
         self.taken: dict[int, int] = {}  # trainer version -> groups taken for that update
         self.paused_s = [0.0] * num_workers
+        self.validating: dict[int, dict] = {}  # worker -> its validation task, not yet taken
+        self.validated: dict[int, Any] = {}
+        self.validations = 0  # tasks of the current validation
 
     # --- the rollout workers' side -------------------------------------------------------
     def _may_generate(self) -> bool:
@@ -121,6 +124,8 @@ class SampleQueue:
                         return {"kind": "stop"}
                     if self.sync_to is not None and self.worker_versions[worker] != self.sync_to:
                         return {"kind": "sync", "version": self.sync_to}
+                    if worker in self.validating:
+                        return {"kind": "validate", **self.validating.pop(worker)}
                     if self._may_generate():
                         break
                     left = self.poll - (time.perf_counter() - start)
@@ -274,6 +279,27 @@ class SampleQueue:
             later = [i for groups in self.taken_groups.values() for i in groups]
             pending = sorted({*self.open, *later, *self.redo})
             return {"next_group": self.next_group, "pending": pending}
+
+    # --- validation (between syncs; the driver waits for it) -----------------------------------
+    async def request_validation(self, tasks: list[dict | None]) -> None:
+        """Worker ``i`` runs ``tasks[i]`` (``prompts``, ``seed``, ``sampling``; None: nothing)
+        at its next boundary, before generating more."""
+        async with self.cond:
+            self.validating = {i: t for i, t in enumerate(tasks) if t is not None}
+            self.validations, self.validated = len(self.validating), {}
+            self.cond.notify_all()
+
+    async def put_validation(self, worker: int, rollout: Any) -> None:
+        async with self.cond:
+            self.validated[worker] = rollout
+            self.cond.notify_all()
+
+    async def validation_result(self, timeout: float) -> list | None:
+        """The workers' validation rollouts in worker order once all are in; None on
+        timeout."""
+        async with self.cond:
+            done = await self._wait(lambda: len(self.validated) == self.validations, timeout)
+            return [self.validated[w] for w in sorted(self.validated)] if done else None
 
     async def stop(self) -> None:
         async with self.cond:

@@ -6,8 +6,11 @@ the updates done), to every logger, and on the plot.
 
 The rollout engines run the validation between a weight sync and the next generation, so
 it neither uses nor moves the training data (its prompts are apart, its seeds fixed), and
-the steps' times do not include it. Colocated and one-step-off modes; fully-async mode's
-workers are in their loop and take no other call (refused at config load).
+the steps' times do not include it. In fully-async mode the workers take their share from
+the sample queue at their next boundary, after a sync (the weights validated are those
+synced: after every ``trigger_parameter_sync_step`` updates; a version that is due but not
+synced is not validated), and the final weights are synced to them once more to be
+validated.
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ from .checks import check
 from .rollout import Rollout, Sampling
 from .scoring import score
 
-__all__ = ["ValidationConfig", "start_validation", "validation_due"]
+__all__ = [
+    "ValidationConfig",
+    "start_validation",
+    "validation_due",
+    "validation_metrics",
+    "validation_tasks",
+]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -70,35 +79,47 @@ def validation_due(config, done: int, *, before: bool = False) -> bool:
     return bool(val.every) and (done % val.every == 0 or done == config.trainer.steps)
 
 
-def start_validation(job, examples: list) -> Callable[[], dict[str, float]]:
-    """Queue the held-out ``examples`` on ``job``'s rollout engines (after the calls already
-    made to them); returns what waits for the metrics: ``val/reward_mean``,
-    ``val/response_length`` and ``val/<data_source>/reward_mean`` for each source."""
+def validation_tasks(job, examples: list) -> list[dict | None]:
+    """Each rollout engine's share of the held-out ``examples``: ``prompts``, ``seed`` and
+    ``sampling`` (None for an engine left without prompts)."""
     config = job.config
-    val = config.validation
     prompts = [e.prompt for e in examples]
     workers = len(job.rollouts)
     share = -(-len(prompts) // workers)
     seed = config.trainer.seed * 7919 + 999_983  # fixed: the same draw at every validation
+    sampling = config.validation.sampling
+    tasks: list[dict | None] = []
+    for i in range(workers):
+        part = prompts[i * share : (i + 1) * share]
+        tasks.append({"prompts": part, "seed": seed + i, "sampling": sampling} if part else None)
+    return tasks
+
+
+def validation_metrics(job, examples: list, parts: list[Rollout]) -> dict[str, float]:
+    """``val/reward_mean``, ``val/response_length`` and ``val/<data_source>/reward_mean`` of
+    the engines' rollouts ``parts`` (in the order of :func:`validation_tasks`)."""
+    config = job.config
+    batch = Rollout.concat(parts)
+    batch.examples = [e for e in examples for _ in range(config.validation.n)]
+    rewards = score(config, job.reward_fn, batch).rewards
+    lengths = batch.response_mask.sum(dim=1).float()
+    metrics = {
+        "val/reward_mean": float(rewards.mean()),
+        "val/response_length": float(lengths.mean()),
+    }
+    sources = [e.data_source for e in batch.examples]
+    for source in sorted(set(sources)):
+        rows = [i for i, s in enumerate(sources) if s == source]
+        metrics[f"val/{source or 'unnamed'}/reward_mean"] = float(rewards[rows].mean())
+    return metrics
+
+
+def start_validation(job, examples: list) -> Callable[[], dict[str, float]]:
+    """Queue the held-out ``examples`` on ``job``'s rollout engines (after the calls already
+    made to them); returns what waits for the metrics (:func:`validation_metrics`)."""
     refs = [
-        r.generate.remote(prompts[i * share : (i + 1) * share], seed + i, val.sampling)
-        for i, r in enumerate(job.rollouts)
-        if prompts[i * share : (i + 1) * share]
+        r.generate.remote(t["prompts"], t["seed"], t["sampling"])
+        for r, t in zip(job.rollouts, validation_tasks(job, examples), strict=True)
+        if t is not None
     ]
-
-    def done() -> dict[str, float]:
-        batch = Rollout.concat(job.call(refs, "validation"))
-        batch.examples = [e for e in examples for _ in range(val.n)]
-        rewards = score(config, job.reward_fn, batch).rewards
-        lengths = batch.response_mask.sum(dim=1).float()
-        metrics = {
-            "val/reward_mean": float(rewards.mean()),
-            "val/response_length": float(lengths.mean()),
-        }
-        sources = [e.data_source for e in batch.examples]
-        for source in sorted(set(sources)):
-            rows = [i for i, s in enumerate(sources) if s == source]
-            metrics[f"val/{source or 'unnamed'}/reward_mean"] = float(rewards[rows].mean())
-        return metrics
-
-    return done
+    return lambda: validation_metrics(job, examples, job.call(refs, "validation"))
