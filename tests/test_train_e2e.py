@@ -41,6 +41,11 @@ def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
         "actor.world_size=2",
         "trainer.save_every=1",
         "algorithm.kl_coef=0.1",  # with a frozen reference policy (the initial weights)
+        # and the KL in the reward, its beta adapted (and checkpointed)
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.kl_coef=0.05",
+        "algorithm.kl_ctrl.horizon=1000",
         # Offload between phases: without an accelerator the same calls, moving nothing.
         "actor.offload=true",
         "actor.micro_batch_size=8",  # 4 micro-batches per rank: gradients held between them
@@ -58,7 +63,8 @@ def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
     records = _metrics(run)
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
-        assert METRIC_KEYS <= set(r) <= METRIC_KEYS | OPTIONAL_KEYS
+        fields = {k for k in r if not k.startswith("reward_extra/")}  # the reward's, and ours
+        assert METRIC_KEYS <= fields <= METRIC_KEYS | OPTIONAL_KEYS
         assert r["weight_sync_bytes"] > 0  # colocated: a sync after every step
         assert r["grad_sync_policy"] == "defer" and r["retained_grad_bytes"] > 0
         assert 0.0 <= r["reward_mean"] <= 1.0
@@ -71,6 +77,10 @@ def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
     second = _train(*common, "trainer.steps=3", "trainer.max_actor_ckpt_to_keep=2")
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3]  # continued, not restarted
+    saved = json.loads((run / "checkpoints" / "step_2" / "trainer_state.json").read_text())
+    betas = [r["reward_extra/kl_in_reward_coef"] for r in _metrics(run)]
+    assert betas[0] == 0.05 and betas[1] < 0.05  # adapted toward target_kl (kl below it)
+    assert betas[2] == saved["kl_ctrl_value"]  # the resumed run went on from the saved beta
     # verl's key: the two newest complete checkpoints stay, step_1 went once step_3 was done
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]
     assert "trained 1 steps in" in second.stdout  # the summary covers this call's steps

@@ -296,3 +296,27 @@ def test_validation_keys_and_where_it_runs():
     assert v.sampling.greedy is False
     with pytest.raises(ConfigError, match=r"val_kwargs.top_p: 0.9 is not allowed"):
         load_config(overrides=["actor_rollout_ref.rollout.val_kwargs.top_p=0.9"])
+
+
+def test_kl_in_reward_by_hand():
+    from rlwire.trainer.reward_kl import KLControlConfig, KLController, kl_estimate
+
+    logprobs, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    torch.testing.assert_close(kl_estimate(logprobs, ref, "kl"), torch.tensor([[0.5, -1.0]]))
+    torch.testing.assert_close(kl_estimate(logprobs, ref, "mse"), torch.tensor([[0.125, 0.5]]))
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]
+    torch.testing.assert_close(kl_estimate(logprobs, ref, "low_var_kl"), torch.tensor([k3]))
+    # adaptive: 1 + clip(kl / target - 1, -0.2, 0.2) x n / horizon
+    beta = KLController(KLControlConfig(type="adaptive", kl_coef=0.1, target_kl=0.1, horizon=100))
+    beta.update(0.15, 50)  # +50% clipped to +20%, x 50/100
+    assert beta.value == pytest.approx(0.1 * 1.1)
+    fixed = KLController(KLControlConfig(kl_coef=0.1))
+    fixed.update(5.0, 50)
+    assert fixed.value == 0.1
+    with pytest.raises(ConfigError, match=r"^algorithm.use_kl_in_reward: True is not allowed"):
+        load_config(
+            overrides=[
+                "algorithm.use_kl_in_reward=true",
+                "algorithm.adv_estimator=reinforce_plus_plus",
+            ]
+        )

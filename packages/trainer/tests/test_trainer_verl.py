@@ -140,6 +140,29 @@ def test_policy_losses_and_their_gradients_match_verl(loss_mode, mode):
     torch.testing.assert_close(ours_in.grad, theirs_in.grad)
 
 
+@pytest.mark.parametrize("kind", ["kl", "abs", "mse", "low_var_kl"])
+def test_kl_estimates_in_the_reward_match_verl(kind):
+    from rlwire.trainer.reward_kl import kl_estimate
+
+    generator = torch.Generator().manual_seed(6)
+    logprobs = -torch.rand(4, T, generator=generator) * 2
+    ref = logprobs + torch.randn(4, T, generator=generator) * 4  # the clamps bind somewhere
+    theirs = core_algos.kl_penalty(logprobs, ref, kind)
+    torch.testing.assert_close(kl_estimate(logprobs, ref, kind), theirs)
+
+
+def test_the_adaptive_kl_controller_matches_verls():
+    from rlwire.trainer.reward_kl import KLControlConfig, KLController
+
+    config = KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.05, horizon=500)
+    ours = KLController(config)
+    theirs = core_algos.AdaptiveKLController(0.2, 0.05, 500)
+    for kl in (0.0, 0.01, 0.049, 0.06, 0.5, 0.051):
+        ours.update(kl, 64)
+        theirs.update(kl, 64)
+        assert ours.value == pytest.approx(theirs.value, rel=1e-12)
+
+
 def test_k3_is_verls_low_var_kl_where_its_clamp_does_not_bind():
     generator = torch.Generator().manual_seed(5)
     logprobs = -torch.rand(4, T, generator=generator) * 2

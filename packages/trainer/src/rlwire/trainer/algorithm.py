@@ -27,6 +27,7 @@ import torch
 from .checks import check, check_choice
 from .correction import RolloutCorrectionConfig
 from .dynamic_sampling import FilterGroupsConfig
+from .reward_kl import KL_PENALTIES, KLControlConfig
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -80,8 +81,14 @@ class AlgorithmConfig:
     """Weight of the entropy bonus: ``loss - entropy_coeff x entropy`` (aggregated as the
     loss is)."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to a frozen reference policy (the initial weights);
-    0 turns the reference model off (not loaded, no extra forward pass)."""
+    """Weight of the k3 KL loss to a frozen reference policy (the initial weights); 0 and
+    ``use_kl_in_reward`` off turn the reference model off (not loaded, no forward pass)."""
+    use_kl_in_reward: bool = False
+    """Subtract ``kl_ctrl``'s ``beta`` x the response's summed ``kl_penalty`` estimate from
+    its reward before the advantages (:mod:`rlwire.trainer.reward_kl`)."""
+    kl_penalty: str = "kl"
+    """The per-token estimate in the reward: ``kl``, ``abs``, ``mse`` or ``low_var_kl``."""
+    kl_ctrl: KLControlConfig = dataclasses.field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = dataclasses.field(default_factory=FilterGroupsConfig)
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(
         default_factory=RolloutCorrectionConfig
@@ -104,12 +111,25 @@ class AlgorithmConfig:
         check(low < 1, "algorithm.clip_ratio_low", self.clip_ratio_low, "use a float in (0, 1)")
         check(self.clip_ratio_c > 1, "algorithm.clip_ratio_c", self.clip_ratio_c, "use a float > 1")
         check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "use a float >= 0")
+        check_choice(self.kl_penalty, "algorithm.kl_penalty", KL_PENALTIES)
+        check(
+            not self.use_kl_in_reward or self.adv_estimator != "reinforce_plus_plus",
+            "algorithm.use_kl_in_reward",
+            True,
+            "reinforce_plus_plus's returns would vary along the response (rlwire-train's "
+            "advantages are one per response); use another estimator or turn it off",
+        )
         check(
             self.entropy_coeff >= 0,
             "algorithm.entropy_coeff",
             self.entropy_coeff,
             "use a float >= 0",
         )
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the frozen reference policy is needed (the KL loss or the KL in reward)."""
+        return self.kl_coef > 0 or self.use_kl_in_reward
 
     @property
     def clip_low(self) -> float:

@@ -30,6 +30,7 @@ from .errors import RunError
 from .hybrid import HybridWorker
 from .loggers import Tracker
 from .metrics import StepMetrics, UpdateMetrics, step_record
+from .reward_kl import KLController, kl_in_reward
 from .rollout import Rollout, rollout_engine_class
 from .rollout_worker import RolloutWorker
 from .scoring import Scored, score
@@ -158,6 +159,7 @@ class Job:
             print(f"rlwire-train: warning: {warning}", file=sys.stderr)
         self.start_step = 0
         self.extra_batches = 0  # generation batches beyond one per step (dynamic sampling)
+        self.kl_ctrl = KLController(config.algorithm.kl_ctrl)  # beta of the KL in reward
         self.resumed: dict[str, Any] = {}  # the checkpoint's trainer_state.json
         if resume is not None:
             self._resume(*resume)
@@ -197,6 +199,7 @@ class Job:
         """Load ``checkpoint`` on every actor rank (resharded to this world size)."""
         self.resumed, self.start_step = saved, saved["step"]
         self.extra_batches = saved.get("extra_batches", 0)
+        self.kl_ctrl = KLController(self.config.algorithm.kl_ctrl, saved.get("kl_ctrl_value"))
         load_checkpoint(self, checkpoint, saved)
 
     def _engine_setup(self, layout, one_host: bool, model_path: str) -> str:
@@ -336,13 +339,14 @@ class Job:
         ``actor.ppo_epochs`` set its optimizer steps); ``lag``: the samples' mean version
         lag behind the weights updated (the staleness-aware step size). Returns what waits
         for it."""
-        n = self.config.rollout.n
+        n, algorithm = self.config.rollout.n, self.config.algorithm
         scored = score(self.config, self.reward_fn, batch) if scored is None else scored
         rewards, reward_extra, reward_s = scored.rewards, scored.extra, scored.seconds
         batch.rewards = rewards
-        batch.advantages = compute_advantages(
-            self.config.algorithm, rewards, batch.response_mask, n
-        )
+        penalised = rewards
+        if algorithm.use_kl_in_reward:  # the actor's and the reference's log-probs first
+            penalised, reward_extra = kl_in_reward(self, batch, rewards, reward_extra)
+        batch.advantages = compute_advantages(algorithm, penalised, batch.response_mask, n)
         # The actors need tensors only: the strings stay here.
         tensors = dataclasses.replace(batch, texts=[], examples=[])
         shards = [tensors.shard(r, self.world) for r in range(self.world)]
@@ -411,7 +415,8 @@ class Job:
         """Checkpoint ``checkpoints/step_<done>`` (see
         :func:`rlwire.trainer.checkpoint.save_checkpoint`); ``state``: the mode's own part of
         ``trainer_state.json``."""
-        save_checkpoint(self, done, extra_batches=self.extra_batches, **state)
+        kl = self.kl_ctrl.value
+        save_checkpoint(self, done, extra_batches=self.extra_batches, kl_ctrl_value=kl, **state)
 
     def save_if_due(self, done: int) -> None:
         if self.save_due(done):

@@ -177,8 +177,6 @@ _VERL_SHARED = {
     "data.truncation",
     "data.return_raw_chat",
     "data.shuffle",
-    "algorithm.use_kl_in_reward",
-    "algorithm.kl_penalty",
     "algorithm.lam",
     "trainer.n_gpus_per_node",
     "trainer.nnodes",

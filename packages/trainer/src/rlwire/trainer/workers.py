@@ -30,6 +30,7 @@ from .config import TrainerConfig
 from .correction import correction_weights
 from .grpo import LossScale
 from .lora import save_adapter
+from .reward_kl import kl_estimate
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
 from .step import compute_old_logprobs, grpo_update, ppo_update
 from .worker_process import WorkerProcess, host, seed_everything, set_threads
@@ -120,8 +121,9 @@ class ActorWorker(WorkerProcess):
         else:  # in eval mode, as the rollout engine samples (dropout would separate them)
             proximal = _evaluated(actor.model, forward)
         old_logprob_s = time.perf_counter() - start
-        with actor.reference_policy() as reference:
-            ref = _evaluated(reference, forward) if reference is not None else None
+        with actor.reference_policy() as reference:  # for the KL loss (not the KL in reward)
+            loss_kl = reference is not None and cfg.algorithm.kl_coef > 0
+            ref = _evaluated(reference, forward) if loss_kl else None
         ref_s = time.perf_counter() - start - old_logprob_s
         correct = functools.partial(
             correction_weights,
@@ -183,6 +185,30 @@ class ActorWorker(WorkerProcess):
             "kl_rollout": float(kl_rollout),
             "lr_scale": lr_scale,
         }
+
+    def reward_kl(self, batch: Rollout) -> torch.Tensor:
+        """``(B, 2)`` for this rank's shard: each response's summed and mean
+        ``algorithm.kl_penalty`` estimate between the actor before the update and the
+        reference policy (``algorithm.use_kl_in_reward``; forward passes only)."""
+        cfg, actor = self.config, self.actor
+        if cfg.actor.offload:
+            actor.reload(optimizer=False)
+        rollout = batch.to(self.device)
+        forward = functools.partial(
+            compute_old_logprobs,
+            rollout=rollout,
+            micro_batch_size=cfg.micro_batch_rows(),
+            temperature=cfg.rollout.temperature,
+        )
+        proximal = _evaluated(actor.model, forward)
+        with actor.reference_policy() as reference:
+            ref = _evaluated(reference, forward)
+        if cfg.actor.offload:
+            actor.offload()
+        mask = rollout.response_mask.float()
+        kl = kl_estimate(proximal, ref, cfg.algorithm.kl_penalty) * mask
+        per_response = kl.sum(dim=1)
+        return torch.stack([per_response, per_response / mask.sum(dim=1).clamp(min=1)], 1).cpu()
 
     def _loss_scale(self, mask: torch.Tensor) -> LossScale:
         """A mini-batch's counts over every actor rank, from this rank's loss ``mask`` (a

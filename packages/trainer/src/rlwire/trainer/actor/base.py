@@ -1,7 +1,7 @@
 """The actor-engine seam: what a training rank needs from FSDP, Megatron or a third party.
 
 An :class:`ActorEngine` owns the policy model (wrapped for data parallelism), its
-optimizer and, with ``algorithm.kl_coef > 0``, the frozen reference policy, on one rank
+optimizer and, with a KL loss or KL in the reward, the frozen reference policy, on one rank
 of the actor group (``torch.distributed`` is initialised before it is built). The
 worker (:class:`rlwire.trainer.workers.ActorWorker`) runs the GRPO loss through
 ``model``; everything that differs between wrappers is a method here.

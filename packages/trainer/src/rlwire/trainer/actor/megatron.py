@@ -241,7 +241,7 @@ class MegatronEngine(ActorEngine):
         model.gradient_checkpointing_disable()
         self.megatron = MegatronActor(config, model, device)
         self.model, self.optimizer = self.megatron.model, self.megatron.optimizer
-        if config.algorithm.kl_coef > 0:  # the frozen reference policy: the initial weights
+        if config.algorithm.uses_reference:  # the frozen reference policy: the initial weights
             reference = load_hf_model(model_path, config.model.dtype, device)
             reference.requires_grad_(False)
             self.reference = reference.eval()
