@@ -1,5 +1,5 @@
-"""Test helper (not a test module): actor engines saving at one world size and loading at
-another, through ``trainer_checkpoint_worker.py`` under torchrun."""
+"""Test helper (not a test module): worker scripts under torchrun; actor engines saving at
+one world size and loading at another (``trainer_checkpoint_worker.py``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 HERE = Path(__file__).parent
 
 
-def torchrun(world: int, action: str, directory: Path, *cases: str) -> None:
-    """``trainer_checkpoint_worker.py`` on ``world`` gloo ranks (see its docstring)."""
+def run_script(world: int, script: str, *args: str) -> None:
+    """The worker ``script`` of this folder under ``torch.distributed.run`` on ``world`` gloo
+    ranks; fails the test with its output when it does not exit 0."""
     cmd = [
         sys.executable,
         "-m",
@@ -21,13 +22,16 @@ def torchrun(world: int, action: str, directory: Path, *cases: str) -> None:
         "--standalone",
         "--nproc-per-node",
         str(world),
-        str(HERE / "trainer_checkpoint_worker.py"),
-        action,
-        str(directory),
-        *cases,
+        str(HERE / script),
+        *args,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def torchrun(world: int, action: str, directory: Path, *cases: str) -> None:
+    """``trainer_checkpoint_worker.py`` on ``world`` gloo ranks (see its docstring)."""
+    run_script(world, "trainer_checkpoint_worker.py", action, str(directory), *cases)
 
 
 def assert_resharded(directory: Path, case: str, saved_at: int, loaded_at: int) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FSDP2_REFERENCE
-from reshard import assert_resharded, torchrun
+from reshard import assert_resharded, run_script, torchrun
 from trainer_cli import checkpoint_state, train_cli
 
 pytest.importorskip(
@@ -21,24 +21,11 @@ pytest.importorskip(
 
 from rlwire.trainer.config import ConfigError, load_config  # noqa: E402
 
-HERE = Path(__file__).parent
-
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("megatron") / "engines.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(HERE / "trainer_megatron_worker.py"),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_script(2, "trainer_megatron_worker.py", str(out))
     data = json.loads(out.read_text())
     assert data["world_size"] == 2
     return {r["case"]: r for r in data["results"]}

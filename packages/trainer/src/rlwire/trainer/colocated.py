@@ -6,6 +6,7 @@ import functools
 import time
 
 from .job import Job
+from .metrics import step_record
 from .scoring import fill
 from .validation import start_validation, validation_due
 
@@ -59,7 +60,7 @@ def run_colocated(job: Job, bar) -> None:
         t_update = time.perf_counter()
         synced = sync()
         t_sync = time.perf_counter()
-        record = job.step_record(
+        record = step_record(
             step,
             result,
             (t_rollout - t0, t_update - t_rollout, t_sync - t_update),

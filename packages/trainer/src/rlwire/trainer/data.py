@@ -109,28 +109,38 @@ def _example(row: Any, where: str, config: TrainerConfig, render: _Renderer, pat
     )
 
 
+def _source(source: str, key: str):
+    """The built-in task ``builtin:<name>`` names, or the data file ``source`` (named ``key``
+    in the error when it is neither)."""
+    task = BUILTIN_TASKS.get(source.removeprefix("builtin:"))
+    if source.startswith("builtin:") and task is not None:
+        return task
+    path = Path(source)
+    if not path.is_file():
+        names = " or ".join(repr(f"builtin:{name}") for name in BUILTIN_TASKS)
+        raise RunError(f"{key}: {source!r} is neither {names} nor a file")
+    return path
+
+
+def _task_examples(task, count: int, seed: int, source: str) -> list[Example]:
+    return [
+        Example(prompt=p, answer=a, data_source=source) for p, a in task.prompts(count, seed=seed)
+    ]
+
+
 def load_data(config: TrainerConfig, model_path: Path) -> Callable[[int], list[Example]]:
     """A function ``step -> [Example] * train_batch_size`` (deterministic in step); every row
     is read and checked now. ``model_path``: its tokenizer renders chat-message prompts."""
     size, seed = config.data.train_batch_size, config.trainer.seed
     source = config.data.source
-    task = (
-        BUILTIN_TASKS.get(source.removeprefix("builtin:"))
-        if source.startswith("builtin:")
-        else None
-    )
-    if task is not None:
+    found = _source(source, "data.source")
+    if not isinstance(found, Path):
 
         def generated(step: int) -> list[Example]:
-            pairs = task.prompts(size, seed=seed * 1_000_003 + step)
-            return [Example(prompt=p, answer=a, data_source=source) for p, a in pairs]
+            return _task_examples(found, size, seed * 1_000_003 + step, source)
 
         return generated
-    path = Path(source)
-    if not path.is_file():
-        names = " or ".join(repr(f"builtin:{name}") for name in BUILTIN_TASKS)
-        raise RunError(f"data.source: {source!r} is neither {names} nor a file")
-    rows = _file_rows(config, path, model_path, "data.source")
+    rows = _file_rows(config, found, model_path, "data.source")
 
     def batch(step: int) -> list[Example]:
         start = step * size
@@ -151,14 +161,9 @@ def _file_rows(config: TrainerConfig, path: Path, model_path: Path, key: str) ->
 def load_validation(config: TrainerConfig, model_path: Path) -> list[Example]:
     """The held-out prompts of ``validation.source``: every row of a file, or
     ``validation.prompts`` of a built-in task drawn apart from any training batch."""
-    source, seed = config.validation.source, config.trainer.seed
-    builtin = source.startswith("builtin:")
-    task = BUILTIN_TASKS.get(source.removeprefix("builtin:")) if builtin else None
-    if task is not None:  # training draws seed x 1_000_003 + step, step >= 0
-        pairs = task.prompts(config.validation.prompts, seed=seed * 1_000_003 - 1)
-        return [Example(prompt=p, answer=a, data_source=source) for p, a in pairs]
-    path = Path(source)
-    if not path.is_file():
-        names = " or ".join(repr(f"builtin:{name}") for name in BUILTIN_TASKS)
-        raise RunError(f"validation.source: {source!r} is neither {names} nor a file")
-    return _file_rows(config, path, model_path, "validation.source")
+    source = config.validation.source
+    found = _source(source, "validation.source")
+    if not isinstance(found, Path):  # training draws seed x 1_000_003 + step, step >= 0
+        seed = config.trainer.seed * 1_000_003 - 1
+        return _task_examples(found, config.validation.prompts, seed, source)
+    return _file_rows(config, found, model_path, "validation.source")

@@ -16,6 +16,7 @@ from typing import Any
 from .cluster import Watch
 from .errors import RunError
 from .job import Job
+from .metrics import step_record
 from .rollout import Rollout
 from .sample_queue import SampleQueue
 from .scoring import fill
@@ -112,7 +113,7 @@ def run_fully_async(job: Job, bar) -> None:
     pending = None  # a step whose record waits for its weight sync to complete
 
     def write(step: int, synced: dict[str, Any], fields: dict[str, Any]) -> None:
-        job.record(job.step_record(step, synced=synced, **fields), bar)
+        job.record(step_record(step, synced=synced, **fields), bar)
         bar.update(1)
 
     def write_synced(step: int, started: Any, fields: dict[str, Any]) -> None:

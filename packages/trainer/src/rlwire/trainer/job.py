@@ -29,9 +29,9 @@ from .cluster import (
 from .errors import RunError
 from .hybrid import HybridWorker
 from .loggers import Tracker
-from .metrics import StepMetrics, UpdateMetrics, step_record
+from .metrics import StepMetrics, UpdateMetrics
 from .reward_kl import KLController, kl_in_reward
-from .rollout import Rollout, rollout_engine_class
+from .rollout import Rollout, rollout_engine_class, split_evenly
 from .rollout_worker import RolloutWorker
 from .scoring import Scored, score
 from .workers import ActorWorker
@@ -279,13 +279,11 @@ class Job:
         config = self.config
         position = step + self.extra_batches  # the data's batch (and the seeds) to generate
         examples = self.batches(position)
-        prompts = [e.prompt for e in examples]
-        workers = len(self.rollouts)
-        share = -(-len(prompts) // workers)
+        shares = split_evenly([e.prompt for e in examples], len(self.rollouts))
         refs = [
-            r.generate.remote(prompts[i * share : (i + 1) * share], _seed(config, position, i))
-            for i, r in enumerate(self.rollouts)
-            if prompts[i * share : (i + 1) * share]
+            r.generate.remote(part, _seed(config, position, i))
+            for i, (r, part) in enumerate(zip(self.rollouts, shares, strict=True))
+            if part
         ]
         # colocated on GPUs: free the engines' memory for the update
         sleeps = [r.sleep.remote() for r in self.rollouts] if self.rollout_sleeps else []
@@ -377,27 +375,23 @@ class Job:
 
         return done
 
-    step_record = staticmethod(step_record)
-
     def record(self, metrics: StepMetrics, bar) -> None:
-        values = metrics.to_json()
-        line = json.dumps(values)
-        with self.metrics_path.open("a") as f:
-            f.write(line + "\n")
-        log.info("step %d %s", metrics.step, line)
-        for tracker in self.trackers:
-            tracker.log(values, metrics.step)
+        """A step's line of ``metrics.jsonl``, in the log and to every logger."""
+        self._write(metrics.to_json(), f"step {metrics.step}")
         bar.set_postfix(reward=f"{metrics.reward_mean:.3f}")
 
     def validate(self, done: int, waiting: Callable[[], dict[str, float]]) -> None:
         """Wait for a validation of the weights after ``done`` updates (queued earlier) and
         record it: a ``val/...`` line of ``metrics.jsonl``, the log and every logger."""
-        values = {"step": done, **waiting()}
+        self._write({"step": done, **waiting()}, f"validation after {done} updates")
+
+    def _write(self, values: dict[str, Any], what: str) -> None:
+        line = json.dumps(values)
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(values) + "\n")
-        log.info("validation after %d updates %s", done, json.dumps(values))
+            f.write(line + "\n")
+        log.info("%s %s", what, line)
         for tracker in self.trackers:
-            tracker.log(values, done)
+            tracker.log(values, values["step"])
 
     def export_model(self) -> None:
         """The final policy as a Hugging Face directory, ``hf_model/`` in the run directory

@@ -17,6 +17,7 @@ import functools
 import time
 
 from .job import Job
+from .metrics import step_record
 from .scoring import fill
 from .validation import start_validation, validation_due
 
@@ -66,7 +67,7 @@ def run_one_step_off(job: Job, bar) -> None:
         if not last:
             synced = sync()
         t_sync = time.perf_counter()
-        record = job.step_record(
+        record = step_record(
             step,
             result,
             (t_samples - t_update, t_update - t0, t_sync - t_samples),

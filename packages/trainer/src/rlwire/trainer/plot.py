@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from .summary import records
 
 __all__ = ["plot_run"]
 
@@ -24,12 +25,10 @@ def plot_run(run_dir: str | Path) -> Path:
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         raise FileNotFoundError(f"{metrics} does not exist: is {run_dir} a run directory?")
-    lines = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    records = [r for r in lines if "reward_mean" in r]
-    held_out = [r for r in lines if "val/reward_mean" in r]  # validation lines
-    steps = [r["step"] for r in records]
+    rows, held_out = records(run_dir), records(run_dir, validation=True)
+    steps = [r["step"] for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    top.plot(steps, [r["reward_mean"] for r in records], color="tab:green", label="training")
+    top.plot(steps, [r["reward_mean"] for r in rows], color="tab:green", label="training")
     if held_out:
         top.plot(
             [r["step"] for r in held_out],
@@ -41,7 +40,7 @@ def plot_run(run_dir: str | Path) -> Path:
         top.legend(loc="best")
     top.set_ylabel("reward (mean)")
     top.grid(alpha=0.3)
-    bottom.plot(steps, [r["policy_loss"] for r in records], color="tab:blue")
+    bottom.plot(steps, [r["policy_loss"] for r in rows], color="tab:blue")
     bottom.set_ylabel("policy loss")
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable
 
 from .checks import check
-from .rollout import Rollout, Sampling
+from .rollout import Rollout, Sampling, split_evenly
 from .scoring import score
 
 __all__ = [
@@ -83,16 +83,13 @@ def validation_tasks(job, examples: list) -> list[dict | None]:
     """Each rollout engine's share of the held-out ``examples``: ``prompts``, ``seed`` and
     ``sampling`` (None for an engine left without prompts)."""
     config = job.config
-    prompts = [e.prompt for e in examples]
-    workers = len(job.rollouts)
-    share = -(-len(prompts) // workers)
+    shares = split_evenly([e.prompt for e in examples], len(job.rollouts))
     seed = config.trainer.seed * 7919 + 999_983  # fixed: the same draw at every validation
     sampling = config.validation.sampling
-    tasks: list[dict | None] = []
-    for i in range(workers):
-        part = prompts[i * share : (i + 1) * share]
-        tasks.append({"prompts": part, "seed": seed + i, "sampling": sampling} if part else None)
-    return tasks
+    return [
+        {"prompts": part, "seed": seed + i, "sampling": sampling} if part else None
+        for i, part in enumerate(shares)
+    ]
 
 
 def validation_metrics(job, examples: list, parts: list[Rollout]) -> dict[str, float]:

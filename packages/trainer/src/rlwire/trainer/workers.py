@@ -106,12 +106,7 @@ class ActorWorker(WorkerProcess):
         rollout = batch.to(self.device)
         temperature = cfg.rollout.temperature
         actor.model.train()
-        forward = functools.partial(
-            compute_old_logprobs,
-            rollout=rollout,
-            micro_batch_size=cfg.micro_batch_rows(),
-            temperature=temperature,
-        )
+        forward = self._logprobs_of(rollout)
         start = time.perf_counter()
         reuse = cfg.reuses_training_logprobs()
         if correction.bypass_mode:
@@ -186,6 +181,15 @@ class ActorWorker(WorkerProcess):
             "lr_scale": lr_scale,
         }
 
+    def _logprobs_of(self, rollout: Rollout):
+        """``model -> (B, T)`` log-probs of ``rollout``'s responses (forward only)."""
+        return functools.partial(
+            compute_old_logprobs,
+            rollout=rollout,
+            micro_batch_size=self.config.micro_batch_rows(),
+            temperature=self.config.rollout.temperature,
+        )
+
     def reward_kl(self, batch: Rollout) -> torch.Tensor:
         """``(B, 2)`` for this rank's shard: each response's summed and mean
         ``algorithm.kl_penalty`` estimate between the actor before the update and the
@@ -194,12 +198,7 @@ class ActorWorker(WorkerProcess):
         if cfg.actor.offload:
             actor.reload(optimizer=False)
         rollout = batch.to(self.device)
-        forward = functools.partial(
-            compute_old_logprobs,
-            rollout=rollout,
-            micro_batch_size=cfg.micro_batch_rows(),
-            temperature=cfg.rollout.temperature,
-        )
+        forward = self._logprobs_of(rollout)
         proximal = _evaluated(actor.model, forward)
         with actor.reference_policy() as reference:
             ref = _evaluated(reference, forward)
@@ -215,10 +214,9 @@ class ActorWorker(WorkerProcess):
         collective): what each micro-batch's loss is normalised by."""
         import torch.distributed as dist
 
+        local = LossScale.of(mask)
         counts = torch.tensor(
-            [float(mask.sum()), float((mask.sum(dim=1) > 0).sum())],
-            dtype=torch.float64,
-            device=self.device,
+            [local.tokens, local.sequences], dtype=torch.float64, device=self.device
         )
         dist.all_reduce(counts)
         return LossScale(

@@ -20,6 +20,7 @@ from .common import (
     Sampling,
     WeightsDigest,
     sequence_logprobs,
+    split_evenly,
     weights_digest,
 )
 from .hf import HFEngine, hf_extend, hf_generate, hf_start
@@ -39,5 +40,6 @@ __all__ = [
     "hf_start",
     "rollout_engine_class",
     "sequence_logprobs",
+    "split_evenly",
     "weights_digest",
 ]

@@ -16,6 +16,7 @@ __all__ = [
     "Sampling",
     "WeightsDigest",
     "sequence_logprobs",
+    "split_evenly",
     "weights_digest",
 ]
 
@@ -282,3 +283,10 @@ def weights_digest(items) -> str:
     for name, tensor in items:
         digest.add(name, tensor)
     return digest.hexdigest()
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """``items`` in ``parts`` consecutive shares of ``ceil(len / parts)`` (the last ones
+    shorter, or empty): the prompts of a call, over the rollout engines."""
+    share = -(-len(items) // parts)
+    return [items[i * share : (i + 1) * share] for i in range(parts)]
