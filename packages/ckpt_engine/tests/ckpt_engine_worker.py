@@ -162,11 +162,19 @@ def _corrupt_first_bucket(engine, delta: bool = False) -> None:
         st.load_file = load_file
 
 
+def _on_engine_device(engine, state: list[tuple[str, torch.Tensor]]) -> list:
+    """``state`` where the engine's buckets live: the CUDA backends send from the GPU."""
+    if getattr(engine, "device", None) is None:
+        return state
+    return [(name, t.to(engine.device)) for name, t in state]
+
+
 async def delta_sender(engine, scenario: str, out: str) -> None:
     report: dict = {"stats": [], "error": None}
     try:
         for version in DELTA_VERSIONS:
-            stats = await engine.send_weights(make_delta_state(version), version=version)
+            state = _on_engine_device(engine, make_delta_state(version))
+            stats = await engine.send_weights(state, version=version)
             report["stats"].append(stats)
         report["mirror_bytes"] = engine.delta.nbytes
     except CheckpointEngineError as err:
@@ -193,7 +201,7 @@ async def delta_receiver(engine, scenario: str, rank: int, out: str) -> None:
             if scenario == "delta-missed" and rank == 2 and engine.last_version == 3:
                 continue  # dropped: this receiver still holds version 2
             held, version = new, engine.last_version
-            report["updates"].append((version, list(held.items())))
+            report["updates"].append((version, [(n, t.cpu()) for n, t in held.items()]))
             report["deltas"].append(deltas)
     except CheckpointEngineError as err:
         report["error"] = [type(err).__name__, str(err)]
@@ -210,9 +218,7 @@ async def sender(engine, scenario: str, out: str) -> None:
         report["token"] = engine._token
     try:
         for version in (1, 2, 3) if scenario in ("roundtrip", "shared") else (1,):
-            state = make_state(version)
-            if getattr(engine, "device", None) is not None:  # CUDA backends: send from the GPU
-                state = [(name, t.to(engine.device)) for name, t in state]
+            state = _on_engine_device(engine, make_state(version))
             if shared is not None:  # the trainer updates its (shared) weights in place
                 for (_, mine), (_, new) in zip(shared, state, strict=True):
                     mine.copy_(new)

@@ -145,7 +145,21 @@ def test_corrupted_bucket_is_detected_with_checksum(backend, tmp_path):
 
 @pytest.mark.parametrize("backend", ["gloo", "shm", "broadcast-cpu"])
 def test_delta_updates_arrive_bit_identical_over_five_versions(backend, tmp_path):
-    sender, *receivers = _run_group(backend, "delta", tmp_path)
+    _check_delta_group(*_run_group(backend, "delta", tmp_path))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("backend", "gpus"), [("cuda_ipc", 1), ("nccl", WORLD)])
+def test_gpu_delta_updates_arrive_bit_identical_over_five_versions(backend, gpus, tmp_path):
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"{backend} needs {gpus} GPUs")
+    _check_delta_group(*_run_group(backend, "delta", tmp_path))
+
+
+def _check_delta_group(sender: dict, *receivers: dict) -> None:
+    """Five versions with sparse changes: a dense first update, then deltas of exactly the
+    changed elements, every version bit-identical at every receiver."""
     assert sender.get("error") is None, sender
     stats = sender["stats"]
     first = make_delta_state(1)

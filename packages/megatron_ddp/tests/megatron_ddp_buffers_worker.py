@@ -1,14 +1,17 @@
-"""Run under torchrun: build Megatron-Core DDP on CPU/gloo and report its real buffers.
+"""Run under torchrun: build Megatron-Core DDP and report its real buffers.
 
-Usage: torchrun --standalone --nproc-per-node N megatron_ddp_buffers_worker.py OUT.json
+Usage: torchrun --standalone --nproc-per-node N megatron_ddp_buffers_worker.py OUT.json [cuda]
 
-CPU shim (test-only, scoped to this process's setup): megatron-core allocates its
-gradient and parameter buffers on ``torch.cuda.current_device()``; it is pointed
-at the CPU while the model-parallel state and the DDP wrappers are built.
+On the CPU (gloo), a test-only shim scoped to this process's setup: megatron-core allocates
+its gradient and parameter buffers on ``torch.cuda.current_device()``; it is pointed at the
+CPU while the model-parallel state and the DDP wrappers are built. With ``cuda`` (NCCL, one
+GPU per rank) nothing is patched, and the caching allocator's bytes taken by each wrapper
+are reported too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -33,14 +36,18 @@ def _module() -> torch.nn.Module:
     return torch.nn.Sequential(*layers).to(torch.bfloat16)
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+def main(out_path: str, device: str = "cpu") -> None:
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer import TransformerConfig
 
     results = []
-    with mock.patch("torch.cuda.current_device", lambda: torch.device("cpu")):
+    where = contextlib.nullcontext() if cuda else _on_the_cpu()
+    with where:
         parallel_state.initialize_model_parallel()
         tconfig = TransformerConfig(
             num_layers=1,
@@ -56,8 +63,9 @@ def main(out_path: str) -> None:
                     ddp_config = build_ddp_config(
                         optimizer, overrides, use_distributed_optimizer=distributed
                     )
-                    module = _module()
+                    module = _module().to(device)
                     numels = [p.numel() for p in module.parameters()]
+                    before = _allocated(cuda)
                     ddp = DistributedDataParallel(tconfig, ddp_config, module)
                     grad = ddp.buffers[0].grad_data
                     results.append(
@@ -71,6 +79,8 @@ def main(out_path: str) -> None:
                             "grad_dtype": str(grad.dtype),
                             "grad_numel": grad.numel(),
                             "grad_bytes": grad.numel() * grad.element_size(),
+                            "grad_device": grad.device.type,
+                            "allocated_bytes": _allocated(cuda) - before if cuda else None,
                             "param_numels": numels,
                             "main_grad_is_view": all(
                                 p.main_grad.untyped_storage().data_ptr()
@@ -88,6 +98,17 @@ def main(out_path: str) -> None:
     _exit_without_finalizing()
 
 
+def _on_the_cpu():
+    return mock.patch("torch.cuda.current_device", lambda: torch.device("cpu"))
+
+
+def _allocated(cuda: bool) -> int:
+    if not cuda:
+        return 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 def _exit_without_finalizing() -> None:
     # gloo's worker threads outlive destroy_process_group() and may still drop Python
     # references (needing the GIL) while the interpreter finalizes: Python then ends them
@@ -99,4 +120,4 @@ def _exit_without_finalizing() -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -153,25 +153,37 @@ def test_readme_table_is_the_one_the_package_prints():
     assert memory_table() in readme
 
 
-@pytest.fixture(scope="module")
-def megatron_buffers(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("mcore") / "buffers.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(HERE / "megatron_ddp_buffers_worker.py"),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+def _buffers(out: Path, ranks: int, device: str) -> dict:
+    """Megatron-Core DDP's real buffers, built on ``ranks`` torchrun ranks on ``device``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(ranks), str(HERE / "megatron_ddp_buffers_worker.py")]
+    proc = subprocess.run([*cmd, str(out), device], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def megatron_buffers(tmp_path_factory) -> dict:
+    return _buffers(tmp_path_factory.mktemp("mcore") / "buffers.json", 2, "cpu")
+
+
 def test_real_buffers_match_resolution_and_memory_model(megatron_buffers):
+    _check_buffers(megatron_buffers)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_cuda_buffers_match_resolution_and_memory_model(tmp_path):
+    """On one GPU (NCCL, no shim): the buffers are on the device, as the model says, and the
+    caching allocator gave each wrapper at least its gradient buffer."""
+    buffers = _buffers(tmp_path / "buffers.json", 1, "cuda")
+    _check_buffers(buffers)
+    for r in buffers["results"]:
+        assert r["grad_device"] == "cuda", r
+        assert r["allocated_bytes"] >= r["grad_bytes"], r
+
+
+def _check_buffers(megatron_buffers: dict) -> None:
     results = megatron_buffers["results"]
     d = megatron_buffers["world_size"]
     assert len(results) == 4 * 2 * 3

@@ -1,4 +1,4 @@
-"""rlwire's checkpoint-engine backends inside verl (extra ``rlwire-ckpt-engine[verl]``).
+"""rlwire's checkpoint-engine backends inside verl (installed beside verl; 0.9.1 tested).
 
 Importing this module registers ``rlwire_gloo``, ``rlwire_shm``, ``rlwire_filesystem``,
 ``rlwire_nccl``, ``rlwire_cuda_ipc`` and ``rlwire_hccl`` in verl's
@@ -36,9 +36,9 @@ import torch
 try:
     from verl.checkpoint_engine.base import CheckpointEngine as VerlCheckpointEngine
     from verl.checkpoint_engine.base import CheckpointEngineRegistry as VerlRegistry
-except ImportError as err:  # pragma: no cover - the extra's whole point
+except ImportError as err:  # pragma: no cover - the module's whole point
     raise ImportError(
-        f"rlwire.ckpt_engine.verl needs verl: pip install 'rlwire-ckpt-engine[verl]' ({err})"
+        f"rlwire.ckpt_engine.verl needs verl: pip install 'verl>=0.9.1' ({err})"
     ) from None
 
 from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats

@@ -1,4 +1,4 @@
-"""Run a function on N local processes joined in a gloo group, with a deadline.
+"""Run a function on N local processes joined in a process group, with a deadline.
 
 Used by the benchmark and the tests. Results come back through files (not a
 pipe), so a large result can never deadlock a join.
@@ -37,13 +37,16 @@ def _entry(
     timeout: float,
     out_dir: str,
     threads: int,
+    device: str,
     args: tuple,
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo",
+        "nccl" if device == "cuda" else "gloo",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout),
@@ -81,11 +84,14 @@ def spawn(
     *args: Any,
     timeout: float = 120.0,
     threads: int = 1,
+    device: str = "cpu",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
 
-    Each process joins a gloo group on a free port (the default group, which
-    ``fn`` may use freely). ``fn`` must be importable by module name.
+    Each process joins a group on a free port (the default group, which ``fn`` may use
+    freely): gloo, or with ``device="cuda"`` NCCL, rank ``r`` on GPU ``r`` (modulo the
+    GPUs there are; NCCL refuses two ranks on one GPU). ``fn`` must be importable by
+    module name.
 
     Returns:
         The value each rank returned, indexed by rank.
@@ -99,7 +105,7 @@ def spawn(
     with tempfile.TemporaryDirectory(prefix="rlwire-spawn-") as out_dir:
         context = mp.start_processes(
             _entry,
-            args=(fn, world_size, free_port(), timeout, out_dir, threads, args),
+            args=(fn, world_size, free_port(), timeout, out_dir, threads, device, args),
             nprocs=world_size,
             join=False,
             start_method="spawn",

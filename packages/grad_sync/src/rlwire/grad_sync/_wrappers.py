@@ -74,7 +74,7 @@ def data_parallel_groups(model: nn.Module) -> list:
 def _param_groups(module: nn.Module) -> list:
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.8: at most one group per module
+    if groups is None:  # torch 2.11 (CI's floor) and older: at most one group per module
         group = state._fsdp_param_group
         groups = [group] if group is not None else []
     return list(groups)

@@ -65,7 +65,7 @@ def _fsdp2_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list
         module.reshard()
         state = module._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
+        if groups is None:  # torch 2.11 (CI's floor) and older: one group per module
             groups = [g for g in [state._fsdp_param_group] if g is not None]
         for group in groups:
             for fp in group.fsdp_params:

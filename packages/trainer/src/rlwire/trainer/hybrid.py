@@ -39,9 +39,10 @@ class HybridWorker(ActorWorker):
 
     def engine_init_hybrid(self) -> None:
         """This rank's in-process group: the training engine sends, the rollout engine
-        receives."""
+        receives, the tensors staying on this rank's device (no copy through the host)."""
         from rlwire.ckpt_engine import registry
 
+        self.sync_device = self.device
         cfg = self.config.ckpt_engine
         self.engine = registry.new("naive", is_master=True, timeout=cfg.timeout)
         metadata = self.engine.prepare()

@@ -54,6 +54,10 @@ class ActorWorker(WorkerProcess):
         self.shared: dict[str, torch.Tensor] | None = None  # zero-copy: the arena's tensors
         self._sending = Background("weight push")  # fully async: the send in flight
         self.lr_scale = 1.0  # the staleness-aware step size in effect
+        # Where a sync's tensors go for an engine without a device of its own: the host
+        # for a receiver in another process; the hybrid engine's in-process receiver reads
+        # them on this device (HybridWorker).
+        self.sync_device = torch.device("cpu")
 
     # --- setup ---------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -289,8 +293,9 @@ class ActorWorker(WorkerProcess):
         LoRA the adapter (:meth:`ActorEngine.named_sync_weights`); a collective on every rank.
 
         Tensors go where the engine's buckets live: the device for the CUDA backends
-        (``nccl``, ``cuda_ipc``), the host for the others."""
-        target = getattr(self.engine, "device", None) or torch.device("cpu")
+        (``nccl``, ``cuda_ipc``), else :attr:`sync_device` (the host, or this device for
+        the hybrid engine's in-process hand-over)."""
+        target = getattr(self.engine, "device", None) or self.sync_device
         for name, value in self.actor.named_sync_weights():
             yield name, value.to(target)
 
