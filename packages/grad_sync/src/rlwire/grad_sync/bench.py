@@ -86,8 +86,8 @@ def _sharded_grad_bytes(model: nn.Module) -> int:
 
 
 def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
-    device = device or torch.device("cpu")
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model = _build(args.hidden, args.layers, args.wrapper, device)
     optim = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)

@@ -8,7 +8,7 @@ reloaded from the host for the update and offloaded after it: ``actor.offload``)
 the weights to the rollout engine on the device (the ``naive`` checkpoint engine, no copy
 through the host). It fails, naming what differed, unless after every sync the digest of
 what the actor sent equals the digest of what the rollout engine holds, the rollout engine
-holds the new version, and the offloaded actor left nothing on the device. It prints one
+holds the new version, and the offloaded actor left no parameter on the device. It prints one
 table (the device named) and writes it to ``--out`` as Markdown.
 
     python -m rlwire.trainer.device_check [--device cuda] [--steps 3] [--out DIR]
@@ -37,7 +37,7 @@ from .rewards import load_reward
 from .scoring import score
 from .tiny import build_tiny_model
 
-__all__ = ["check_config", "main", "run_check"]
+__all__ = ["check_config", "main", "run_check", "table"]
 
 
 def check_config(model_path: str, steps: int) -> TrainerConfig:
