@@ -161,37 +161,63 @@ def main(argv: list[str] | None = None) -> None:
         f"{params:,} parameters, micro-batch {args.micro_batch_size}, "
         f"median of {args.steps} steps"
     )
-    header = (
-        "| micro-batches | EVERY step ms | DEFER step ms | DEFER/EVERY time "
-        "| DEFER retained MiB (measured) | DEFER retained MiB (predicted) | EVERY retained MiB |"
+    _print_table(
+        [
+            "micro-batches",
+            "EVERY step ms",
+            "DEFER step ms",
+            "DEFER/EVERY time",
+            "DEFER retained MiB (measured)",
+            "DEFER retained MiB (predicted)",
+            "EVERY retained MiB",
+        ],
+        [
+            [
+                r["accum"],
+                f"{r['every_s'] * 1e3:.1f}",
+                f"{r['defer_s'] * 1e3:.1f}",
+                f"{r['defer_s'] / r['every_s']:.2f}",
+                _mib(r["defer_retained"]),
+                _mib(r["defer_predicted"]),
+                _mib(r["every_retained"]),
+            ]
+            for r in rows
+        ],
     )
-    print(header)
-    print("|---:" * (header.count("|") - 1) + "|")
-    for r in rows:
-        print(
-            f"| {r['accum']} | {r['every_s'] * 1e3:.1f} | {r['defer_s'] * 1e3:.1f} "
-            f"| {r['defer_s'] / r['every_s']:.2f} | {_mib(r['defer_retained'])} "
-            f"| {_mib(r['defer_predicted'])} | {_mib(r['every_retained'])} |"
-        )
     if cuda:
         print()
         print(
             "CUDA allocator, bytes allocated between micro-batches above the step's start "
             "(max over steps)"
         )
-        header = (
-            "| micro-batches | DEFER MiB (allocator) | DEFER MiB (predicted) "
-            "| EVERY MiB (allocator) | EVERY MiB (predicted: sharded gradient) |"
+        _print_table(
+            [
+                "micro-batches",
+                "DEFER MiB (allocator)",
+                "DEFER MiB (predicted)",
+                "EVERY MiB (allocator)",
+                "EVERY MiB (predicted: sharded gradient)",
+            ],
+            [
+                [
+                    r["accum"],
+                    _mib(r["defer_allocated"]),
+                    _mib(r["defer_allocated_predicted"]),
+                    _mib(r["every_allocated"]),
+                    _mib(r["every_allocated_predicted"]),
+                ]
+                for r in rows
+                if r["accum"] > 1
+            ],
         )
-        print(header)
-        print("|---:" * (header.count("|") - 1) + "|")
-        for r in rows:
-            if r["accum"] > 1:
-                print(
-                    f"| {r['accum']} | {_mib(r['defer_allocated'])} "
-                    f"| {_mib(r['defer_allocated_predicted'])} | {_mib(r['every_allocated'])} "
-                    f"| {_mib(r['every_allocated_predicted'])} |"
-                )
+
+
+def _print_table(header: list[str], rows: list[list]) -> None:
+    """A Markdown table, every column right-aligned."""
+    print("| " + " | ".join(header) + " |")
+    print("|---:" * len(header) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
 
 
 if __name__ == "__main__":
