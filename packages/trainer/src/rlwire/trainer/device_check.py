@@ -72,6 +72,12 @@ def _allocated(device: torch.device) -> int | None:
     return torch.cuda.memory_allocated(device)
 
 
+def _storage_device(param: torch.Tensor) -> torch.device:
+    """Where a parameter's data lives: an FSDP2 ``DTensor`` keeps the device it was built on
+    as its own, while offload moves its local shard."""
+    return (param.to_local() if hasattr(param, "to_local") else param).device
+
+
 def _synced(worker: HybridWorker, version: int) -> dict:
     """Hand ``version`` over and check that it arrived whole."""
     report = worker.sync_weights(version)
@@ -115,7 +121,7 @@ def run_check(config: TrainerConfig, model_path: str) -> list[dict]:
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             offloaded = _allocated(device)
             params = worker.actor.model.named_parameters()
-            left = [name for name, p in params if p.device.type != "cpu"]
+            left = [name for name, p in params if _storage_device(p).type != "cpu"]
             if left:
                 raise AssertionError(f"step {step}: offloaded, yet on the device: {left}")
             synced = _synced(worker, step + 1)
