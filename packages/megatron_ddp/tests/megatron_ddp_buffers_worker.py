@@ -12,6 +12,7 @@ are reported too.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -89,6 +90,10 @@ def main(out_path: str, device: str = "cpu") -> None:
                             ),
                         }
                     )
+                    # Freed now, not while the next case's allocation is being measured
+                    # (the wrapper's hooks hold it in reference cycles).
+                    del ddp, grad, module
+                    gc.collect()
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump({"world_size": dist.get_world_size(), "results": results}, f)
