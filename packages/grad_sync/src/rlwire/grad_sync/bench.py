@@ -116,9 +116,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
             row[f"{policy}_allocated"] = allocated[policy]
         # Between micro-batches EVERY holds the sharded gradient its reductions made; DEFER
         # holds the unsharded one and no sharded gradient yet (zero_grad set them to None).
-        sharded = _sharded_grad_bytes(model) if accum > 1 else 0
-        row["every_allocated_predicted"] = sharded
-        row["defer_allocated_predicted"] = row["defer_predicted"]
+        row["sharded_grad"] = _sharded_grad_bytes(model) if accum > 1 else 0
         rows.append(row)
     return rows
 
@@ -202,9 +200,9 @@ def main(argv: list[str] | None = None) -> None:
                 [
                     r["accum"],
                     _mib(r["defer_allocated"]),
-                    _mib(r["defer_allocated_predicted"]),
+                    _mib(r["defer_predicted"]),
                     _mib(r["every_allocated"]),
-                    _mib(r["every_allocated_predicted"]),
+                    _mib(r["sharded_grad"]),
                 ]
                 for r in rows
                 if r["accum"] > 1

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -32,10 +31,10 @@ from .algorithm import compute_advantages
 from .config import TrainerConfig, load_config
 from .data import load_data
 from .hybrid import HybridWorker
-from .modeling import load_hf_model
 from .rewards import load_reward
 from .scoring import score
 from .tiny import build_tiny_model
+from .worker_process import free_port
 
 __all__ = ["check_config", "main", "run_check", "table"]
 
@@ -56,12 +55,6 @@ def check_config(model_path: str, steps: int) -> TrainerConfig:
             f"trainer.steps={steps}",
         ]
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _allocated(device: torch.device) -> int | None:
@@ -92,12 +85,13 @@ def _synced(worker: HybridWorker, version: int) -> dict:
     return report
 
 
-def run_check(config: TrainerConfig, model_path: str) -> list[dict]:
-    """Run the check (see the module docstring); one row per step."""
+def run_check(config: TrainerConfig, model_path: str) -> tuple[list[dict], int]:
+    """Run the check (see the module docstring): one row per step, and the model's
+    parameter count."""
     import torch.distributed as dist
 
     worker = HybridWorker(config, model_path, 0)
-    worker.setup(("127.0.0.1", _free_port()))
+    worker.setup(("127.0.0.1", free_port("127.0.0.1")))
     try:
         worker.engine_init_hybrid()
         device = worker.device
@@ -138,7 +132,7 @@ def run_check(config: TrainerConfig, model_path: str) -> list[dict]:
                     "offloaded_bytes": offloaded,
                 }
             )
-        return rows
+        return rows, sum(p.numel() for p in worker.rollout.backend.model.parameters())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -186,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_tiny_model(Path(tmp) / "tiny", hidden=args.hidden, layers=args.layers)
         model_path = str(model)
         config = check_config(model_path, args.steps)
-        rows = run_check(config, model_path)
-        params = sum(p.numel() for p in load_hf_model(model_path, "float32", "cpu").parameters())
+        rows, params = run_check(config, model_path)
     text = table(rows, torch.device(args.device), params)
     print(text)
     if args.out:

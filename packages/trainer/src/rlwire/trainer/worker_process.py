@@ -11,7 +11,7 @@ import torch
 from .config import TrainerConfig
 from .modeling import preload_hf
 
-__all__ = ["WorkerProcess", "device", "host", "seed_everything", "set_threads"]
+__all__ = ["WorkerProcess", "device", "free_port", "host", "seed_everything", "set_threads"]
 
 
 def device() -> torch.device:
@@ -28,6 +28,15 @@ def host() -> str:
     if sum(1 for node in ray.nodes() if node.get("Alive")) <= 1:
         return "127.0.0.1"
     return ray.util.get_node_ip_address()
+
+
+def free_port(address: str) -> int:
+    """A TCP port at ``address`` that was free a moment ago."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
 
 
 def set_threads(config: TrainerConfig, model: torch.nn.Module) -> None:

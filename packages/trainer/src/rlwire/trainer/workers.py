@@ -33,7 +33,7 @@ from .lora import save_adapter
 from .reward_kl import kl_estimate
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
 from .step import compute_old_logprobs, grpo_update, ppo_update
-from .worker_process import WorkerProcess, host, seed_everything, set_threads
+from .worker_process import WorkerProcess, free_port, host, seed_everything, set_threads
 
 __all__ = ["ActorWorker"]
 
@@ -62,12 +62,8 @@ class ActorWorker(WorkerProcess):
     # --- setup ---------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
         """rank 0: where the group's store listens."""
-        import socket
-
         address = host()
-        with socket.socket() as s:
-            s.bind((address, 0))
-            return address, s.getsockname()[1]
+        return address, free_port(address)
 
     def build_model(self) -> None:
         """Build the built-in tiny model at ``model_path`` (``model.path=tiny``) unless it is
