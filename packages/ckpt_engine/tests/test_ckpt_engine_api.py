@@ -22,6 +22,7 @@ from rlwire.ckpt_engine import (
     backend_for_device,
     parse_bucket_size,
     registry,
+    stage_update,
 )
 from rlwire.ckpt_engine._bucketed import BucketedEngine
 from rlwire.ckpt_engine._wire import ALIGN, BucketMeta, as_bytes
@@ -464,6 +465,39 @@ def test_apply_to_module_reuses_a_kept_staging_copy_and_stays_atomic():
     assert isinstance(err, CheckpointEngineError)
     for name, value in module.state_dict().items():  # nothing applied
         assert torch.equal(value, before[name])
+
+
+def test_stage_update_leaves_the_module_serving_until_commit():
+    """A staged update is received whole while the module keeps its weights (a rollout
+    engine generating meanwhile); commit writes it in at once, by storage with ``swap``;
+    the handle commits once."""
+    module, staging = Tiny(), {}
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    new = {
+        "lin.weight": torch.ones(2, 3),
+        "lin.bias": torch.full((2,), 2.0),
+        "steps": torch.tensor(3),
+    }
+    tx, (rx,) = _naive_group(receivers=1, timeout=1.0)
+
+    async def run():
+        _, staged = await asyncio.gather(
+            tx.send_weights(list(new.items()), version=4),
+            stage_update(module, rx, staging=staging, swap=True),
+        )
+        return staged
+
+    staged = asyncio.run(run())
+    assert staged.version == 4
+    for name, value in module.state_dict().items():  # received, not yet written
+        assert torch.equal(value, before[name])
+    weight = module.lin.weight
+    assert staged.commit() == 4
+    assert module.lin.weight is weight  # the parameter object stays, its storage changed
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, new[name])
+    with pytest.raises(CheckpointEngineError, match="StagedUpdate.commit: version 4 twice"):
+        staged.commit()
 
 
 def test_apply_to_module_takes_a_mapping_of_some_parameters_under_other_names():

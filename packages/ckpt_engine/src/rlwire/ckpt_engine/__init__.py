@@ -8,7 +8,7 @@ this package imports no optional dependency: backends load on first use.
 
 from __future__ import annotations
 
-from ._apply import apply_to_module
+from ._apply import StagedUpdate, apply_to_module, stage_update
 from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
 from ._delta import DELTA_MODES, Delta
 from ._errors import CheckpointEngineError, CheckpointEngineTimeout
@@ -25,6 +25,7 @@ __all__ = [
     "DELTA_MODES",
     "BackendCapabilities",
     "DEFAULT_TIMEOUT_S",
+    "StagedUpdate",
     "CheckpointEngine",
     "CheckpointEngineError",
     "CheckpointEngineRegistry",
@@ -35,4 +36,5 @@ __all__ = [
     "backend_for_device",
     "parse_bucket_size",
     "registry",
+    "stage_update",
 ]

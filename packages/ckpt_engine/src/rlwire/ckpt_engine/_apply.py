@@ -11,7 +11,7 @@ from ._base import CheckpointEngine
 from ._delta import Delta
 from ._errors import CheckpointEngineError
 
-__all__ = ["apply_to_module"]
+__all__ = ["StagedUpdate", "apply_to_module", "stage_update"]
 
 
 def _targets(module: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -49,7 +49,8 @@ async def apply_to_module(
     With ``atomic=True`` every tensor is received into a staging copy first and
     the module changes only after the whole update arrived, every name matched
     and (with ``checksum``) every bucket verified: a failure anywhere leaves the
-    module untouched, at the cost of one model-sized host copy. With
+    module untouched, at the cost of one model-sized host copy (this is
+    :func:`stage_update`, then :meth:`StagedUpdate.commit`). With
     ``atomic=False`` tensors are copied in as they arrive (zero-copy views, no
     staging), so a failure can leave the module half-updated.
 
@@ -77,55 +78,130 @@ async def apply_to_module(
             (unknown) or module names the update lacks (missing), listed;
             shape or dtype mismatches; and any transfer error.
     """
+    if atomic:
+        staged = await stage_update(module, updates, staging=staging, version=version, swap=swap)
+        return staged.commit()
+    targets = _targets(module)
+    received: set[str] = set()
+    unknown: list[str] = []
+    with torch.no_grad():
+        async for name, tensor in updates.receive_weights(copy=False, base_version=version):
+            target = targets.get(name)
+            if target is None:
+                unknown.append(name)
+                continue
+            _check(name, target, tensor)
+            if isinstance(tensor, Delta):
+                tensor.apply_(target)
+            else:
+                target.copy_(tensor)
+            received.add(name)
+    _check_names(unknown, set(targets) - received)
+    return updates.last_version
+
+
+class StagedUpdate:
+    """One update received in full beside the module it is for, not yet written into it
+    (:func:`stage_update`): the module keeps serving its previous weights until
+    :meth:`commit`, which is all-or-nothing and needs no communication.
+
+    Not thread-safe against the module's own use: call :meth:`commit` where nothing
+    reads the module (between two generations). One commit per handle."""
+
+    def __init__(
+        self,
+        targets: dict[str, torch.Tensor],
+        received: dict[str, torch.Tensor],
+        deltas: dict[str, Delta],
+        version: int,
+        *,
+        staging: dict[str, torch.Tensor] | None,
+        swap: bool,
+    ) -> None:
+        self.version = version
+        """The update's version (the sender's ``last_version``)."""
+        self._targets, self._received, self._deltas = targets, received, deltas
+        self._staging, self._swap = staging, swap
+        self._committed = False
+
+    def commit(self) -> int:
+        """Write the staged update into the module (deltas applied onto the weights it
+        holds, which must be the ``version`` given to :func:`stage_update`); its version.
+
+        Raises:
+            CheckpointEngineError: on a second commit of the same handle.
+        """
+        if self._committed:
+            raise CheckpointEngineError(f"StagedUpdate.commit: version {self.version} twice")
+        self._committed = True
+        swapped: set[int] = set()
+        with torch.no_grad():
+            for name, tensor in self._received.items():
+                target = self._targets[name]
+                if name in self._deltas:
+                    self._deltas[name].apply_(target)
+                elif not self._swap:
+                    target.copy_(tensor)
+                elif id(target) not in swapped:  # a tied tensor is swapped once
+                    swapped.add(id(target))
+                    old, target.data = target.data, tensor
+                    if self._staging is not None:
+                        self._staging[name] = old
+        return self.version
+
+
+async def stage_update(
+    module: nn.Module | Mapping[str, torch.Tensor],
+    updates: CheckpointEngine,
+    *,
+    staging: dict[str, torch.Tensor] | None = None,
+    version: int | None = None,
+    swap: bool = False,
+) -> StagedUpdate:
+    """Receive one whole update from ``updates`` for ``module`` without touching it: the
+    first half of ``apply_to_module(atomic=True)``, for a receiver that keeps using the
+    module while the update arrives (a rollout engine generating with the weights it
+    holds) and writes it in later, at a boundary of its own, with the returned handle's
+    :meth:`StagedUpdate.commit`.
+
+    ``staging``, ``version`` and ``swap`` as in :func:`apply_to_module`; ``version``
+    must still be what the module holds at commit (commit one update before staging the
+    next). Reads nothing of the module but its names, shapes and dtypes, so the module may
+    be in use meanwhile (in another thread).
+
+    Raises:
+        CheckpointEngineError: as :func:`apply_to_module`; the module is untouched.
+    """
     targets = _targets(module)
     received: dict[str, torch.Tensor] = {}
     unknown: list[str] = []
-    reuse = atomic and staging is not None
     deltas: dict[str, Delta] = {}
     with torch.no_grad():
-        stream = updates.receive_weights(copy=atomic and not reuse, base_version=version)
+        stream = updates.receive_weights(copy=staging is None, base_version=version)
         async for name, tensor in stream:
             target = targets.get(name)
             if target is None:
                 unknown.append(name)
                 continue
-            if isinstance(tensor, Delta):
-                _check(name, target, tensor)
-                if atomic:  # it may be a view of the bucket: keep a copy
-                    deltas[name] = tensor.clone()
-                else:
-                    tensor.apply_(target)
+            _check(name, target, tensor)
+            if isinstance(tensor, Delta):  # it may be a view of the bucket: keep a copy
+                deltas[name] = tensor.clone()
                 received[name] = target
                 continue
-            _check(name, target, tensor)
-            if reuse:
+            if staging is not None:
                 kept = staging.get(name)
                 if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
                     kept = staging[name] = torch.empty_like(tensor, device=target.device)
                 kept.copy_(tensor)  # out of the engine's view before the next item
-                received[name] = kept
-            elif atomic:
-                received[name] = tensor
-            else:
-                target.copy_(tensor)
-                received[name] = target
-        missing = sorted(set(targets) - set(received))
-        if unknown or missing:
-            raise CheckpointEngineError(
-                f"apply_to_module: update does not match the module; unknown names: "
-                f"{sorted(unknown)}; missing names: {missing}"
-            )
-        if atomic:
-            swapped: set[int] = set()
-            for name, tensor in received.items():
-                target = targets[name]
-                if name in deltas:
-                    deltas[name].apply_(target)
-                elif not swap:
-                    target.copy_(tensor)
-                elif id(target) not in swapped:  # a tied tensor is swapped once
-                    swapped.add(id(target))
-                    old, target.data = target.data, tensor
-                    if reuse:
-                        staging[name] = old
-    return updates.last_version
+                tensor = kept
+            received[name] = tensor
+    _check_names(unknown, set(targets) - set(received))
+    return StagedUpdate(targets, received, deltas, updates.last_version, staging=staging, swap=swap)
+
+
+def _check_names(unknown: list[str], missing: set[str]) -> None:
+    if unknown or missing:
+        raise CheckpointEngineError(
+            f"apply_to_module: update does not match the module; unknown names: "
+            f"{sorted(unknown)}; missing names: {sorted(missing)}"
+        )
