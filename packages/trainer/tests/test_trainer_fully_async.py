@@ -181,6 +181,63 @@ def test_queue_drops_groups_older_than_max_version_lag():
     assert out["queue"].dropped > 0  # with S=1 the workers ran ahead; those groups were dropped
 
 
+def test_released_groups_stay_released_across_a_sync():
+    """Dynamic sampling drops groups the trainer took for an update that has not run yet:
+    they free their places under the bound, and the recount at the next sync must not
+    count them again (it did: the workers then paused below verl's bound until the sync
+    after)."""
+
+    async def run() -> dict:
+        queue = _queue(
+            groups_per_step=4,
+            trigger_sync=1,
+            staleness_threshold=0.5,  # bound: 6 groups
+            max_version_lag=1,
+            num_workers=1,
+        )
+        await queue.worker_synced(0, {"version": 0, "digest": None})
+        task = await queue.next_task(0)
+        await queue.put(0, [0] * 4, [{}] * 4, task["indices"])
+        assert len((await queue.get(4, 1, timeout=1))["groups"]) == 4  # taken for update 1
+        await queue.release(2, 1)  # two of them had equal rewards
+        await queue.request_sync(1)
+        await queue.worker_synced(0, {"version": 1, "digest": None})
+        return await queue.next_task(0)
+
+    task = asyncio.run(run())
+    assert task["kind"] == "generate"
+    assert len(task["indices"]) == 4  # 6 minus the 2 taken groups still to be trained
+
+
+def test_a_worker_holding_the_new_weights_generates_without_waiting_for_the_others():
+    """Per-worker gating: once worker 0 took the requested version it generates again, while
+    worker 1 is still in its chunk of the old weights; worker 1 is told to sync first."""
+
+    async def run() -> tuple[dict, dict, dict]:
+        queue = _queue(
+            groups_per_step=4,
+            trigger_sync=1,
+            staleness_threshold=1.0,
+            max_version_lag=1,
+            num_workers=2,
+        )
+        for worker in (0, 1):
+            await queue.worker_synced(worker, {"version": 0, "digest": None})
+        first = [await queue.next_task(worker) for worker in (0, 1)]
+        await queue.put(0, [0] * 2, [{}] * 2, first[0]["indices"])
+        await queue.get(2, 0, timeout=1)
+        await queue.request_sync(1)
+        await queue.worker_synced(0, {"version": 1, "digest": None})
+        ahead = await queue.next_task(0)  # worker 1 has not reached its boundary
+        late = await queue.next_task(1)
+        return ahead, late, {"sync_to": queue.sync_to, "versions": queue.worker_versions}
+
+    ahead, late, state = asyncio.run(run())
+    assert ahead["kind"] == "generate" and len(ahead["indices"]) == 2
+    assert late == {"kind": "sync", "version": 1}
+    assert state == {"sync_to": 1, "versions": [1, 0]}
+
+
 def test_queue_get_times_out_instead_of_hanging():
     queue = _queue(
         groups_per_step=4,

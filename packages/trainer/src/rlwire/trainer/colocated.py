@@ -65,7 +65,7 @@ def run_colocated(job: Job, bar) -> None:
             result,
             (t_rollout - t0, t_update - t_rollout, t_sync - t_update),
             synced,
-            samples=len(batch),
+            batch=batch,
             version=step + 1,
             lags=[0],
             **extra,

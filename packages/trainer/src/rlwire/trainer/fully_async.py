@@ -2,11 +2,17 @@
 actor trains; weights go to them every ``async.trigger_parameter_sync_step`` updates.
 
 The trainer's loop overlaps what it can: the groups of the next update are taken from the
-queue while the current update runs, and a weight push does not hold the trainer: actor rank
-0 gathers the weights into a snapshot and sends it from a thread of its own while the next
-update runs, and each rollout worker takes it at its next boundary (the end of its chunk of
-groups, or with partial rollouts of its token chunk). A sync step's metrics line is written
-once its sync completed, after the next update."""
+queue while the current update runs, and a weight push holds neither the trainer nor the
+rollout workers' generation: actor rank 0 gathers the weights into a snapshot and sends it
+from a thread of its own while the next update runs; each rollout worker receives it in a
+thread of its own while it generates (``RolloutWorker.stage_weights``) and writes it in at
+its next boundary (the end of its chunk of groups, or with partial rollouts of its token
+chunk), then goes on without waiting for the other workers. A sync step's metrics line is
+written once its sync completed, after the next update.
+
+Deadlines: the transfer is bounded by the checkpoint engine (``ckpt_engine.timeout`` per
+wait); a worker's boundary, which comes after the generation it is in, by
+``async.sample_timeout``, counted from the end of the transfer."""
 
 from __future__ import annotations
 
@@ -58,7 +64,6 @@ def run_fully_async(job: Job, bar) -> None:
     loops = [r.run.remote(queue) for r in job.rollouts]
     watch = Watch(loops, job.watch.names)
     wait_s = cfg.sample_timeout
-    sync_s = config.ckpt_engine.timeout + 30
 
     def take(step: int, count: int = required):
         """Ask for ``count`` groups for update ``step`` (answered once they are there)."""
@@ -73,25 +78,39 @@ def run_fully_async(job: Job, bar) -> None:
             )
         return got
 
-    def start_sync(version: int, *, request: bool = True) -> Any:
+    def start_sync(version: int, *, request: bool = True) -> tuple[int, list]:
         """Ask the workers to take ``version`` at their next boundary and hand it over:
         each actor rank gathers the weights, rank 0 sends them from a thread of its own
-        and goes on with its next calls. Nothing here waits for the workers."""
+        and goes on with its next calls; each worker receives them beside its generation.
+        Nothing here waits for the workers."""
         if request:
             watch.get(queue.request_sync.remote(version), timeout=wait_s, what="weight sync")
         for actor in job.actors:  # queued before the next update on every rank
             actor.start_push.remote(version)
-        return queue.wait_synced.remote(version, sync_s)
+        receive = [
+            r.stage_weights.options(concurrency_group="receive").remote(version)
+            for r in job.rollouts
+        ]
+        return version, receive
 
-    def finish_sync(synced: Any) -> dict[str, Any]:
-        """Wait until every worker holds the version and rank 0's send ended: its report."""
-        # No overall deadline for the send: the engine bounds every wait of it
+    def finish_sync(started: tuple[int, list]) -> dict[str, Any]:
+        """Wait until rank 0's send ended and every worker wrote the version in: the
+        send's report, with each worker's (``pulls``)."""
+        version, receive = started
+        # No overall deadline for the transfer: the engine bounds every wait of it
         # (ckpt_engine.timeout) and fails it, and a large model may outlast any fixed budget.
         finished = [a.finish_push.remote() for a in job.actors]
         stats = watch.get(finished, timeout=None, what="weight sync (send)")[0]
-        pulls = watch.get(synced, timeout=sync_s + 30, what="weight sync")
+        watch.get(receive, timeout=None, what="weight sync (receive)")
+        # The workers write it in at their next boundary: after the generation they are in.
+        pulls = watch.get(
+            queue.wait_synced.remote(version, wait_s), timeout=wait_s + 30, what="weight sync"
+        )
         if pulls is None:
-            raise RunError(f"weight sync: the rollout workers did not apply it within {sync_s:g} s")
+            raise RunError(
+                f"weight sync: the rollout workers did not reach a boundary to take version "
+                f"{version} within {wait_s:g} s of receiving it (async.sample_timeout)"
+            )
         return {**stats, "pulls": pulls}
 
     def validate(version: int) -> None:
@@ -128,7 +147,7 @@ def run_fully_async(job: Job, bar) -> None:
         if validation_due(config, job.start_step, before=True):
             validate(job.start_step)
         held = job.start_step  # the version the rollout workers hold
-        paused_before = 0.0
+        seconds_before = {"paused_s": 0.0, "sync_wait_s": 0.0}
         ahead = take(job.start_step)
         for step in range(job.start_step, config.trainer.steps):
             t0 = time.perf_counter()
@@ -141,8 +160,8 @@ def run_fully_async(job: Job, bar) -> None:
                     indices,
                     required,
                     take=lambda count, step=step: taken(take(step, count), count),
-                    release=lambda count: watch.get(
-                        queue.release.remote(count), timeout=wait_s, what="samples"
+                    release=lambda count, step=step: watch.get(
+                        queue.release.remote(count, step), timeout=wait_s, what="samples"
                     ),
                 )
                 batch, scored = fill(config, job.reward_fn, batch, more)
@@ -166,20 +185,21 @@ def run_fully_async(job: Job, bar) -> None:
                 started = start_sync(step + 1)
                 held = step + 1
             t_sync = time.perf_counter()
-            paused = got["paused_s"]
+            seconds = {k: got[k] - seconds_before[k] for k in seconds_before}
+            seconds_before = {k: got[k] for k in seconds_before}
             fields = {
                 "result": result,
                 "phases": (t_samples - t0, t_update - t_samples, t_sync - t_update),
-                "samples": len(batch),
+                "batch": batch,
                 "version": held,
                 "lags": lags,
                 "group_indices": indices,
                 **extra,
                 "dropped_samples": got["dropped"] * n,
                 "wait_for_samples_s": got["wait_s"],
-                "rollout_paused_s": paused - paused_before,
+                "rollout_paused_s": seconds["paused_s"],
+                "rollout_sync_wait_s": seconds["sync_wait_s"],
             }
-            paused_before = paused
             due = job.save_due(step + 1)
             if started is None:
                 write(step, unsynced, fields)

@@ -84,7 +84,9 @@ class Job:
         self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
         place = placement(layout, config.ray.startup_timeout)
         actor_class = ray.remote(num_cpus=1)(HybridWorker if self.hybrid else ActorWorker)
-        rollout_class = ray.remote(num_cpus=1)(RolloutWorker)
+        rollout_class = ray.remote(num_cpus=1, concurrency_groups=RolloutWorker.CONCURRENCY_GROUPS)(
+            RolloutWorker
+        )
         self.actors = [
             actor_class.options(**place("actor", r)).remote(config, model_path, r)
             for r in range(world)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .rollout import Rollout
+
 __all__ = ["StepMetrics", "UpdateMetrics", "step_record"]
 
 
@@ -106,7 +108,15 @@ class StepMetrics(UpdateMetrics):
     """Fully async only: how long the queue took to gather the update's prompt groups (asked
     for while the previous update ran; the trainer's own wait is ``time_rollout_s``)."""
     rollout_paused_s: float | None = None
-    """Fully async only: rollout worker time spent paused by the staleness bound."""
+    """Fully async only: rollout worker time spent paused by the staleness bound (summed
+    over the workers, since the previous step's line)."""
+    rollout_sync_wait_s: float | None = None
+    """Fully async only: rollout worker time spent at a boundary until the weights of a sync
+    were in (summed over the workers, since the previous step's line)."""
+    time_generate_s: float | None = None
+    """The rollout engines' own seconds on the generation calls behind this step's samples,
+    summed over the engines (in parallel on several workers, so the wall time is less);
+    what the stage-time bound of ``python -m rlwire.trainer.bench`` divides over them."""
     weight_digest_actor: str | None = None
     """With ``ckpt_engine.digest`` on a sync step: the weights sent."""
     weight_digest_rollout: list[str] | None = None
@@ -129,17 +139,18 @@ def step_record(
     phases: tuple[float, float, float],
     synced: dict[str, Any],
     *,
-    samples: int,
+    batch: Rollout,
     version: int,
     lags: list[int],
     **extra: Any,
 ) -> StepMetrics:
     """The metrics every mode records: ``phases`` are the driver's seconds waiting for
     the samples, for the update and for the sync (the step's time is their sum);
-    ``lags`` the version lag of each sample or prompt group; ``extra`` the mode's own
-    optional fields."""
+    ``lags`` the version lag of each sample or prompt group; ``batch`` what was trained;
+    ``extra`` the mode's own optional fields."""
     rollout_s, update_s, sync_s = phases
     seconds = rollout_s + update_s + sync_s
+    generate_s = None if batch.generate_s is None else float(batch.generate_s.sum())
     return StepMetrics(
         step=step + 1,
         **{f.name: getattr(result, f.name) for f in dataclasses.fields(UpdateMetrics)},
@@ -152,7 +163,8 @@ def step_record(
         weight_sync_delta_density=synced.get("weight_sync_delta_density"),
         time_weight_export_s=synced.get("time_weight_export_s"),
         tokens_per_s=result.tokens / seconds,
-        samples_per_s=samples / seconds,
+        samples_per_s=len(batch) / seconds,
+        time_generate_s=generate_s,
         weight_version=version,
         version_lag_mean=sum(lags) / len(lags),
         version_lag_max=max(lags),

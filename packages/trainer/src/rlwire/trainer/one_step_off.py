@@ -60,7 +60,7 @@ def run_one_step_off(job: Job, bar) -> None:
         result = update()
         t_update = time.perf_counter()
         synced: dict = {"weight_sync_gbps": 0.0, "pulls": []}
-        samples = len(batch)
+        trained = batch
         if not last:
             batch = following()
         t_samples = time.perf_counter()
@@ -72,7 +72,7 @@ def run_one_step_off(job: Job, bar) -> None:
             result,
             (t_samples - t_update, t_update - t0, t_sync - t_samples),
             synced,
-            samples=samples,
+            batch=trained,
             version=step if last else step + 1,
             lags=lags,
             **extra,

@@ -4,7 +4,9 @@ checkpoint engine (colocated mode without the hybrid engine, and fully-async mod
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import threading
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import torch
@@ -21,8 +23,15 @@ class RolloutWorker(WorkerProcess):
 
     Colocated mode calls :meth:`generate` and :meth:`pull_weights` from the driver;
     fully-async mode calls :meth:`run`, which loops on the sample queue until told to
-    stop (see :mod:`rlwire.trainer.fully_async`).
+    stop (see :mod:`rlwire.trainer.fully_async`), and, on the actor's ``receive``
+    concurrency group (a thread of its own), :meth:`stage_weights` for each sync: the
+    update arrives while the worker generates, and :meth:`run` writes it in at its next
+    boundary.
     """
+
+    CONCURRENCY_GROUPS = {"receive": 1}
+    """The Ray actor's concurrency groups (``.options(concurrency_groups=...)``): every
+    other call runs in order on the default group; :meth:`stage_weights` on ``receive``."""
 
     def __init__(
         self, config: TrainerConfig, model_path: str, index: int = 0, gpu_share: float = 1.0
@@ -34,6 +43,8 @@ class RolloutWorker(WorkerProcess):
         self.backend = None
         self.engine = None
         self.version = -1
+        self._slot = threading.Condition()  # the staged update, from stage_weights to run
+        self._staged: tuple[int, Callable[[], int]] | BaseException | None = None
 
     def load_engine(self) -> None:
         """Build the generation engine on the model (the driver calls it once the model
@@ -91,10 +102,12 @@ class RolloutWorker(WorkerProcess):
 
     def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
         """``prompts``' samples (``sampling``: other settings than training's: validation),
-        stamped with the version held."""
+        stamped with the version held and the call's seconds."""
         args = (prompts, seed) if sampling is None else (prompts, seed, sampling)
+        start = time.perf_counter()
         out = self.backend.generate(*args)  # a third party's engine may take two only
         out.versions = torch.full_like(out.response_ids, self.version)
+        _stamp_seconds(out, time.perf_counter() - start)
         return out
 
     def generate_partial(self, prompts: list[str], seed: int, sync_requested) -> Rollout:
@@ -104,6 +117,7 @@ class RolloutWorker(WorkerProcess):
         stamped with the version it was sampled with."""
         cfg = self.config
         chunk = cfg.async_.partial_rollout_chunk_tokens
+        start, synced_s = time.perf_counter(), 0.0
         pending = self.backend.start(prompts)
         pending.versions = torch.zeros_like(pending.response_ids)
         index = torch.arange(len(pending))  # each pending row's place in the result
@@ -123,21 +137,81 @@ class RolloutWorker(WorkerProcess):
                 break
             keep = (~finished).nonzero().flatten()
             pending, index = grown.select(keep), index[keep]
+            began = time.perf_counter()
             sync_requested()  # applies a pending weight update before the next chunk
-        return Rollout.concat([done[i] for i in range(len(done))])
+            synced_s += time.perf_counter() - began
+        out = Rollout.concat([done[i] for i in range(len(done))])
+        _stamp_seconds(out, time.perf_counter() - start - synced_s)
+        return out
+
+    def stage_weights(self, version: int) -> dict[str, Any]:
+        """Fully async, on the ``receive`` concurrency group while :meth:`run` generates:
+        receive update ``version`` beside the weights in use; :meth:`run` writes it in at
+        its next boundary. An engine that cannot stage (a third party's without
+        :class:`~rlwire.trainer.rollout.StagingRolloutEngine`) receives at the boundary
+        instead, as the sender's peer then. Returns ``{"staged", "stage_s"}``."""
+        if not self.backend.stages_updates:
+            return {"staged": False, "stage_s": 0.0}
+        with self._slot:
+            if self._staged is not None:
+                raise RuntimeError(
+                    f"rollout worker {self.index}: version {version} arrived before the "
+                    "previous update was written in"
+                )
+        start = time.perf_counter()
+        try:
+            commit = asyncio.run(self.backend.stage(self.engine))
+            staged: tuple[int, Callable[[], int]] | BaseException = (version, commit)
+        except BaseException as err:  # handed to run(), which stops with it
+            staged = err
+        with self._slot:
+            self._staged = staged
+            self._slot.notify_all()
+        if isinstance(staged, BaseException):
+            raise staged
+        return {"staged": True, "stage_s": time.perf_counter() - start}
+
+    def _take_staged(self, version: int, timeout: float) -> dict[str, Any]:
+        """Write in the update :meth:`stage_weights` received (waiting for it at most
+        ``timeout`` seconds); its version and digest."""
+        with self._slot:
+            if not self._slot.wait_for(lambda: self._staged is not None, timeout):
+                raise TimeoutError(
+                    f"rollout worker {self.index}: weights {version} not received within "
+                    f"{timeout:g} s of reaching a boundary"
+                )
+            staged, self._staged = self._staged, None
+        if isinstance(staged, BaseException):
+            raise staged
+        expected, commit = staged
+        self.version = commit()
+        if self.version != expected:
+            raise RuntimeError(
+                f"rollout worker {self.index}: received version {self.version}, expected {expected}"
+            )
+        digest = self.backend.digest() if self.config.ckpt_engine.digest else None
+        return {"version": self.version, "digest": digest}
 
     def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
         """The fully-async loop: generate, sync, validate or wait as the queue says, until
         ``stop``."""
         import ray
 
-        def sync() -> None:
-            info = self.pull_weights()
+        staged_s = self.config.ckpt_engine.timeout + 30  # the transfer, once requested
+
+        def sync(version: int) -> None:
+            start = time.perf_counter()
+            if self.backend.stages_updates:  # received meanwhile: written in here
+                info = self._take_staged(version, staged_s)
+            else:
+                info = self.pull_weights()
+            info["wait_s"] = time.perf_counter() - start
             ray.get(queue.worker_synced.remote(self.index, info), timeout=poll_timeout)
 
         def sync_if_requested() -> None:
-            if ray.get(queue.sync_pending.remote(self.index), timeout=poll_timeout) is not None:
-                sync()
+            version = ray.get(queue.sync_pending.remote(self.index), timeout=poll_timeout)
+            if version is not None:
+                sync(version)
 
         partial = self.config.async_.partial_rollout
         chunks = 0
@@ -148,7 +222,7 @@ class RolloutWorker(WorkerProcess):
             if task["kind"] == "wait":
                 continue
             if task["kind"] == "sync":
-                sync()
+                sync(task["version"])
                 continue
             if task["kind"] == "validate":  # held-out prompts, with the weights held
                 out = self.generate(task["prompts"], task["seed"], task["sampling"])
@@ -169,3 +243,8 @@ class RolloutWorker(WorkerProcess):
                 timeout=poll_timeout,
             )
             chunks += 1
+
+
+def _stamp_seconds(out: Rollout, seconds: float) -> None:
+    """A call's ``seconds`` over its samples, evenly (:attr:`Rollout.generate_s`)."""
+    out.generate_s = torch.full((len(out),), seconds / max(1, len(out)), dtype=torch.float64)

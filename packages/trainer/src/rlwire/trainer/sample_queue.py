@@ -8,17 +8,22 @@ needs whole groups. With ``R`` groups per update (``data.train_batch_size``),
 - a rollout worker asks :meth:`SampleQueue.next_task` what to do: generate a chunk of
   groups, receive a weight update, run its part of a validation, wait (paused), or stop;
 - every group it starts counts toward ``stale``; workers pause while
-  ``stale >= R x T x (1 + S)`` (verl's ``max_required_samples``). After a weight sync
-  ``stale`` restarts from the groups still queued (now generated with old weights),
-  counting those already taken for an update that has not run yet (the trainer takes the
-  next update's groups while the current one runs);
-- the trainer takes the ``R`` oldest groups per update with :meth:`SampleQueue.get`;
+  ``stale >= R x T x (1 + S)`` (verl's ``max_required_samples``). When a weight sync is
+  requested ``stale`` restarts from the groups not yet trained, all generated with older
+  weights: those queued, those being generated, and those already taken for an update that
+  has not run yet (the trainer takes the next update's groups while the current one runs);
+  groups the trainer took and dropped (dynamic sampling, :meth:`SampleQueue.release`) are
+  not among them;
+- the trainer takes the ``R`` oldest groups per update (by weight version, then data
+  position) with :meth:`SampleQueue.get`;
   a group whose version lags the trainer's by more than ``max_version_lag`` is dropped
   (and frees its place under the bound);
-- :meth:`SampleQueue.request_sync` makes every worker finish its chunk (with partial
-  rollouts: its current token chunk, :meth:`SampleQueue.sync_pending`) and join the
-  checkpoint engine's receive; once every worker reports the new version
-  (:meth:`SampleQueue.worker_synced`) generation resumes.
+- :meth:`SampleQueue.request_sync` makes every worker take the new weights at the end of
+  its chunk (with partial rollouts: of its current token chunk,
+  :meth:`SampleQueue.sync_pending`) before it generates more; each worker goes on as soon
+  as it holds them (:meth:`SampleQueue.worker_synced`), without waiting for the others.
+  (The rollout workers receive the weights while they generate and only write them in at
+  that boundary: :mod:`rlwire.trainer.rollout_worker`.)
 
 Every wait is bounded: ``next_task`` answers ``wait`` after ``poll`` seconds so a worker
 never blocks on the queue indefinitely, and ``get`` gives up after its timeout.
@@ -101,13 +106,17 @@ class SampleQueue:
         self.generated = 0
         self.taken: dict[int, int] = {}  # trainer version -> groups taken for that update
         self.paused_s = [0.0] * num_workers
+        self.sync_wait_s = [0.0] * num_workers  # at a boundary, until the weights were in
         self.validating: dict[int, dict] = {}  # worker -> its validation task, not yet taken
         self.validated: dict[int, Any] = {}
         self.validations = 0  # tasks of the current validation
 
     # --- the rollout workers' side -------------------------------------------------------
-    def _may_generate(self) -> bool:
-        return self.sync_to is None and self.stale < self.bound
+    def _may_generate(self, worker: int) -> bool:
+        """Under the bound, holding the newest weights requested (each worker on its own:
+        one that took them goes on while the others finish their chunks)."""
+        current = self.sync_to is None or self.worker_versions[worker] == self.sync_to
+        return current and self.stale < self.bound
 
     async def next_task(self, worker: int) -> dict[str, Any]:
         """What ``worker`` does next: ``generate``, ``sync``, ``wait`` or ``stop``.
@@ -126,11 +135,11 @@ class SampleQueue:
                         return {"kind": "sync", "version": self.sync_to}
                     if worker in self.validating:
                         return {"kind": "validate", **self.validating.pop(worker)}
-                    if self._may_generate():
+                    if self._may_generate(worker):
                         break
                     left = self.poll - (time.perf_counter() - start)
                     waited = time.perf_counter()
-                    held_by_bound = self.sync_to is None  # waiting for a sync is not a pause
+                    held_by_bound = True  # (a sync for this worker was answered above)
                     woke = left > 0 and await self._wait(None, left)
                     if held_by_bound:
                         paused += time.perf_counter() - waited
@@ -169,16 +178,15 @@ class SampleQueue:
             self.cond.notify_all()
 
     async def worker_synced(self, worker: int, info: dict) -> None:
-        """``worker`` applied an update (``info``: its version and digest); once every
-        worker holds the requested version, generation resumes."""
+        """``worker`` applied an update (``info``: its version and digest, and ``wait_s``,
+        its seconds at the boundary until the weights were in); it generates again at once,
+        and once every worker holds the requested version the sync is complete."""
         async with self.cond:
             self.worker_versions[worker] = info["version"]
             self.sync_info[worker] = info
+            self.sync_wait_s[worker] += info.get("wait_s", 0.0)
             if self.sync_to is not None and all(v == self.sync_to for v in self.worker_versions):
                 self.version, self.sync_to = self.sync_to, None
-                self._drop_lagging(self.version)
-                self.taken = {v: c for v, c in self.taken.items() if v >= self.version}
-                self.stale = len(self.queue) + self.in_flight + sum(self.taken.values())
             self.cond.notify_all()
 
     async def sync_pending(self, worker: int) -> int | None:
@@ -221,7 +229,10 @@ class SampleQueue:
                 if left <= 0:
                     return {"timeout": True, "queued": len(self.queue), "dropped": dropped}
                 await self._wait(None, min(left, self.poll))
-            taken = [self.queue.popleft() for _ in range(count)]
+            # The oldest weights first (a worker that took new weights goes on while another
+            # still finishes its chunk of older ones), then in data order.
+            ordered = sorted(self.queue, key=lambda q: (q.version, q.index))
+            taken, self.queue = ordered[:count], collections.deque(ordered[count:])
             self.taken[trainer_version] = self.taken.get(trainer_version, 0) + count
             indices = [q.index for q in taken]
             self.open.difference_update(indices)
@@ -232,22 +243,40 @@ class SampleQueue:
             "indices": indices,
             "dropped": dropped,
             "wait_s": time.perf_counter() - start,
-            "paused_s": sum(self.paused_s),
+            **self.worker_seconds(),
         }
 
-    async def release(self, count: int) -> None:
-        """``count`` taken groups were dropped by the trainer (dynamic sampling: their
-        rewards were all equal): they free their places under the bound, as groups
-        dropped for their lag do, so that the workers can generate the groups that replace
-        them."""
+    def worker_seconds(self) -> dict[str, float]:
+        """The workers' seconds so far, summed over them: ``paused_s`` (held by the bound)
+        and ``sync_wait_s`` (at a boundary until new weights were in)."""
+        return {"paused_s": sum(self.paused_s), "sync_wait_s": sum(self.sync_wait_s)}
+
+    async def release(self, count: int, trainer_version: int) -> None:
+        """``count`` groups taken for the update of ``trainer_version`` were dropped by the
+        trainer (dynamic sampling: their rewards were all equal): they free their places
+        under the bound, as groups dropped for their lag do, so that the workers can
+        generate the groups that replace them; the next sync's recount no longer counts
+        them as taken."""
         async with self.cond:
             self.stale -= count
+            left = self.taken.get(trainer_version, 0) - count
+            if left < 0:
+                raise ValueError(
+                    f"release: {count} groups of update {trainer_version}, "
+                    f"{self.taken.get(trainer_version, 0)} were taken"
+                )
+            self.taken[trainer_version] = left
             self.cond.notify_all()
 
     async def request_sync(self, version: int) -> None:
-        """Workers finish their chunk, then receive weights ``version``."""
+        """Workers take weights ``version`` at the end of their chunk. The staleness count
+        restarts here: everything not yet trained was generated with older weights, and
+        every group a worker starts from now on is generated with these."""
         async with self.cond:
             self.sync_to = version
+            self._drop_lagging(version)
+            self.taken = {v: c for v, c in self.taken.items() if v >= version}
+            self.stale = len(self.queue) + self.in_flight + sum(self.taken.values())
             self.cond.notify_all()
 
     async def _wait(self, predicate: Callable[[], bool] | None, timeout: float) -> bool:

@@ -12,6 +12,7 @@ from .base import (
     PartialRolloutEngine,
     RolloutEngine,
     SleepingRolloutEngine,
+    StagingRolloutEngine,
     rollout_engine_class,
 )
 from .common import (
@@ -34,6 +35,7 @@ __all__ = [
     "Rollout",
     "RolloutEngine",
     "SleepingRolloutEngine",
+    "StagingRolloutEngine",
     "WeightsDigest",
     "hf_extend",
     "hf_generate",

@@ -14,6 +14,7 @@ dotted path ``package.module:Class`` to a subclass, imported in every rollout wo
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "PartialRolloutEngine",
     "RolloutEngine",
     "SleepingRolloutEngine",
+    "StagingRolloutEngine",
     "rollout_engine_class",
 ]
 
@@ -59,6 +61,10 @@ class RolloutEngine(abc.ABC):
     takes_deltas: ClassVar[bool] = False
     """Whether ``apply`` passes the version it holds, so that a checkpoint engine with
     ``delta`` on may send only what changed (``ckpt_engine.delta=auto`` is off otherwise)."""
+    stages_updates: ClassVar[bool] = False
+    """Whether the engine receives an update while it generates and writes it in later
+    (:class:`StagingRolloutEngine`); fully-async mode then never holds a worker's
+    generation for a transfer, only for the write at a boundary."""
     takes_lora: ClassVar[bool] = False
     """Whether the engine holds ``actor.lora``'s adapters over the base weights and applies
     a sync of the adapter alone (by :func:`rlwire.trainer.lora.adapter_name`)."""
@@ -96,6 +102,23 @@ class SleepingRolloutEngine(RolloutEngine):
     @abc.abstractmethod
     def wake_up(self) -> None:
         """Take the memory back; the weights are as before :meth:`sleep`."""
+
+
+class StagingRolloutEngine(RolloutEngine):
+    """A rollout engine that receives an update beside the weights it generates with, and
+    writes it in later, between two generations."""
+
+    stages_updates: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    async def stage(self, engine) -> Callable[[], int]:
+        """Receive one whole update from the checkpoint ``engine`` without changing the
+        weights in use: it runs in a thread of its own while :meth:`generate` runs in
+        another. Returns the commit: a call, made between two generations, that writes the
+        update in and returns its version (one commit before the next ``stage``)."""
+
+    async def apply(self, engine) -> int:
+        return (await self.stage(engine))()
 
 
 class PartialRolloutEngine(RolloutEngine):

@@ -90,6 +90,10 @@ class Rollout:
     """``(B,)`` float32, once scored."""
     advantages: torch.Tensor | None = None
     """``(B,)`` float32, once scored (group-normalised rewards)."""
+    generate_s: torch.Tensor | None = None
+    """``(B,)`` float64: each sample's share of the engine's wall seconds on the calls that
+    generated it (a call's time divided evenly over its rows; the rollout worker stamps it),
+    so that a batch's sum is the generation time behind it wherever its parts came from."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -148,6 +152,7 @@ class Rollout:
             examples=[x for p in parts for x in p.examples],
             rewards=joined("rewards"),
             advantages=joined("advantages"),
+            generate_s=joined("generate_s"),
         )
 
     def select(self, rows: slice | torch.Tensor) -> Rollout:
@@ -173,6 +178,7 @@ class Rollout:
             examples=pick(self.examples),
             rewards=cut(self.rewards),
             advantages=cut(self.advantages),
+            generate_s=cut(self.generate_s),
         )
 
     def groups(self, n: int) -> list[Rollout]:

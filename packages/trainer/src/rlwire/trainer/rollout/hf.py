@@ -6,11 +6,13 @@ consecutive), ``P`` prompt tokens (left-padded), ``T`` response tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import lora
 from ..modeling import load_hf_model
-from .base import PartialRolloutEngine
+from .base import PartialRolloutEngine, StagingRolloutEngine
 from .common import Rollout, Sampling, weights_digest
 
 __all__ = ["HFEngine", "hf_extend", "hf_generate", "hf_start"]
@@ -145,7 +147,7 @@ def hf_generate(
     return grown
 
 
-class HFEngine(PartialRolloutEngine):
+class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
     """``rollout.backend=hf``: a plain Hugging Face copy of the policy, ``generate`` sampling."""
 
     name = "hf"
@@ -170,17 +172,22 @@ class HFEngine(PartialRolloutEngine):
         self.staging: dict[str, torch.Tensor] = {}  # reused by every update (atomic apply)
         self.held: int | None = None  # the version the model holds: deltas apply onto it
 
-    async def apply(self, engine) -> int:
-        from rlwire.ckpt_engine import apply_to_module
+    async def stage(self, engine) -> Callable[[], int]:
+        from rlwire.ckpt_engine import stage_update
 
         # Atomic (an adapter split over buckets commits whole); committed by swapping
         # storages with the staging copy (one pass over the weights, not two): nothing here
-        # captures parameter storage.
+        # captures parameter storage. Deltas apply onto the version held at commit.
         targets = self.model if self.adapter is None else self.adapter
-        self.held = await apply_to_module(
+        staged = await stage_update(
             targets, engine, staging=self.staging, version=self.held, swap=True
         )
-        return self.held
+
+        def commit() -> int:
+            self.held = staged.commit()
+            return self.held
+
+        return commit
 
     def digest(self) -> str | None:
         if self.adapter is not None:  # what syncs carry

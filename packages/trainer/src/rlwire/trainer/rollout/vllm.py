@@ -31,13 +31,14 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import lora
-from .base import PartialRolloutEngine, SleepingRolloutEngine
+from .base import PartialRolloutEngine, SleepingRolloutEngine, StagingRolloutEngine
 from .common import Rollout, Sampling
 
 __all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension"]
@@ -62,7 +63,7 @@ _CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's max_lora_rank takes
 
 
-class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
+class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngine):
     """``rollout.backend=vllm``: generation with ``vllm.LLM``; sleeps on CUDA when colocated;
     continues partial responses (one request per row, prompt and response as its tokens)."""
 
@@ -131,17 +132,21 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine):
             weakref.finalize(self, shutil.rmtree, self._adapters, ignore_errors=True)
         self.llm = LLM(**options)
 
-    async def apply(self, engine) -> int:
-        """Receive one whole update (owned tensors), then reload it into the live engine
-        (with LoRA: load it as the engine's adapter)."""
+    async def stage(self, engine) -> Callable[[], int]:
+        """Receive one whole update (owned tensors); the commit reloads it into the live
+        engine (with LoRA: loads it as the engine's adapter)."""
         weights = [(name, tensor) async for name, tensor in engine.receive_weights(copy=True)]
         version = engine.last_version
-        if self._adapters is not None:
-            self._load_adapter(weights, version)
-        else:
-            self.llm.collective_rpc("rlwire_reload_weights", args=(weights,))
-        self.llm.reset_prefix_cache()
-        return version
+
+        def commit() -> int:
+            if self._adapters is not None:
+                self._load_adapter(weights, version)
+            else:
+                self.llm.collective_rpc("rlwire_reload_weights", args=(weights,))
+            self.llm.reset_prefix_cache()
+            return version
+
+        return commit
 
     def _load_adapter(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
         """``weights`` (the adapter) as the LoRA of every later generation; the previous
