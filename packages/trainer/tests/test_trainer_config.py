@@ -31,9 +31,11 @@ def test_unknown_key_lists_valid_keys_and_closest_match():
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["actor.micro_batchsize=4"])
     assert str(err.value) == (
-        "actor.micro_batchsize: unknown key; valid keys under actor: grad_sync, lora, megatron, "
-        "micro_batch_size, mixed_precision, offload, optim, ppo_epochs, ppo_mini_batch_size, "
-        "strategy, world_size; did you mean 'actor.micro_batch_size'?"
+        "actor.micro_batchsize: unknown key; valid keys under actor: grad_sync, "
+        "log_prob_max_token_len_per_gpu, log_prob_use_dynamic_bsz, lora, megatron, "
+        "micro_batch_size, mixed_precision, offload, optim, ppo_epochs, "
+        "ppo_max_token_len_per_gpu, ppo_mini_batch_size, strategy, use_dynamic_bsz, "
+        "use_remove_padding, world_size; did you mean 'actor.micro_batch_size'?"
     )
     with pytest.raises(
         ConfigError,
@@ -262,14 +264,14 @@ def test_verl_keys_for_missing_features_are_refused_together(tmp_path):
         load_config(
             path,
             overrides=[
-                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
                 "data.max_prompt_length=512",
                 "algorithm.adv_estimator=grpo",
             ],
         )
     assert str(err.value) == (
         "verl keys for features rlwire-train does not have: "
-        "actor_rollout_ref.actor.use_dynamic_bsz=True, critic.ppo_epochs=1, "
+        "critic.ppo_epochs=1, actor_rollout_ref.actor.ulysses_sequence_parallel_size=2, "
         "data.max_prompt_length=512; remove them (or set them off: false, null or 0). The "
         "mapped keys are listed in the trainer README (verl's keys)"
     )

@@ -5,6 +5,7 @@ python -m rlwire.trainer.bench [--preset realistic] [--seeds 0,1,2,3,4] [--steps
                                [--modes colocated,one_step_off,fully_async] [key=value ...]
 python -m rlwire.trainer.bench --weight-sync [--models 64x2,1024x8] [--backends auto,gloo]
 python -m rlwire.trainer.bench --vs trl --trl-python PATH [--models 64x2,640x8] [--seeds 0,1,2]
+python -m rlwire.trainer.bench --update [--models 64x2] [--budgets 256,512,1024,16384] [--repeats 5]
 
 Runs the default job (or ``--preset``'s, with the given overrides) with the same steps,
 seed and resources as: colocated; one-step off-policy; fully async with its default
@@ -39,6 +40,9 @@ job under TRL's ``GRPOTrainer`` with matched settings (:mod:`rlwire.trainer.vs_t
 ``--trl-python``, an environment with TRL: ``.ci/trl``), one after the other; it prints each
 one's training-loop samples/s, whole-command wall time and final reward (mean of the last 10%
 of steps) with rlwire's ratios to TRL's, and rlwire's per-step time breakdown.
+
+With ``--update`` it times the actor update alone on one generated batch: padded fixed-row
+micro-batches against token-budget ones, plain and packed (:mod:`rlwire.trainer.bench_update`).
 """
 
 from __future__ import annotations
@@ -157,11 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vs", choices=["trl"], default=None, help="compare with TRL")
     parser.add_argument("--trl-python", default=None, help="a Python with trl (--vs trl)")
     parser.add_argument("--seeds", default="0", help="seeds, e.g. 0,1,2,3,4")
+    parser.add_argument("--update", action="store_true", help="time the actor update")
+    parser.add_argument("--budgets", default="256,512,1024,16384", help="tokens (--update)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls (--update)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     if args.weight_sync:
         args.models = args.models or "64x2,1024x8"
         return weight_sync(args, Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-")))
+    if args.update:
+        from .bench_update import update_bench
+
+        args.models = args.models or "64x2"
+        return update_bench(args, Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-")))
     if args.vs == "trl":
         args.models = args.models or "64x2"
         args.steps = args.steps or 100

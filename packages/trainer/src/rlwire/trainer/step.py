@@ -17,29 +17,88 @@ import torch
 from rlwire.grad_sync import decide_policy, retained_grad_bytes, run_micro_batches
 
 from .grpo import LossScale, aggregate, k3_kl, policy_loss
+from .micro_batches import split_rows
+from .padding_free import micro_batch_logprobs
 from .rollout import Rollout, sequence_logprobs
 
 __all__ = ["clip_and_step", "compute_old_logprobs", "grpo_update", "ppo_update"]
 
+Rows = slice | torch.Tensor
+"""A micro-batch: consecutive rows, or a token-budget group's row indices."""
+
+
+def _logprobs(
+    model,
+    rollout: Rollout,
+    rows: Rows,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    remove_padding: bool,
+):
+    """``rows``' ``(b, T)`` log-probs (and entropies): padded to the whole batch's prompt
+    and response widths for consecutive rows (fixed micro-batches), else trimmed to the
+    rows' own, or packed with ``remove_padding``
+    (:func:`rlwire.trainer.padding_free.micro_batch_logprobs`)."""
+    ids, mask, response = (
+        rollout.prompt_ids[rows],
+        rollout.prompt_mask[rows],
+        rollout.response_ids[rows],
+    )
+    if isinstance(rows, slice) and not remove_padding:
+        return sequence_logprobs(
+            model, ids, mask, response, temperature=temperature, with_entropy=with_entropy
+        )
+    return micro_batch_logprobs(
+        model,
+        ids,
+        mask,
+        response,
+        rollout.response_mask[rows],
+        temperature=temperature,
+        with_entropy=with_entropy,
+        remove_padding=remove_padding,
+    )
+
 
 @torch.no_grad()
 def compute_old_logprobs(
-    model, rollout: Rollout, *, micro_batch_size: int, temperature: float
+    model,
+    rollout: Rollout,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    max_tokens: int | None = None,
+    remove_padding: bool = False,
+    group=None,
 ) -> torch.Tensor:
-    """``(B, T)`` log-probs of the rollout under the current actor (forward only)."""
-    parts = []
-    for start in range(0, rollout.response_ids.shape[0], micro_batch_size):
-        s = slice(start, start + micro_batch_size)
-        parts.append(
-            sequence_logprobs(
-                model,
-                rollout.prompt_ids[s],
-                rollout.prompt_mask[s],
-                rollout.response_ids[s],
-                temperature=temperature,
-            )
-        )
-    return torch.cat(parts) * rollout.response_mask
+    """``(B, T)`` log-probs of the rollout under the current actor (forward only), 0 where
+    ``response_mask`` is.
+
+    Micro-batches of ``micro_batch_size`` rows, or with ``max_tokens`` token-budget
+    micro-batches (:func:`rlwire.trainer.micro_batches.split_rows`: a collective over
+    ``group`` when ``torch.distributed`` is initialised), their results put back in row
+    order; ``remove_padding`` packs each micro-batch into one row
+    (:mod:`rlwire.trainer.padding_free`).
+    """
+    out = torch.zeros_like(rollout.response_mask, dtype=torch.float32)
+    parts = split_rows(
+        rollout.prompt_mask,
+        rollout.response_mask,
+        rows=micro_batch_size,
+        max_tokens=max_tokens,
+        group=group,
+    )
+    for rows in parts:
+        out[rows] = _logprobs(
+            model,
+            rollout,
+            rows,
+            temperature=temperature,
+            with_entropy=False,
+            remove_padding=remove_padding,
+        ).float()
+    return out * rollout.response_mask
 
 
 def grpo_update(
@@ -66,6 +125,9 @@ def grpo_update(
     weights: torch.Tensor | None = None,
     loss_mask: torch.Tensor | None = None,
     record: torch.Tensor | None = None,
+    max_tokens: int | None = None,
+    remove_padding: bool = False,
+    group=None,
 ) -> dict[str, float]:
     """One optimizer step over this rank's share of the rollout.
 
@@ -88,6 +150,15 @@ def grpo_update(
     ``optimizer_step`` replaces the default clip-step-zero sequence
     (:func:`clip_and_step`) with an actor engine's own
     (:meth:`rlwire.trainer.actor.ActorEngine.optimizer_step`); it returns the gradient norm.
+
+    Micro-batches: ``micro_batch_size`` consecutive rows, each padded to this call's longest
+    prompt and response; or with ``max_tokens`` (verl's ``use_dynamic_bsz``) token-budget
+    groups of rows balanced by real tokens, each trimmed to its own longest prompt and
+    response, as many on every rank of ``group`` (one all-reduce when ``torch.distributed``
+    is initialised; every rank must call); ``remove_padding`` packs each micro-batch into
+    one row (:mod:`rlwire.trainer.padding_free`). The loss and gradient are the same
+    whatever the split (up to floating-point rounding); ``clip_fraction`` and ``entropy``
+    are per-micro-batch means weighted by rows, so they move slightly with it.
     Returns metrics: ``policy_loss``, ``clip_fraction``, ``entropy``, ``kl_ref``
     (0 without a reference), ``grad_norm``, ``retained_grad_bytes`` (the most
     held between micro-batches) and ``grad_sync_policy``.
@@ -95,19 +166,25 @@ def grpo_update(
     total = rollout.response_ids.shape[0]
     if scale is None:
         scale = LossScale.of(rollout.response_mask if loss_mask is None else loss_mask)
-    slices = [slice(s, min(s + micro_batch_size, total)) for s in range(0, total, micro_batch_size)]
+    parts = split_rows(
+        rollout.prompt_mask,
+        rollout.response_mask,
+        rows=micro_batch_size,
+        max_tokens=max_tokens,
+        group=group,
+    )
     held: list[int] = []
     timing = {"forward_backward": 0.0}
 
-    def step(s: slice) -> tuple[float, float, float, float]:
+    def step(s: Rows) -> tuple[float, float, float, float]:
         start = time.perf_counter()
-        logp, entropy = sequence_logprobs(
+        logp, entropy = _logprobs(
             model,
-            rollout.prompt_ids[s],
-            rollout.prompt_mask[s],
-            rollout.response_ids[s],
+            rollout,
+            s,
             temperature=temperature,
             with_entropy=True,
+            remove_padding=remove_padding,
         )
         if old_logprobs is None:  # on-policy: this forward's own, as compute_old_logprobs'
             old = logp.detach() * rollout.response_mask[s]
@@ -138,7 +215,8 @@ def grpo_update(
         loss.backward()  # already its share of the mini-batch's aggregate
         held.append(retained_grad_bytes(model))
         timing["forward_backward"] += time.perf_counter() - start
-        weight = (s.stop - s.start) / total  # for the per-row metrics
+        size = s.stop - s.start if isinstance(s, slice) else s.numel()
+        weight = size / total  # for the per-row metrics
         return (
             loss.item(),
             clip_frac.item() * weight,
@@ -146,7 +224,7 @@ def grpo_update(
             kl.item(),
         )
 
-    results = run_micro_batches(model, slices, step, policy=grad_sync)
+    results = run_micro_batches(model, parts, step, policy=grad_sync)
     start = time.perf_counter()
     if optimizer_step is not None:
         grad_norm = optimizer_step()

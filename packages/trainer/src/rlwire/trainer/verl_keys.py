@@ -61,6 +61,7 @@ class Alias:
 
 _ACTOR, _ROLLOUT = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
 _NO_SYNC = _choices({True: "defer", False: "every"})
+_ONE = "rollout's and ref's: one value"
 
 ALIASES: tuple[Alias, ...] = (
     Alias("data.train_files", "data.source", _one_file, "one file"),
@@ -77,6 +78,14 @@ ALIASES: tuple[Alias, ...] = (
     Alias(_ACTOR + "ppo_mini_batch_size", "actor.ppo_mini_batch_size"),
     Alias(_ACTOR + "ppo_epochs", "actor.ppo_epochs"),
     Alias(_ACTOR + "ppo_micro_batch_size_per_gpu", "actor.micro_batch_size"),
+    Alias(_ACTOR + "use_dynamic_bsz", "actor.use_dynamic_bsz"),
+    Alias(_ACTOR + "ppo_max_token_len_per_gpu", "actor.ppo_max_token_len_per_gpu"),
+    *(  # the forward-only passes (verl sets the proximal's under rollout): one value here
+        Alias(f"actor_rollout_ref.{part}.log_prob_{key}", f"actor.log_prob_{key}", _same, _ONE)
+        for part in ("rollout", "ref")
+        for key in ("use_dynamic_bsz", "max_token_len_per_gpu")
+    ),
+    Alias("actor_rollout_ref.model.use_remove_padding", "actor.use_remove_padding"),
     Alias(_ACTOR + "clip_ratio_low", "algorithm.clip_ratio_low"),
     Alias(_ACTOR + "clip_ratio_high", "algorithm.clip_ratio_high"),
     Alias(_ACTOR + "clip_ratio_c", "algorithm.clip_ratio_c"),

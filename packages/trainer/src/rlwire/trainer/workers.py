@@ -142,6 +142,8 @@ class ActorWorker(WorkerProcess):
             actor.model,
             None,
             micro_batch_size=cfg.micro_batch_rows(),
+            max_tokens=cfg.actor.update_token_budget(),
+            remove_padding=cfg.actor.use_remove_padding,
             temperature=temperature,
             clip_ratio=algorithm.clip_low,
             clip_ratio_high=algorithm.clip_high,
@@ -187,6 +189,8 @@ class ActorWorker(WorkerProcess):
             compute_old_logprobs,
             rollout=rollout,
             micro_batch_size=self.config.micro_batch_rows(),
+            max_tokens=self.config.actor.log_prob_token_budget(),
+            remove_padding=self.config.actor.use_remove_padding,
             temperature=self.config.rollout.temperature,
         )
 

@@ -96,6 +96,37 @@ class ActorConfig:
     None: a whole mini-batch share in one pass (fastest where it fits in memory: on the
     default job 1445 samples/s against 985 with 8; set it for models whose activations do
     not fit)."""
+    use_dynamic_bsz: bool = False
+    """Token-budget micro-batches (verl's key): each mini-batch's rows on a rank are grouped
+    into micro-batches of at most ``ppo_max_token_len_per_gpu`` real tokens (prompt +
+    response; a longer row alone), balanced by token count, each padded only to its own
+    longest prompt and response; ``micro_batch_size`` is then unused. Every rank runs the
+    most micro-batches any rank needs (one all-reduce per mini-batch). Less padding is
+    computed when lengths vary; the rows of a micro-batch are mixed long and short to balance
+    the counts, so without ``use_remove_padding`` much padding remains and the gain is small
+    (measured in the trainer README). False: ``micro_batch_size`` rows each, padded to the
+    mini-batch's longest prompt and response."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Real tokens per micro-batch on one rank with ``use_dynamic_bsz`` (verl's key and
+    default): the memory knob, as ``micro_batch_size`` is for fixed rows (activations grow
+    with it; packed under ``sdpa`` or ``eager`` attention, the attention mask with its
+    square)."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Token-budget micro-batches for the forward-only passes (the proximal and reference
+    log-probs; verl's ``rollout.`` and ``ref.log_prob_use_dynamic_bsz``). None: as
+    ``use_dynamic_bsz``."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Their budget (verl's ``rollout.`` and ``ref.log_prob_max_token_len_per_gpu``): a
+    forward without backward keeps no activations, so a larger one fits. None:
+    ``ppo_max_token_len_per_gpu``."""
+    use_remove_padding: bool = False
+    """Padding-free forward (verl's ``model.use_remove_padding``): each micro-batch's
+    sequences packed into one row with restarting ``position_ids`` and no attention mask,
+    for the update and the forward-only passes. Needs a Hugging Face attention
+    implementation that keeps packed sequences apart: ``sdpa``, ``eager``,
+    ``flex_attention`` (a block-diagonal causal mask, quadratic in the packed length) or
+    ``flash_attention_2``/``3``/``4`` (varlen); another is refused at the first forward.
+    Pairs with ``use_dynamic_bsz``, whose budget bounds the packed length."""
     ppo_mini_batch_size: int | None = None
     """Prompts per optimizer step (verl's meaning: each with its ``rollout.n`` samples,
     split over the actor ranks); a batch of ``data.train_batch_size`` prompts takes
@@ -127,6 +158,23 @@ class ActorConfig:
         )
         check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
         check(self.ppo_epochs >= 1, "actor.ppo_epochs", self.ppo_epochs, "use an int >= 1")
-        for key in ("micro_batch_size", "ppo_mini_batch_size"):
+        for key in ("micro_batch_size", "ppo_mini_batch_size", "log_prob_max_token_len_per_gpu"):
             value = getattr(self, key)
             check(value is None or value >= 1, f"actor.{key}", value, "use an int >= 1 or null")
+        check(
+            self.ppo_max_token_len_per_gpu >= 1,
+            "actor.ppo_max_token_len_per_gpu",
+            self.ppo_max_token_len_per_gpu,
+            "use an int >= 1",
+        )
+
+    def update_token_budget(self) -> int | None:
+        """Real tokens per update micro-batch (None: fixed rows, ``micro_batch_size``)."""
+        return self.ppo_max_token_len_per_gpu if self.use_dynamic_bsz else None
+
+    def log_prob_token_budget(self) -> int | None:
+        """Real tokens per micro-batch of the forward-only passes (None: fixed rows)."""
+        dynamic = self.log_prob_use_dynamic_bsz
+        if not (self.use_dynamic_bsz if dynamic is None else dynamic):
+            return None
+        return self.log_prob_max_token_len_per_gpu or self.ppo_max_token_len_per_gpu
