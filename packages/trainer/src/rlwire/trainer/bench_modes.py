@@ -21,22 +21,41 @@ MODE_RUNS: list[tuple[str, list[str]]] = [
 """Every comparison's runs; ``--variant`` adds fully-async ones (or any mode it sets)."""
 
 
-def _orchestration(rows: list[dict]) -> dict[str, float]:
-    """Mean milliseconds per step the driver spent waiting for samples, in the actors'
-    update call, in the rest of the update (scoring, moving the batch, Ray), and waiting for
-    the weight sync; and the mean megabytes a weight sync carried."""
+def _orchestration(rows: list[dict], engines: int) -> dict[str, float]:
+    """Mean milliseconds per step: the driver's wait for samples, the actors' update call,
+    the rest of the update (scoring, moving the batch, Ray), the driver's wait for the weight
+    sync, and the step as a whole; the generation behind a step's samples divided over the
+    ``engines`` (the rollout engines' own time: they run side by side); the rollout workers'
+    time paused by the staleness bound and waiting at a boundary for a sync's weights
+    (fully async; summed over the workers); the mean megabytes a weight sync carried; and
+    the stage-time bound: the slowest of the update, the generation over the engines and the
+    sync (the three summed for colocated mode, which runs them one after another)."""
 
     def mean(key: str) -> float:
         return 1000 * sum(r.get(key) or 0.0 for r in rows) / len(rows)
 
     synced = [r["weight_sync_bytes"] for r in rows if r.get("weight_sync_bytes")]
+    update, sync = mean("time_update_s"), mean("time_weight_sync_s")
+    generation = mean("time_generate_s") / engines
     return {
         "sync_mb": sum(synced) / len(synced) / 1e6 if synced else 0.0,
         "samples": mean("time_rollout_s"),
         "actor": mean("time_actor_s"),
-        "driver": mean("time_update_s") - mean("time_actor_s"),
-        "sync": mean("time_weight_sync_s"),
+        "driver": update - mean("time_actor_s"),
+        "sync": sync,
+        "step": mean("time_rollout_s") + update + sync,
+        "generation": generation,
+        "paused": mean("rollout_paused_s"),
+        "sync_wait": mean("rollout_sync_wait_s"),
+        "bound_overlapped": max(update, generation, sync),
+        "bound_serial": update + generation + sync,
     }
+
+
+def _engines(config) -> int:
+    """The rollout engines generating side by side: one per actor rank with the hybrid
+    engine, else the rollout workers."""
+    return config.actor.world_size if config.hybrid_engine() else config.rollout.num_workers
 
 
 def compare_modes(args: argparse.Namespace, root: Path) -> int:
@@ -64,6 +83,7 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
         model = [f"model.path={path}"]
     rows: dict[tuple[str, int], dict] = {}
     kept: dict[tuple[str, int], list[dict]] = {}
+    engines: dict[str, int] = {}
     print(
         f"preset: {args.preset}, model: {args.models or 'default'}, overrides: "
         f"{args.overrides}, {args.workers} rollout worker(s), seeds {seeds}"
@@ -90,6 +110,7 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
                 ],
                 preset=args.preset,
             )
+            engines[label] = _engines(config)
             start = time.perf_counter()
             run(config, progress=False)
             kept[label, seed] = summary_records(out)
@@ -117,10 +138,10 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
     print(f"\ntarget: 0.8 x colocated's final reward in the same seed ({WINDOW}-step moving mean)")
     print(
         "| run | samples/s vs colocated (mean) | reward vs colocated: mean | worst "
-        "| time to target vs colocated: mean | worst | per step, ms: samples wait | actors' update "
-        "| driver's share | sync wait | MB per sync |"
+        "| time to target vs colocated: mean | worst |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
+    costs = {}
     for label, _ in runs:
         mine = [rows[label, s] for s in seeds]
         reached = [r["to_target"] for r in mine if r["to_target"] is not None]
@@ -130,12 +151,37 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
             if reached
             else "not reached | -"
         )
-        cost = _orchestration([r for s in seeds for r in kept[label, s]])
+        costs[label] = _orchestration([r for s in seeds for r in kept[label, s]], engines[label])
         print(
             f"| {label} | {statistics.mean(r['speed'] for r in mine):.2f}x "
             f"| {statistics.mean(r['reward'] for r in mine):.2f}x "
-            f"| {min(r['reward'] for r in mine):.2f}x | {times} | {cost['samples']:.1f} "
-            f"| {cost['actor']:.1f} | {cost['driver']:.1f} | {cost['sync']:.1f} "
-            f"| {cost['sync_mb']:.3f} |"
+            f"| {min(r['reward'] for r in mine):.2f}x | {times} |"
         )
+    _print_bounds(runs, seeds, rows, costs, engines)
     return 0
+
+
+def _print_bounds(runs, seeds, rows, costs, engines) -> None:
+    """Each run against the bound its own stage times allow, and where its steps went."""
+    print(
+        "\nbound: the slowest stage per step (update, generation over the engines, sync), "
+        "measured in the same run; colocated: their sum"
+    )
+    print(
+        "| run | engines | samples/s | bound samples/s | of bound | per step, ms: step "
+        "| samples wait | update (actors' call) | driver's share | sync wait "
+        "| generation / engines | workers paused | workers' sync wait | MB per sync |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, _ in runs:
+        cost = costs[label]
+        speed = statistics.mean(rows[label, s]["samples_per_s"] for s in seeds)
+        bound_ms = cost["bound_serial" if label == "colocated" else "bound_overlapped"]
+        bound = speed * cost["step"] / bound_ms if bound_ms else 0.0
+        print(
+            f"| {label} | {engines[label]} | {speed:.1f} | {bound:.1f} "
+            f"| {speed / bound if bound else 0.0:.2f} | {cost['step']:.1f} "
+            f"| {cost['samples']:.1f} | {cost['driver'] + cost['actor']:.1f} ({cost['actor']:.1f}) "
+            f"| {cost['driver']:.1f} | {cost['sync']:.1f} | {cost['generation']:.1f} "
+            f"| {cost['paused']:.1f} | {cost['sync_wait']:.1f} | {cost['sync_mb']:.3f} |"
+        )

@@ -82,34 +82,32 @@ def run_fully_async(job: Job, bar) -> None:
         """Ask the workers to take ``version`` at their next boundary and hand it over:
         each actor rank gathers the weights, rank 0 sends them from a thread of its own
         and goes on with its next calls; each worker receives them beside its generation.
-        Nothing here waits for the workers."""
-        if request:
-            watch.get(queue.request_sync.remote(version), timeout=wait_s, what="weight sync")
-        for actor in job.actors:  # queued before the next update on every rank
-            actor.start_push.remote(version)
-        receive = [
+        Nothing here waits (:func:`finish_sync` collects every answer at once)."""
+        calls = [queue.request_sync.remote(version)] if request else []
+        calls += [actor.start_push.remote(version) for actor in job.actors]  # before the
+        # next update on every rank; then each worker's receive, on its own thread:
+        calls += [
             r.stage_weights.options(concurrency_group="receive").remote(version)
             for r in job.rollouts
         ]
-        return version, receive
+        return version, calls
 
     def finish_sync(started: tuple[int, list]) -> dict[str, Any]:
         """Wait until rank 0's send ended and every worker wrote the version in: the
         send's report, with each worker's (``pulls``)."""
-        version, receive = started
-        # No overall deadline for the transfer: the engine bounds every wait of it
-        # (ckpt_engine.timeout) and fails it, and a large model may outlast any fixed budget.
+        version, calls = started
         finished = [a.finish_push.remote() for a in job.actors]
-        stats = watch.get(finished, timeout=None, what="weight sync (send)")[0]
-        watch.get(receive, timeout=None, what="weight sync (receive)")
-        # The workers write it in at their next boundary: after the generation they are in.
-        pulls = watch.get(
-            queue.wait_synced.remote(version, wait_s), timeout=wait_s + 30, what="weight sync"
+        # The workers write it in at their next boundary, after the generation they are in:
+        # bounded by async.sample_timeout; the transfer by the engine (ckpt_engine.timeout
+        # per wait: a large model may outlast any fixed budget for the whole).
+        synced = queue.wait_synced.remote(version, wait_s)
+        *_, stats, pulls = watch.get(
+            [*calls, *finished[1:], finished[0], synced], timeout=None, what="weight sync"
         )
         if pulls is None:
             raise RunError(
                 f"weight sync: the rollout workers did not reach a boundary to take version "
-                f"{version} within {wait_s:g} s of receiving it (async.sample_timeout)"
+                f"{version} within {wait_s:g} s (async.sample_timeout)"
             )
         return {**stats, "pulls": pulls}
 

@@ -199,30 +199,32 @@ class RolloutWorker(WorkerProcess):
 
         staged_s = self.config.ckpt_engine.timeout + 30  # the transfer, once requested
 
-        def sync(version: int) -> None:
+        def sync(version: int) -> dict[str, Any]:
             start = time.perf_counter()
             if self.backend.stages_updates:  # received meanwhile: written in here
                 info = self._take_staged(version, staged_s)
             else:
                 info = self.pull_weights()
-            info["wait_s"] = time.perf_counter() - start
-            ray.get(queue.worker_synced.remote(self.index, info), timeout=poll_timeout)
+            return {**info, "wait_s": time.perf_counter() - start}
 
         def sync_if_requested() -> None:
             version = ray.get(queue.sync_pending.remote(self.index), timeout=poll_timeout)
             if version is not None:
-                sync(version)
+                info = sync(version)
+                ray.get(queue.worker_synced.remote(self.index, info), timeout=poll_timeout)
 
         partial = self.config.async_.partial_rollout
         chunks = 0
+        report: dict[str, Any] = {}  # what the last task gave, told with the next question
         while True:
-            task = ray.get(queue.next_task.remote(self.index), timeout=poll_timeout)
+            task = ray.get(queue.next_task.remote(self.index, **report), timeout=poll_timeout)
+            report = {}
             if task["kind"] == "stop":
                 return {"worker": self.index, "chunks": chunks, "version": self.version}
             if task["kind"] == "wait":
                 continue
             if task["kind"] == "sync":
-                sync(task["version"])
+                report = {"synced": sync(task["version"])}
                 continue
             if task["kind"] == "validate":  # held-out prompts, with the weights held
                 out = self.generate(task["prompts"], task["seed"], task["sampling"])
@@ -238,10 +240,7 @@ class RolloutWorker(WorkerProcess):
             for group, example in zip(groups, task["examples"], strict=True):
                 group.examples = [example] * n
             versions = [group.version for group in groups]
-            ray.get(
-                queue.put.remote(self.index, versions, groups, task["indices"]),
-                timeout=poll_timeout,
-            )
+            report = {"put": (versions, groups, task["indices"])}
             chunks += 1
 
 

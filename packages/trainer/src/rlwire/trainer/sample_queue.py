@@ -118,12 +118,20 @@ class SampleQueue:
         current = self.sync_to is None or self.worker_versions[worker] == self.sync_to
         return current and self.stale < self.bound
 
-    async def next_task(self, worker: int) -> dict[str, Any]:
+    async def next_task(
+        self, worker: int, *, put: tuple | None = None, synced: dict | None = None
+    ) -> dict[str, Any]:
         """What ``worker`` does next: ``generate``, ``sync``, ``wait`` or ``stop``.
 
-        Answers within ``poll`` seconds; time spent held back by the staleness bound
-        counts as this worker's paused time.
+        ``put`` (the arguments of :meth:`put` after ``worker``) and ``synced`` (those of
+        :meth:`worker_synced`) report the previous task first, in the same call (one round
+        trip per chunk instead of two). Answers within ``poll`` seconds; time spent held
+        back by the staleness bound counts as this worker's paused time.
         """
+        if put is not None:
+            await self.put(worker, *put)
+        if synced is not None:
+            await self.worker_synced(worker, synced)
         async with self.cond:
             start = time.perf_counter()
             paused = 0.0
