@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlwire.trainer.config import ConfigError, load_config
-from rlwire.trainer.correction import RolloutCorrectionConfig, correction_weights
+from rlwire.trainer.correction import GapWatch, RolloutCorrectionConfig, correction_weights
 from rlwire.trainer.grpo import policy_loss
 
 # proximal - behaviour per token: rho = [[3, 0.25, pad], [1, 1.5, 1]]
@@ -182,3 +182,20 @@ def test_rejection_is_refused_in_bypass_mode():
         "proximal ones, so every ratio is 1 and nothing is rejected); "
         "set bypass_mode=false or rollout_rs=null"
     )
+
+
+def test_gap_watch_warns_once_when_truncation_outgrows_the_limit():
+    """One warning line, naming the measured KL, the first time the 10-step mean of the
+    truncated fraction passes ``warn_truncated_fraction``; none below it, none with null."""
+    watch = GapWatch(RolloutCorrectionConfig(warn_truncated_fraction=0.05))
+    said = [watch.observe(step, 0.04, 0.01) for step in range(1, 21)]  # at 4%: quiet
+    said += [watch.observe(step, 0.20, 0.30) for step in range(21, 31)]
+    warnings = [(step, w) for step, w in enumerate(said, 1) if w is not None]
+    # the mean of the last 10 passes 5% at step 21: (0.2 + 0.04 * 9) / 10 = 5.6%
+    assert [step for step, _ in warnings] == [21]
+    assert "at step 21: 5.6% of tokens' importance weights truncated at 2" in warnings[0][1]
+    assert "kl_behaviour_proximal 0.0390 per token" in warnings[0][1]
+    quiet = GapWatch(RolloutCorrectionConfig(warn_truncated_fraction=None))
+    assert all(quiet.observe(step, 1.0, 1.0) is None for step in range(30))
+    with pytest.raises(ValueError, match="warn_truncated_fraction: 0 is not allowed"):
+        RolloutCorrectionConfig(warn_truncated_fraction=0)

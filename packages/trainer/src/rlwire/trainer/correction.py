@@ -26,13 +26,14 @@ masked, so every setting gives the uncorrected loss bit for bit.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import torch
 
 from .grpo import k3_kl
 
-__all__ = ["Correction", "RolloutCorrectionConfig", "correction_weights"]
+__all__ = ["Correction", "GapWatch", "RolloutCorrectionConfig", "correction_weights"]
 
 _LEVELS = ("token", "sequence")
 _LOG_RATIO_BOUND = 20.0  # exp(+-20): weights stay finite whatever the log-probs say
@@ -58,6 +59,13 @@ class RolloutCorrectionConfig:
     bypass_mode: bool = False
     """True: skip the proximal forward pass and clip against the behaviour log-probs
     (every ``rho`` is then 1, so ``rollout_rs`` is refused with it)."""
+    warn_truncated_fraction: float | None = 0.05
+    """rlwire's own: say so once, in one warning line with the measured
+    ``kl_behaviour_proximal``, when the mean ``rollout_is_truncated_fraction`` of the last
+    10 steps passes this: the off-policy gap has outgrown what truncation at
+    ``rollout_is_threshold`` corrects, and the run learns from samples the loss no longer
+    weighs right (a smaller ``async.staleness_threshold`` or learning rate narrows it).
+    null: never."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -71,6 +79,12 @@ class RolloutCorrectionConfig:
                 raise ValueError(
                     f"{name}.{key}: {getattr(self, key)!r} is not allowed; use a float >= 1"
                 )
+        warn = self.warn_truncated_fraction
+        if warn is not None and not 0 < warn <= 1:
+            raise ValueError(
+                f"{name}.warn_truncated_fraction: {warn!r} is not allowed; "
+                "use a float in (0, 1] or null"
+            )
         lower = self.rollout_rs_threshold_lower
         if lower is not None and not 0 < lower <= 1:
             raise ValueError(
@@ -95,6 +109,39 @@ class RolloutCorrectionConfig:
         upper = self.rollout_rs_threshold
         lower = self.rollout_rs_threshold_lower
         return (1.0 / upper if lower is None else lower), upper
+
+
+class GapWatch:
+    """Watches the steps' correction metrics for an off-policy gap the correction cannot
+    hold (``warn_truncated_fraction``); :meth:`observe` returns the one warning, once."""
+
+    WINDOW = 10
+
+    def __init__(self, config: RolloutCorrectionConfig) -> None:
+        self.limit = config.warn_truncated_fraction
+        self.threshold = config.rollout_is_threshold
+        self.recent: collections.deque[tuple[float, float]] = collections.deque(maxlen=self.WINDOW)
+        self.warned = False
+
+    def observe(self, step: int, truncated: float, kl: float) -> str | None:
+        """Step ``step``'s ``rollout_is_truncated_fraction`` and ``kl_behaviour_proximal``;
+        the warning the first time the window's mean passes the limit, else None."""
+        self.recent.append((truncated, kl))
+        if self.warned or self.limit is None or len(self.recent) < self.WINDOW:
+            return None
+        mean_truncated = sum(t for t, _ in self.recent) / self.WINDOW
+        if mean_truncated <= self.limit:
+            return None
+        self.warned = True
+        mean_kl = sum(k for _, k in self.recent) / self.WINDOW
+        return (
+            f"off-policy gap past what the correction holds at step {step}: "
+            f"{mean_truncated:.1%} of tokens' importance weights truncated at "
+            f"{self.threshold:g} (mean of the last {self.WINDOW} steps; "
+            f"algorithm.rollout_correction.warn_truncated_fraction={self.limit:g}), "
+            f"kl_behaviour_proximal {mean_kl:.4f} per token; lower async.staleness_threshold "
+            "or the learning rate"
+        )
 
 
 @dataclasses.dataclass(slots=True)

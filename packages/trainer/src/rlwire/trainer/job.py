@@ -26,6 +26,7 @@ from .cluster import (
     placement,
     shm_bytes_needed,
 )
+from .correction import GapWatch
 from .errors import RunError
 from .hybrid import HybridWorker
 from .loggers import Tracker
@@ -71,6 +72,7 @@ class Job:
         import ray
 
         self.config, self.run_dir, self.model_path = config, run_dir, model_path
+        self.gap = GapWatch(config.algorithm.rollout_correction)
         world, workers = config.actor.world_size, config.rollout.num_workers
         self.world = world
         self.hybrid = config.hybrid_engine()  # rollout engines inside the actor ranks
@@ -378,9 +380,16 @@ class Job:
         return done
 
     def record(self, metrics: StepMetrics, bar) -> None:
-        """A step's line of ``metrics.jsonl``, in the log and to every logger."""
+        """A step's line of ``metrics.jsonl``, in the log and to every logger; a warning
+        line when the off-policy gap outgrows the correction (:class:`GapWatch`)."""
         self._write(metrics.to_json(), f"step {metrics.step}")
         bar.set_postfix(reward=f"{metrics.reward_mean:.3f}")
+        warning = self.gap.observe(
+            metrics.step, metrics.rollout_is_truncated_fraction, metrics.kl_behaviour_proximal
+        )
+        if warning is not None:
+            log.warning("%s", warning)
+            print(f"rlwire-train: warning: {warning}", file=sys.stderr)
 
     def validate(self, done: int, waiting: Callable[[], dict[str, float]]) -> None:
         """Wait for a validation of the weights after ``done`` updates (queued earlier) and
