@@ -72,7 +72,9 @@ async def _simulate(
                 version = task["version"]
                 await asyncio.wait_for(pushed.setdefault(version, asyncio.Event()).wait(), 5)
                 await queue.worker_synced(w, {"version": version, "digest": None})
-                continue
+                if "then" not in task:
+                    continue
+                task = task["then"]  # the chunk after the sync, handed out with it
             await asyncio.sleep(rng.uniform(0.0005, 0.006))
             groups = [{"prompt": p} for p, _ in task["examples"]]
             await queue.put(w, [version] * len(groups), groups, task["indices"])
@@ -234,7 +236,9 @@ def test_a_worker_holding_the_new_weights_generates_without_waiting_for_the_othe
 
     ahead, late, state = asyncio.run(run())
     assert ahead["kind"] == "generate" and len(ahead["indices"]) == 2
-    assert late == {"kind": "sync", "version": 1}
+    # worker 1 syncs first, and is handed the chunk after it with it (under the bound)
+    assert late["kind"] == "sync" and late["version"] == 1
+    assert late["then"]["kind"] == "generate" and len(late["then"]["indices"]) == 2
     assert state == {"sync_to": 1, "versions": [1, 0]}
 
 

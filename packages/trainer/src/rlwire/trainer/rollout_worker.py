@@ -216,16 +216,24 @@ class RolloutWorker(WorkerProcess):
         partial = self.config.async_.partial_rollout
         chunks = 0
         report: dict[str, Any] = {}  # what the last task gave, told with the next question
+        told = None  # a sync reported while the chunk after it generates
         while True:
             task = ray.get(queue.next_task.remote(self.index, **report), timeout=poll_timeout)
             report = {}
+            if told is not None:  # answered long since: surfaces its failure, if any
+                ray.get(told, timeout=poll_timeout)
+                told = None
             if task["kind"] == "stop":
                 return {"worker": self.index, "chunks": chunks, "version": self.version}
             if task["kind"] == "wait":
                 continue
             if task["kind"] == "sync":
-                report = {"synced": sync(task["version"])}
-                continue
+                info = sync(task["version"])
+                if "then" not in task:
+                    report = {"synced": info}
+                    continue
+                told = queue.worker_synced.remote(self.index, info)
+                task = task["then"]
             if task["kind"] == "validate":  # held-out prompts, with the weights held
                 out = self.generate(task["prompts"], task["seed"], task["sampling"])
                 ray.get(queue.put_validation.remote(self.index, out), timeout=poll_timeout)

@@ -125,8 +125,10 @@ class SampleQueue:
 
         ``put`` (the arguments of :meth:`put` after ``worker``) and ``synced`` (those of
         :meth:`worker_synced`) report the previous task first, in the same call (one round
-        trip per chunk instead of two). Answers within ``poll`` seconds; time spent held
-        back by the staleness bound counts as this worker's paused time.
+        trip per chunk instead of two). A ``sync`` carries, under ``then``, the generation
+        that follows it when the bound allows one (the worker reports the sync while it
+        generates). Answers within ``poll`` seconds; time spent held back by the staleness
+        bound counts as this worker's paused time.
         """
         if put is not None:
             await self.put(worker, *put)
@@ -140,35 +142,40 @@ class SampleQueue:
                     if self.stopping:
                         return {"kind": "stop"}
                     if self.sync_to is not None and self.worker_versions[worker] != self.sync_to:
-                        return {"kind": "sync", "version": self.sync_to}
+                        sync = {"kind": "sync", "version": self.sync_to}
+                        if worker in self.validating or self.stale >= self.bound:
+                            return sync
+                        return {**sync, "then": self._generate()}
                     if worker in self.validating:
                         return {"kind": "validate", **self.validating.pop(worker)}
                     if self._may_generate(worker):
                         break
                     left = self.poll - (time.perf_counter() - start)
                     waited = time.perf_counter()
-                    held_by_bound = True  # (a sync for this worker was answered above)
                     woke = left > 0 and await self._wait(None, left)
-                    if held_by_bound:
-                        paused += time.perf_counter() - waited
+                    paused += time.perf_counter() - waited  # held by the bound
                     if not woke:
                         return {"kind": "wait"}
             finally:
                 self.paused_s[worker] += paused
-            count = min(self.chunk, self.bound - self.stale)
-            indices = [self.redo.popleft() for _ in range(min(count, len(self.redo)))]
-            fresh = count - len(indices)
-            indices += range(self.next_group, self.next_group + fresh)
-            self.next_group += fresh
-            self.open.update(indices)
-            self.stale += count
-            self.in_flight += count
-            return {
-                "kind": "generate",
-                "indices": indices,
-                "examples": [self._group(i) for i in indices],
-                "seed": self.seed * 7919 + indices[0],
-            }
+            return self._generate()
+
+    def _generate(self) -> dict[str, Any]:
+        """A chunk of groups to generate (lock held; the bound has room), counted now."""
+        count = min(self.chunk, self.bound - self.stale)
+        indices = [self.redo.popleft() for _ in range(min(count, len(self.redo)))]
+        fresh = count - len(indices)
+        indices += range(self.next_group, self.next_group + fresh)
+        self.next_group += fresh
+        self.open.update(indices)
+        self.stale += count
+        self.in_flight += count
+        return {
+            "kind": "generate",
+            "indices": indices,
+            "examples": [self._group(i) for i in indices],
+            "seed": self.seed * 7919 + indices[0],
+        }
 
     def _group(self, index: int) -> Any:
         step, position = divmod(index, self.required)
