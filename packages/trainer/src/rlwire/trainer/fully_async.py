@@ -11,8 +11,9 @@ chunk), then goes on without waiting for the other workers. A sync step's metric
 written once its sync completed, after the next update.
 
 Deadlines: the transfer is bounded by the checkpoint engine (``ckpt_engine.timeout`` per
-wait); a worker's boundary, which comes after the generation it is in, by
-``async.sample_timeout``, counted from the end of the transfer."""
+wait); the workers' boundaries, which come after the generation they are in, by
+``async.sample_timeout``, counted from the trainer's wait for the sync (after the next
+update), never by the transfer's deadline."""
 
 from __future__ import annotations
 

@@ -30,8 +30,9 @@ class RolloutWorker(WorkerProcess):
     """
 
     CONCURRENCY_GROUPS = {"receive": 1}
-    """The Ray actor's concurrency groups (``.options(concurrency_groups=...)``): every
-    other call runs in order on the default group; :meth:`stage_weights` on ``receive``."""
+    """The Ray actor's concurrency groups (``ray.remote(concurrency_groups=...)``): every
+    other call runs in order on the default group; :meth:`stage_weights` on ``receive``
+    (``.options(concurrency_group="receive")`` at the call)."""
 
     def __init__(
         self, config: TrainerConfig, model_path: str, index: int = 0, gpu_share: float = 1.0
@@ -144,21 +145,20 @@ class RolloutWorker(WorkerProcess):
         _stamp_seconds(out, time.perf_counter() - start - synced_s)
         return out
 
-    def stage_weights(self, version: int) -> dict[str, Any]:
+    def stage_weights(self, version: int) -> bool:
         """Fully async, on the ``receive`` concurrency group while :meth:`run` generates:
         receive update ``version`` beside the weights in use; :meth:`run` writes it in at
         its next boundary. An engine that cannot stage (a third party's without
         :class:`~rlwire.trainer.rollout.StagingRolloutEngine`) receives at the boundary
-        instead, as the sender's peer then. Returns ``{"staged", "stage_s"}``."""
+        instead, as the sender's peer then. Returns whether it staged the update."""
         if not self.backend.stages_updates:
-            return {"staged": False, "stage_s": 0.0}
+            return False
         with self._slot:
             if self._staged is not None:
                 raise RuntimeError(
                     f"rollout worker {self.index}: version {version} arrived before the "
                     "previous update was written in"
                 )
-        start = time.perf_counter()
         try:
             commit = asyncio.run(self.backend.stage(self.engine))
             staged: tuple[int, Callable[[], int]] | BaseException = (version, commit)
@@ -169,7 +169,7 @@ class RolloutWorker(WorkerProcess):
             self._slot.notify_all()
         if isinstance(staged, BaseException):
             raise staged
-        return {"staged": True, "stage_s": time.perf_counter() - start}
+        return True
 
     def _take_staged(self, version: int, timeout: float) -> dict[str, Any]:
         """Write in the update :meth:`stage_weights` received (waiting for it at most
