@@ -26,6 +26,7 @@ from rlwire.trainer.config import ConfigError, load_config
 from rlwire.trainer.micro_batches import (
     balanced_partition,
     micro_batch_count,
+    rank_shares,
     row_tokens,
     split_rows,
     token_budget_partition,
@@ -122,6 +123,24 @@ def test_balanced_by_token_count():
     sums = [sum(lengths[i] for i in g) for g in balanced_partition(lengths, 4)]
     assert max(sums) - min(sums) <= 1, sums
     assert balanced_partition([3, 1, 2], 3) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rank_shares_are_equal_in_size_and_near_equal_in_tokens(seed):
+    """``trainer.balance_batch``: every rank the same number of rows, every row once, the
+    token sums within the longest row of each other; on a long-tailed batch far closer than
+    consecutive shares."""
+    rng = random.Random(seed)
+    lengths = sorted((rng.choice([8, 9, 10, 120]) for _ in range(64)), reverse=True)
+    shares = rank_shares(lengths, 4)
+    assert [len(s) for s in shares] == [16] * 4
+    assert sorted(i for s in shares for i in s) == list(range(64))
+    sums = [sum(lengths[i] for i in s) for s in shares]
+    consecutive = [sum(lengths[r * 16 : (r + 1) * 16]) for r in range(4)]
+    assert max(sums) - min(sums) <= max(lengths)
+    assert max(sums) - min(sums) < (max(consecutive) - min(consecutive)) / 4
+    with pytest.raises(ValueError, match="rank_shares: 6 rows do not split over 4 ranks"):
+        rank_shares([1] * 6, 4)
 
 
 @pytest.mark.parametrize(

@@ -134,3 +134,22 @@ def test_two_nodes_place_ranks_on_their_gpus_and_nodes_at_node_addresses(tmp_pat
     engine = re.search(r"checkpoint engine master at ([\d.]+):\d+", log)
     assert store and engine, log[-2000:]
     assert store[1] in node_ips and engine[1] in node_ips and "127.0.0.1" not in node_ips
+
+
+def test_balanced_ranks_train_the_batch_as_consecutive_shares_do(
+    ray_cluster, tmp_path, fsdp2_reference
+):
+    """``trainer.balance_batch`` (verl's key) gives the 2 ranks rows of near-equal tokens
+    instead of consecutive halves: the same batch, the same loss and gradient over the
+    ranks (up to the order of floating-point sums)."""
+    records, _ = train_cli(
+        tmp_path / "run",
+        *FSDP2_REFERENCE,
+        "trainer.steps=1",
+        "trainer.balance_batch=true",
+        cluster=ray_cluster,
+    )
+    mine, reference = records[0], fsdp2_reference[0]
+    assert mine["reward_mean"] == reference["reward_mean"]  # the same samples
+    assert mine["policy_loss"] == pytest.approx(reference["policy_loss"], rel=1e-5, abs=1e-7)
+    assert mine["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)

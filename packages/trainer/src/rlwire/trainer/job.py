@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .algorithm import compute_advantages
 from .checkpoint import load_checkpoint, save_checkpoint
 from .cluster import (
@@ -31,6 +33,7 @@ from .errors import RunError
 from .hybrid import HybridWorker
 from .loggers import Tracker
 from .metrics import StepMetrics, UpdateMetrics
+from .micro_batches import rank_shares, row_tokens
 from .reward_kl import KLController, kl_in_reward
 from .rollout import Rollout, rollout_engine_class, split_evenly
 from .rollout_worker import RolloutWorker
@@ -351,7 +354,12 @@ class Job:
         batch.advantages = compute_advantages(algorithm, penalised, batch.response_mask, n)
         # The actors need tensors only: the strings stay here.
         tensors = dataclasses.replace(batch, texts=[], examples=[])
-        shards = [tensors.shard(r, self.world) for r in range(self.world)]
+        if self.config.trainer.balance_batch and self.world > 1:  # equal tokens per rank
+            lengths = row_tokens(tensors.prompt_mask, tensors.response_mask)
+            shares = rank_shares(lengths, self.world)
+            shards = [tensors.select(torch.tensor(rows)) for rows in shares]
+        else:
+            shards = [tensors.shard(r, self.world) for r in range(self.world)]
         refs = [a.train.remote(s, lag) for a, s in zip(self.actors, shards, strict=True)]
 
         def done() -> UpdateMetrics:

@@ -1,5 +1,6 @@
 """How one rank's share of a mini-batch is cut into micro-batches: ``micro_batch_size``
-consecutive rows, or token budgets (verl's ``use_dynamic_bsz``).
+consecutive rows, or token budgets (verl's ``use_dynamic_bsz``); and how a batch is shared
+over the actor ranks by token count (verl's ``trainer.balance_batch``, :func:`rank_shares`).
 
 Token budgets group the rows into micro-batches whose real tokens (prompt + response, from
 the masks) stay within ``max_tokens``, balanced by token count: the largest differencing
@@ -22,6 +23,7 @@ __all__ = [
     "agree_count",
     "balanced_partition",
     "micro_batch_count",
+    "rank_shares",
     "row_tokens",
     "split_rows",
     "token_budget_partition",
@@ -66,6 +68,28 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
         tie += 1
     groups = [sorted(rows) for _, rows in heap[0][2]]
     return sorted(groups, key=lambda rows: rows[0] if rows else math.inf)
+
+
+def rank_shares(lengths: Sequence[int], world: int) -> list[list[int]]:
+    """The rows (indices of ``lengths``, each row's real tokens) in ``world`` shares of equal
+    size with near-equal token sums: the longest row first, each to the lightest share that
+    still has room.
+
+    Returns ``world`` sorted lists of ``len(lengths) / world`` indices, every row in exactly
+    one; the heaviest share exceeds the lightest by at most the longest row.
+
+    Raises:
+        ValueError: ``len(lengths)`` does not split into ``world`` equal shares.
+    """
+    if world < 1 or len(lengths) % world:
+        raise ValueError(f"rank_shares: {len(lengths)} rows do not split over {world} ranks")
+    size = len(lengths) // world
+    sums, shares = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min((r for r in range(world) if len(shares[r]) < size), key=lambda r: sums[r])
+        sums[rank] += lengths[i]
+        shares[rank].append(i)
+    return [sorted(share) for share in shares]
 
 
 def _fits(groups: list[list[int]], lengths: Sequence[int], max_tokens: int) -> bool:

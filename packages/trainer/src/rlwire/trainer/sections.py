@@ -304,6 +304,12 @@ class TrainerSection:
     """The wandb project."""
     experiment_name: str | None = None
     """The wandb run name (None: the run directory's name)."""
+    balance_batch: bool = False
+    """verl's key: give every actor rank the same number of samples with near-equal real
+    tokens (prompt + response; :func:`rlwire.trainer.micro_batches.rank_shares`) rather than
+    consecutive rows, so that no rank waits for one holding the long responses. Off by
+    default here (verl's default is on): it reorders the samples over the ranks, which
+    changes a multi-rank run's floating-point sums."""
 
     @property
     def off_policy(self) -> bool:
