@@ -240,6 +240,9 @@ def cause(err: BaseException) -> BaseException:
 _READY_GET_S = 60.0
 
 
+# How long a failure waits for the other calls to show a worker's death behind it.
+_PEER_DEATH_S = 2.0
+
 _INTACT = "the last checkpoint in the run directory is intact (resume with the same command)"
 
 
@@ -273,11 +276,35 @@ class Watch:
                 except Exception as err:
                     reason = cause(err)
                     said = f"{type(reason).__name__}: {first_line(reason)}"
-                    dead = self.names.get(getattr(reason, "actor_id", None) or "")
+                    dead = self._dead(reason) or self._peer_died(pending)
                     if dead is not None:  # a worker process died: name it
-                        raise RunError(f"{what}: {dead} died ({said}); {_INTACT}") from None
+                        who, said = dead
+                        raise RunError(f"{what}: {who} died ({said}); {_INTACT}") from None
                     raise RunError(f"{what}: {said}") from None
         return values[refs] if single else [values[r] for r in refs]
+
+    def _dead(self, reason: BaseException) -> tuple[str, str] | None:
+        """The worker ``reason`` says died, and what it says; None if it names none."""
+        who = self.names.get(getattr(reason, "actor_id", None) or "")
+        return None if who is None else (who, f"{type(reason).__name__}: {first_line(reason)}")
+
+    def _peer_died(self, pending: list) -> tuple[str, str] | None:
+        """A peer's death behind another worker's error (a collective's peer that went away:
+        the survivor's connection error may arrive first): the still pending calls that
+        fail within :data:`_PEER_DEATH_S` as a worker's death, the first named."""
+        import ray
+
+        if not pending:
+            return None
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=_PEER_DEATH_S)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=_READY_GET_S)
+            except Exception as err:
+                dead = self._dead(cause(err))
+                if dead is not None:
+                    return dead
+        return None
 
     def failed(self, ref) -> None:
         import ray
