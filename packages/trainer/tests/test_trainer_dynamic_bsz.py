@@ -219,6 +219,21 @@ def test_verl_keys_set_the_budgets_and_the_packed_forward():
     assert actor.update_token_budget() is None and actor.log_prob_token_budget() == 16384
 
 
+def test_verl_spellings_of_one_key_must_agree():
+    """verl's rollout and ref budgets are one key here: set alike they load, set apart they
+    are refused naming both (rather than the last one winning)."""
+    both = "actor_rollout_ref.{}.log_prob_max_token_len_per_gpu={}"
+    alike = [both.format("rollout", 8192), both.format("ref", 8192)]
+    assert load_config(overrides=alike).actor.log_prob_max_token_len_per_gpu == 8192
+    with pytest.raises(
+        ConfigError,
+        match=r"actor_rollout_ref\.rollout\.log_prob_max_token_len_per_gpu=8192 and "
+        r"actor_rollout_ref\.ref\.log_prob_max_token_len_per_gpu=4096 both set "
+        r"actor\.log_prob_max_token_len_per_gpu; give one value",
+    ):
+        load_config(overrides=[both.format("rollout", 8192), both.format("ref", 4096)])
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -21,7 +21,7 @@ MODE_RUNS: list[tuple[str, list[str]]] = [
 """Every comparison's runs; ``--variant`` adds fully-async ones (or any mode it sets)."""
 
 
-def _orchestration(rows: list[dict], engines: int) -> dict[str, float]:
+def _orchestration(rows: list[dict], engines: int, *, serial: bool) -> dict[str, float]:
     """Mean milliseconds per step: the driver's wait for samples, the actors' update call,
     the rest of the update (scoring, moving the batch, Ray), the driver's wait for the weight
     sync, and the step as a whole; the generation behind a step's samples divided over the
@@ -29,7 +29,7 @@ def _orchestration(rows: list[dict], engines: int) -> dict[str, float]:
     time paused by the staleness bound and waiting at a boundary for a sync's weights
     (fully async; summed over the workers); the mean megabytes a weight sync carried; and
     the stage-time bound: the slowest of the update, the generation over the engines and the
-    sync (the three summed for colocated mode, which runs them one after another)."""
+    sync, or with ``serial`` (colocated mode, which runs them one after another) their sum."""
 
     def mean(key: str) -> float:
         return 1000 * sum(r.get(key) or 0.0 for r in rows) / len(rows)
@@ -47,8 +47,7 @@ def _orchestration(rows: list[dict], engines: int) -> dict[str, float]:
         "generation": generation,
         "paused": mean("rollout_paused_s"),
         "sync_wait": mean("rollout_sync_wait_s"),
-        "bound_overlapped": max(update, generation, sync),
-        "bound_serial": update + generation + sync,
+        "bound": update + generation + sync if serial else max(update, generation, sync),
     }
 
 
@@ -84,6 +83,7 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
     rows: dict[tuple[str, int], dict] = {}
     kept: dict[tuple[str, int], list[dict]] = {}
     engines: dict[str, int] = {}
+    serial: dict[str, bool] = {}  # colocated runs: the stages one after another
     print(
         f"preset: {args.preset}, model: {args.models or 'default'}, overrides: "
         f"{args.overrides}, {args.workers} rollout worker(s), seeds {seeds}"
@@ -111,6 +111,7 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
                 preset=args.preset,
             )
             engines[label] = _engines(config)
+            serial[label] = config.trainer.mode == "colocated"
             start = time.perf_counter()
             run(config, progress=False)
             kept[label, seed] = summary_records(out)
@@ -151,7 +152,8 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
             if reached
             else "not reached | -"
         )
-        costs[label] = _orchestration([r for s in seeds for r in kept[label, s]], engines[label])
+        steps = [r for s in seeds for r in kept[label, s]]
+        costs[label] = _orchestration(steps, engines[label], serial=serial[label])
         print(
             f"| {label} | {statistics.mean(r['speed'] for r in mine):.2f}x "
             f"| {statistics.mean(r['reward'] for r in mine):.2f}x "
@@ -165,7 +167,7 @@ def _print_bounds(runs, seeds, rows, costs, engines) -> None:
     """Each run against the bound its own stage times allow, and where its steps went."""
     print(
         "\nbound: the slowest stage per step (update, generation over the engines, sync), "
-        "measured in the same run; colocated: their sum"
+        "measured in the same run; in colocated mode: their sum"
     )
     print(
         "| run | engines | samples/s | bound samples/s | of bound | per step, ms: step "
@@ -176,8 +178,7 @@ def _print_bounds(runs, seeds, rows, costs, engines) -> None:
     for label, _ in runs:
         cost = costs[label]
         speed = statistics.mean(rows[label, s]["samples_per_s"] for s in seeds)
-        bound_ms = cost["bound_serial" if label == "colocated" else "bound_overlapped"]
-        bound = speed * cost["step"] / bound_ms if bound_ms else 0.0
+        bound = speed * cost["step"] / cost["bound"] if cost["bound"] else 0.0
         print(
             f"| {label} | {engines[label]} | {speed:.1f} | {bound:.1f} "
             f"| {speed / bound if bound else 0.0:.2f} | {cost['step']:.1f} "

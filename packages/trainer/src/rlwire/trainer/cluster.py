@@ -275,12 +275,13 @@ class Watch:
                     values[ref] = ray.get(ref, timeout=_READY_GET_S)
                 except Exception as err:
                     reason = cause(err)
-                    said = f"{type(reason).__name__}: {first_line(reason)}"
                     dead = self._dead(reason) or self._peer_died(pending)
                     if dead is not None:  # a worker process died: name it
                         who, said = dead
                         raise RunError(f"{what}: {who} died ({said}); {_INTACT}") from None
-                    raise RunError(f"{what}: {said}") from None
+                    raise RunError(
+                        f"{what}: {type(reason).__name__}: {first_line(reason)}"
+                    ) from None
         return values[refs] if single else [values[r] for r in refs]
 
     def _dead(self, reason: BaseException) -> tuple[str, str] | None:

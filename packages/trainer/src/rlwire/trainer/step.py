@@ -27,6 +27,13 @@ Rows = slice | torch.Tensor
 """A micro-batch: consecutive rows, or a token-budget group's row indices."""
 
 
+def _micro_batches(rollout: Rollout, rows: int, max_tokens: int | None, group) -> list[Rows]:
+    """The rollout's micro-batches (:func:`rlwire.trainer.micro_batches.split_rows`)."""
+    return split_rows(
+        rollout.prompt_mask, rollout.response_mask, rows=rows, max_tokens=max_tokens, group=group
+    )
+
+
 def _logprobs(
     model,
     rollout: Rollout,
@@ -82,14 +89,7 @@ def compute_old_logprobs(
     (:mod:`rlwire.trainer.padding_free`).
     """
     out = torch.zeros_like(rollout.response_mask, dtype=torch.float32)
-    parts = split_rows(
-        rollout.prompt_mask,
-        rollout.response_mask,
-        rows=micro_batch_size,
-        max_tokens=max_tokens,
-        group=group,
-    )
-    for rows in parts:
+    for rows in _micro_batches(rollout, micro_batch_size, max_tokens, group):
         out[rows] = _logprobs(
             model,
             rollout,
@@ -166,13 +166,7 @@ def grpo_update(
     total = rollout.response_ids.shape[0]
     if scale is None:
         scale = LossScale.of(rollout.response_mask if loss_mask is None else loss_mask)
-    parts = split_rows(
-        rollout.prompt_mask,
-        rollout.response_mask,
-        rows=micro_batch_size,
-        max_tokens=max_tokens,
-        group=group,
-    )
+    parts = _micro_batches(rollout, micro_batch_size, max_tokens, group)
     held: list[int] = []
     timing = {"forward_backward": 0.0}
 

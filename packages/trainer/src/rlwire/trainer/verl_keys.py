@@ -61,7 +61,7 @@ class Alias:
 
 _ACTOR, _ROLLOUT = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
 _NO_SYNC = _choices({True: "defer", False: "every"})
-_ONE = "rollout's and ref's: one value"
+_ONE = "rollout's and ref's: one value (set both alike)"
 
 ALIASES: tuple[Alias, ...] = (
     Alias("data.train_files", "data.source", _one_file, "one file"),
@@ -227,8 +227,20 @@ def translate(flat: Mapping[str, Any]) -> dict[str, Any]:
     flat = dict(flat)
     out: dict[str, Any] = {}
     _combine(flat, out)
+    given: dict[str, str] = {}  # our key -> the key that set it
+
+    def put(ours: str, value: Any, source: str) -> None:
+        """``ours`` from ``source``; two spellings of one key must agree."""
+        if ours in given and out[ours] != value:
+            raise ConfigError(
+                f"{given[ours]}={out[ours]!r} and {source}={value!r} both set {ours}; "
+                "give one value"
+            )
+        given[ours], out[ours] = source, value
+
     refused = []
     for key, value in flat.items():
+        given_key = key
         for theirs, ours in _PREFIXES:
             if key.startswith(theirs):
                 key = ours + key.removeprefix(theirs)
@@ -236,12 +248,12 @@ def translate(flat: Mapping[str, Any]) -> dict[str, Any]:
         if alias is not None:
             converted = alias.convert(key, value)
             if alias.ours and converted is not None:  # None: nothing to set
-                out[alias.ours] = converted
+                put(alias.ours, converted, given_key)
         elif key.startswith(_VERL_SECTIONS) or key in _VERL_SHARED:
             if not _off(value):
                 refused.append(f"{key}={value!r}")
         else:
-            out[key] = value
+            put(key, value, given_key)
     if refused:
         raise ConfigError(
             f"verl keys for features rlwire-train does not have: {', '.join(refused)}; remove "
