@@ -37,7 +37,7 @@ def _batch(config, model, tokenizer, seed: int):
 
     from .algorithm import group_advantages
     from .rollout import hf_generate
-    from .tiny import BUILTIN_TASKS
+    from .tasks import BUILTIN_TASKS
 
     task = BUILTIN_TASKS[config.data.source.removeprefix("builtin:")]
     pairs = task.prompts(config.data.train_batch_size, seed=seed)

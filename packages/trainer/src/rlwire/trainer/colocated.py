@@ -71,7 +71,7 @@ def run_colocated(job: Job, bar) -> None:
             **extra,
         )
         t0 = t_sync
-        job.record(record, bar)
+        job.record(record, bar, batch)
         bar.update(1)
         if held_out is not None:
             job.validate(step + 1, held_out)

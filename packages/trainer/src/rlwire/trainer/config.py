@@ -21,6 +21,7 @@ from typing import Any
 
 from rlwire.ckpt_engine import registry as engine_registry
 
+from .agent.config import AgentConfig
 from .checks import check
 from .rollout.base import rollout_engine_class
 from .sections import (
@@ -36,6 +37,7 @@ from .sections import (
     RolloutConfig,
     TrainerSection,
 )
+from .tasks import builtin_task
 from .validation import ValidationConfig
 from .verl_keys import translate
 
@@ -72,6 +74,7 @@ class TrainerConfig:
     ckpt_engine: CheckpointEngineConfig = dataclasses.field(default_factory=CheckpointEngineConfig)
     trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
     async_: AsyncConfig = dataclasses.field(default_factory=AsyncConfig)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
     """Fully-async mode (the key is ``async``; verl's ``async_training`` is accepted)."""
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
 
@@ -106,6 +109,8 @@ class TrainerConfig:
                 f"(not a rlwire.trainer.rollout.PartialRolloutEngine); set it to false",
             )
 
+        if self.agent.enable:
+            self._check_agent()
         overlong = self.reward.overlong_buffer
         if overlong.enable:
             check(
@@ -148,6 +153,26 @@ class TrainerConfig:
                 "ckpt_engine.delta",
                 "on",
                 f"ckpt_engine.backend {backend!r} sends whole weights only; use 'auto' or 'off'",
+            )
+
+    def _check_agent(self) -> None:
+        """Multi-turn rollouts: an engine that takes token ids in (``extend``) and
+        validation at the training temperature."""
+        check(
+            rollout_engine_class(self.rollout.backend).can_continue,
+            "agent.enable",
+            True,
+            f"rollout.backend {self.rollout.backend!r} cannot continue from token ids (not a "
+            "rlwire.trainer.rollout.PartialRolloutEngine); use 'hf' or 'vllm'",
+        )
+        val = self.validation
+        if val.source is not None:
+            check(
+                val.do_sample and val.temperature == self.rollout.temperature,
+                "validation.do_sample",
+                val.do_sample,
+                "multi-turn rollouts sample at rollout.temperature: set validation.do_sample="
+                f"true and validation.temperature={self.rollout.temperature}",
             )
 
     def hybrid_engine(self) -> bool:
@@ -360,9 +385,7 @@ def load_config(
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"--preset: {preset!r} is unknown; use one of {sorted(PRESETS)}")
-        for item in PRESETS[preset]:
-            key, _, text = item.partition("=")
-            flat[key] = _parse_scalar(text)
+        flat.update(_item(i) for i in PRESETS[preset])
     if path is not None:
         try:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -378,7 +401,16 @@ def load_config(
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r}: expected dotted.key=value")
         flat[key.strip()] = _parse_scalar(text)
-    return _merge(TrainerConfig, TrainerConfig(), _nest(translate(flat)), "")
+    ours = translate(flat)
+    task = builtin_task(ours.get("data.source", DataConfig().source))
+    if task is not None:  # the task's own settings, under everything the run sets
+        ours = {**dict(_item(i) for i in task.defaults), **ours}
+    return _merge(TrainerConfig, TrainerConfig(), _nest(ours), "")
+
+
+def _item(text: str) -> tuple[str, Any]:
+    key, _, value = text.partition("=")
+    return key, _parse_scalar(value)
 
 
 def _field_docs(cls: type) -> dict[str, str]:

@@ -18,7 +18,7 @@ from typing import Any
 from .config import TrainerConfig
 from .errors import RunError
 from .rollout import Example
-from .tiny import BUILTIN_TASKS
+from .tasks import BUILTIN_TASKS, builtin_task
 
 __all__ = ["load_data", "load_validation"]
 
@@ -97,7 +97,9 @@ def _example(row: Any, where: str, config: TrainerConfig, render: _Renderer, pat
     if prompt is _MISSING or answer is _MISSING:
         wanted = " or ".join(repr(k) for k in answer_keys)
         raise RunError(f"{key}: {path} {where} lacks {prompt_key!r} or {wanted}")
+    messages = None
     if isinstance(prompt, (list, tuple)):
+        messages = [dict(m) for m in prompt]
         prompt = render(prompt, where)
     source = _field(row, "data_source")
     extra = _field(row, "extra_info")
@@ -106,14 +108,15 @@ def _example(row: Any, where: str, config: TrainerConfig, render: _Renderer, pat
         answer=str(answer),
         data_source="" if source is _MISSING else str(source),
         extra_info=dict(extra) if isinstance(extra, Mapping) else None,
+        messages=messages,
     )
 
 
 def _source(source: str, key: str):
     """The built-in task ``builtin:<name>`` names, or the data file ``source`` (named ``key``
     in the error when it is neither)."""
-    task = BUILTIN_TASKS.get(source.removeprefix("builtin:"))
-    if source.startswith("builtin:") and task is not None:
+    task = builtin_task(source)
+    if task is not None:
         return task
     path = Path(source)
     if not path.is_file():
@@ -123,9 +126,7 @@ def _source(source: str, key: str):
 
 
 def _task_examples(task, count: int, seed: int, source: str) -> list[Example]:
-    return [
-        Example(prompt=p, answer=a, data_source=source) for p, a in task.prompts(count, seed=seed)
-    ]
+    return task.examples(count, seed, source)
 
 
 def load_data(config: TrainerConfig, model_path: Path) -> Callable[[int], list[Example]]:

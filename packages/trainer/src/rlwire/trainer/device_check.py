@@ -101,7 +101,7 @@ def run_check(config: TrainerConfig, model_path: str) -> tuple[list[dict], int]:
         for step in range(config.trainer.steps):
             examples = data(step)
             start = time.perf_counter()
-            batch = worker.generate([e.prompt for e in examples], config.trainer.seed + step)
+            batch = worker.generate(examples, config.trainer.seed + step)
             generate_s = time.perf_counter() - start
             batch.examples = [e for e in examples for _ in range(config.rollout.n)]
             scored = score(config, reward, batch)

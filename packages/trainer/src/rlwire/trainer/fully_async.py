@@ -131,7 +131,7 @@ def run_fully_async(job: Job, bar) -> None:
     pending = None  # a step whose record waits for its weight sync to complete
 
     def write(step: int, synced: dict[str, Any], fields: dict[str, Any]) -> None:
-        job.record(step_record(step, synced=synced, **fields), bar)
+        job.record(step_record(step, synced=synced, **fields), bar, fields["batch"])
         bar.update(1)
 
     def write_synced(step: int, started: Any, fields: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from .config import TrainerConfig
-from .rollout import Rollout, Sampling
+from .rollout import Example, Rollout, Sampling
 from .rollout_worker import RolloutWorker
 from .workers import ActorWorker
 
@@ -28,8 +28,10 @@ class HybridWorker(ActorWorker):
         super().setup(master)
         self.rollout.load_engine()
 
-    def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
-        return self.rollout.generate(prompts, seed, sampling)
+    def generate(
+        self, examples: list[Example], seed: int, sampling: Sampling | None = None
+    ) -> Rollout:
+        return self.rollout.generate(examples, seed, sampling)
 
     def sleep(self) -> None:
         self.rollout.sleep()

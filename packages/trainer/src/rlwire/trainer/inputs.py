@@ -9,20 +9,36 @@ from pathlib import Path
 
 from .config import TrainerConfig
 from .errors import RunError
+from .tasks import BUILTIN_TASKS, Task, builtin_task
 
-__all__ = ["checkpoint_step", "latest_checkpoint", "prune_checkpoints", "resolve_model"]
+__all__ = [
+    "build_tiny",
+    "checkpoint_step",
+    "latest_checkpoint",
+    "prune_checkpoints",
+    "resolve_model",
+]
+
+
+def tiny_task(config: TrainerConfig) -> Task:
+    """The task whose tiny model ``model.path=tiny`` builds: the built-in task trained, else
+    the default one's."""
+    return builtin_task(config.data.source) or BUILTIN_TASKS["repeat"]
+
+
+def build_tiny(config: TrainerConfig, directory: Path) -> Path:
+    """Build (once) ``model.path=tiny``'s model for the run's task at ``directory``."""
+    return tiny_task(config).build_model(directory, seed=config.trainer.seed)
 
 
 def resolve_model(config: TrainerConfig, run_dir: Path, *, build: bool = True) -> Path:
     """The model directory: the built-in tiny model (built once, unless ``build`` is false:
     then only its place) or the user's."""
     if config.model.path == "tiny":
-        from .tiny import build_tiny_model
-
         # One directory per seed: a new trainer.seed on an old run directory gets its model.
         seed = config.trainer.seed
-        directory = run_dir / f"tiny-model-seed{seed}"
-        return build_tiny_model(directory, seed=seed) if build else directory
+        directory = run_dir / f"{tiny_task(config).model_name}-seed{seed}"
+        return build_tiny(config, directory) if build else directory
     path = Path(config.model.path).resolve()
     if not (path / "config.json").is_file():
         raise RunError(

@@ -36,6 +36,7 @@ from .metrics import StepMetrics, UpdateMetrics
 from .micro_batches import rank_shares, row_tokens
 from .reward_kl import KLController, kl_in_reward
 from .rollout import Rollout, rollout_engine_class, split_evenly
+from .rollout_data import write_rollouts
 from .rollout_worker import RolloutWorker
 from .scoring import Scored, score
 from .workers import ActorWorker
@@ -286,7 +287,7 @@ class Job:
         config = self.config
         position = step + self.extra_batches  # the data's batch (and the seeds) to generate
         examples = self.batches(position)
-        shares = split_evenly([e.prompt for e in examples], len(self.rollouts))
+        shares = split_evenly(examples, len(self.rollouts))
         refs = [
             r.generate.remote(part, _seed(config, position, i))
             for i, (r, part) in enumerate(zip(self.rollouts, shares, strict=True))
@@ -353,7 +354,7 @@ class Job:
             penalised, reward_extra = kl_in_reward(self, batch, rewards, reward_extra)
         batch.advantages = compute_advantages(algorithm, penalised, batch.response_mask, n)
         # The actors need tensors only: the strings stay here.
-        tensors = dataclasses.replace(batch, texts=[], examples=[])
+        tensors = dataclasses.replace(batch, texts=[], examples=[], trajectories=None)
         if self.config.trainer.balance_batch and self.world > 1:  # equal tokens per rank
             lengths = row_tokens(tensors.prompt_mask, tensors.response_mask)
             shares = rank_shares(lengths, self.world)
@@ -387,10 +388,15 @@ class Job:
 
         return done
 
-    def record(self, metrics: StepMetrics, bar) -> None:
-        """A step's line of ``metrics.jsonl``, in the log and to every logger; a warning
-        line when the off-policy gap outgrows the correction (:class:`GapWatch`)."""
+    def record(self, metrics: StepMetrics, bar, batch: Rollout) -> None:
+        """A step's line of ``metrics.jsonl``, in the log and to every logger (and its
+        samples in ``trainer.rollout_data_dir``); a warning line when the off-policy gap
+        outgrows the correction (:class:`GapWatch`)."""
         self._write(metrics.to_json(), f"step {metrics.step}")
+        if self.config.trainer.rollout_data_dir is not None:
+            write_rollouts(
+                self.config.trainer.rollout_data_dir, metrics.step, batch, self.config.rollout.n
+            )
         bar.set_postfix(reward=f"{metrics.reward_mean:.3f}")
         warning = self.gap.observe(
             metrics.step, metrics.rollout_is_truncated_fraction, metrics.kl_behaviour_proximal

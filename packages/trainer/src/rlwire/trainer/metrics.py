@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .rollout import Rollout
+from .agent.trajectory import trajectory_metrics
+from .rollout import Rollout, response_lengths
 
 __all__ = ["StepMetrics", "UpdateMetrics", "step_record"]
 
@@ -117,6 +118,20 @@ class StepMetrics(UpdateMetrics):
     """The rollout engines' own seconds on the generation calls behind this step's samples,
     summed over the engines (in parallel on several workers, so the wall time is less);
     what the stage-time bound of ``python -m rlwire.trainer.bench`` divides over them."""
+    turns_mean: float | None = None
+    """Multi-turn rollouts: model turns per trajectory (mean)."""
+    tool_calls: float | None = None
+    """Multi-turn rollouts: tool calls run for this step's trajectories."""
+    tool_errors: float | None = None
+    """Multi-turn rollouts: calls that failed (unparsable, unknown tool, bad arguments, raised,
+    returned no text, past ``agent.tool_timeout``) and environment steps that failed."""
+    tool_calls_dropped: float | None = None
+    """Multi-turn rollouts: calls beyond ``agent.max_parallel_calls`` in one message."""
+    tool_time_s: float | None = None
+    """Multi-turn rollouts: mean seconds per tool call."""
+    trajectory_length: float | None = None
+    """Multi-turn rollouts: mean response tokens per trajectory, the environment's and the
+    chat template's included (``response_length`` counts the model's)."""
     weight_digest_actor: str | None = None
     """With ``ckpt_engine.digest`` on a sync step: the weights sent."""
     weight_digest_rollout: list[str] | None = None
@@ -169,8 +184,13 @@ def step_record(
         version_lag_mean=sum(lags) / len(lags),
         version_lag_max=max(lags),
         **(_digests(synced, synced["pulls"]) if synced["pulls"] else {}),
+        **(_conversations(batch) if batch.trajectories is not None else {}),
         **extra,
     )
+
+
+def _conversations(batch: Rollout) -> dict[str, float]:
+    return trajectory_metrics(batch.trajectories, response_lengths(batch.response_mask).tolist())
 
 
 def _digests(push: dict, pulls: list[dict]) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .rollout.common import response_lengths
+
 __all__ = [
     "agree_count",
     "balanced_partition",
@@ -31,9 +33,10 @@ __all__ = [
 
 
 def row_tokens(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> list[int]:
-    """Each row's real tokens: ``prompt_mask`` ``(B, P)`` and ``response_mask`` ``(B, T)``
-    summed over the row; ``B`` ints."""
-    return (prompt_mask.sum(dim=1) + response_mask.sum(dim=1)).tolist()
+    """Each row's real tokens: its prompt's (``prompt_mask`` ``(B, P)`` summed) and its
+    response's (up to the last 1 of ``response_mask`` ``(B, T)``: a multi-turn response's
+    environment tokens count); ``B`` ints."""
+    return (prompt_mask.sum(dim=1) + response_lengths(response_mask)).tolist()
 
 
 def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:

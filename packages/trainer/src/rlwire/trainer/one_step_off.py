@@ -77,7 +77,7 @@ def run_one_step_off(job: Job, bar) -> None:
             lags=lags,
             **extra,
         )
-        job.record(record, bar)
+        job.record(record, bar, trained)
         bar.update(1)
         if last and validation_due(config, step + 1):  # the last weights reach the engines
             job.sync(step + 1)  # only to be validated

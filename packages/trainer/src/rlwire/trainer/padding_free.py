@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .rollout import sequence_logprobs
+from .rollout import response_lengths, sequence_logprobs
 
 __all__ = ["PACKED_ATTENTION", "attention_implementation", "micro_batch_logprobs"]
 
@@ -60,18 +60,12 @@ def _check_packable(model: torch.nn.Module) -> None:
         )
 
 
-def _last_real(mask: torch.Tensor) -> torch.Tensor:
-    """``(B,)``: one past each row's last 1 in ``mask`` ``(B, T)`` (0 for none)."""
-    steps = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-    return (mask.bool() * steps).amax(dim=1) if mask.shape[1] else mask.new_zeros(mask.shape[0])
-
-
 def _trimmed(prompt_ids, prompt_mask, response_ids, response_mask):
     """The columns some row needs: prompt columns from the first real token of any row,
     response columns up to the last real token of any row (at least one)."""
     real = prompt_mask.bool().any(dim=0)
     first = int(real.int().argmax()) if bool(real.any()) else prompt_mask.shape[1]
-    width = max(1, int(_last_real(response_mask).max()))
+    width = max(1, int(response_lengths(response_mask).max()))
     return (
         prompt_ids[:, first:],
         prompt_mask[:, first:],
@@ -93,7 +87,7 @@ def _packed(model, prompt_ids, prompt_mask, response_ids, response_mask, *, temp
         )
     columns = torch.arange(response_ids.shape[1], device=response_ids.device)
     # each response up to its last real token, at least one: a graph to backward
-    scored = columns < _last_real(response_mask).clamp(min=1).unsqueeze(1)
+    scored = columns < response_lengths(response_mask).clamp(min=1).unsqueeze(1)
     keep = torch.cat([prompt_mask.bool(), scored], dim=1)  # (B, P + T), row by row
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)[keep].unsqueeze(0)
     position_ids = (keep.cumsum(dim=1) - 1)[keep].unsqueeze(0)  # restarting at each row

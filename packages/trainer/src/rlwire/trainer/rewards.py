@@ -22,7 +22,8 @@ import torch
 from .config import TrainerConfig
 from .errors import RunError
 from .rollout import Example
-from .tiny import BUILTIN_TASKS, repeat_reward
+from .tasks import builtin_task
+from .tiny import repeat_reward
 
 __all__ = ["Reward", "gsm8k_score", "load_reward", "math_score"]
 
@@ -125,8 +126,9 @@ def load_reward(config: TrainerConfig) -> Reward:
     """The configured reward (``reward.function``), imported and checked now."""
     spec = config.reward.function
     source = config.data.source
-    if spec == "builtin" and source.removeprefix("builtin:") in BUILTIN_TASKS:
-        return Reward(BUILTIN_TASKS[source.removeprefix("builtin:")].reward, spec)
+    task = builtin_task(source)
+    if spec == "builtin" and task is not None:
+        return Reward(task.reward, spec)
     if spec in BUILTIN_REWARDS:
         if spec == "math" and importlib.util.find_spec("math_verify") is None:
             raise RunError(MATH_INSTALL_HINT)

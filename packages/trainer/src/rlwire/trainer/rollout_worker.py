@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from .config import TrainerConfig
-from .rollout import Rollout, Sampling, rollout_engine_class
+from .errors import RunError
+from .rollout import Example, Rollout, Sampling, rollout_engine_class
 from .worker_process import WorkerProcess, set_threads
 
 __all__ = ["RolloutWorker"]
@@ -43,6 +44,7 @@ class RolloutWorker(WorkerProcess):
         self.gpu_share = gpu_share
         self.backend = None
         self.engine = None
+        self.agent = None  # the agent loop (agent.enable)
         self.version = -1
         self._slot = threading.Condition()  # the staged update, from stage_weights to run
         self._staged: tuple[int, Callable[[], int]] | BaseException | None = None
@@ -58,6 +60,10 @@ class RolloutWorker(WorkerProcess):
         model = getattr(self.backend, "model", None)  # the hf engine's; vLLM's is its own
         if isinstance(model, torch.nn.Module):
             set_threads(self.config, model)
+        if self.config.agent.enable:
+            from .agent.loop import build_loop
+
+            self.agent = build_loop(self.config, self.backend, self.model_path)
 
     def engine_init(
         self, backend: str, world_size: int, metadata: dict, rank: int | None = None
@@ -101,25 +107,65 @@ class RolloutWorker(WorkerProcess):
     def wake_up(self) -> None:
         self.backend.wake_up()
 
-    def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
-        """``prompts``' samples (``sampling``: other settings than training's: validation),
-        stamped with the version held and the call's seconds."""
-        args = (prompts, seed) if sampling is None else (prompts, seed, sampling)
+    def generate(
+        self, examples: list[Example], seed: int, sampling: Sampling | None = None
+    ) -> Rollout:
+        """``examples``' samples (``sampling``: other settings than training's: validation),
+        stamped with the version held and the call's seconds; multi-turn conversations
+        with ``agent.enable``."""
         start = time.perf_counter()
-        out = self.backend.generate(*args)  # a third party's engine may take two only
-        out.versions = torch.full_like(out.response_ids, self.version)
+        if self.agent is not None:
+            out = self._converse(examples, seed, sampling)
+        else:
+            prompts = [e.prompt for e in examples]
+            args = (prompts, seed) if sampling is None else (prompts, seed, sampling)
+            out = self.backend.generate(*args)  # a third party's engine may take two only
+            out.versions = torch.full_like(out.response_ids, self.version)
         _stamp_seconds(out, time.perf_counter() - start)
         return out
 
-    def generate_partial(self, prompts: list[str], seed: int, sync_requested) -> Rollout:
+    def _converse(
+        self,
+        examples: list[Example],
+        seed: int,
+        sampling: Sampling | None,
+        chunk: int | None = None,
+        between=None,
+    ) -> Rollout:
+        rollout = self.config.rollout
+        if sampling is not None and (
+            sampling.greedy or sampling.temperature != rollout.temperature
+        ):
+            raise RunError(
+                "agent.enable: multi-turn rollouts sample at rollout.temperature; validate with "
+                f"validation.do_sample=true and validation.temperature={rollout.temperature}"
+            )
+        n = rollout.n if sampling is None else sampling.n
+        return self.agent.run(
+            examples, n, seed, version=lambda: self.version, chunk=chunk, between=between
+        )
+
+    def generate_partial(self, examples: list[Example], seed: int, sync_requested) -> Rollout:
         """Generate in chunks of ``async.partial_rollout_chunk_tokens``; between chunks,
         ``sync_requested()`` applies a weight sync that waits for this worker, if any, and
         the unfinished responses continue with the weights held then. Every token is
-        stamped with the version it was sampled with."""
+        stamped with the version it was sampled with (multi-turn conversations too: a
+        conversation may span versions)."""
         cfg = self.config
         chunk = cfg.async_.partial_rollout_chunk_tokens
         start, synced_s = time.perf_counter(), 0.0
-        pending = self.backend.start(prompts)
+
+        def between() -> None:
+            nonlocal synced_s
+            began = time.perf_counter()
+            sync_requested()  # applies a pending weight update before the next chunk
+            synced_s += time.perf_counter() - began
+
+        if self.agent is not None:
+            out = self._converse(examples, seed, None, chunk, between)
+            _stamp_seconds(out, time.perf_counter() - start - synced_s)
+            return out
+        pending = self.backend.start([e.prompt for e in examples])
         pending.versions = torch.zeros_like(pending.response_ids)
         index = torch.arange(len(pending))  # each pending row's place in the result
         done: dict[int, Rollout] = {}
@@ -138,9 +184,7 @@ class RolloutWorker(WorkerProcess):
                 break
             keep = (~finished).nonzero().flatten()
             pending, index = grown.select(keep), index[keep]
-            began = time.perf_counter()
-            sync_requested()  # applies a pending weight update before the next chunk
-            synced_s += time.perf_counter() - began
+            between()
         out = Rollout.concat([done[i] for i in range(len(done))])
         _stamp_seconds(out, time.perf_counter() - start - synced_s)
         return out
@@ -235,14 +279,13 @@ class RolloutWorker(WorkerProcess):
                 told = queue.worker_synced.remote(self.index, info)
                 task = task["then"]
             if task["kind"] == "validate":  # held-out prompts, with the weights held
-                out = self.generate(task["prompts"], task["seed"], task["sampling"])
+                out = self.generate(task["examples"], task["seed"], task["sampling"])
                 ray.get(queue.put_validation.remote(self.index, out), timeout=poll_timeout)
                 continue
-            prompts = [e.prompt for e in task["examples"]]
             if partial:
-                out = self.generate_partial(prompts, task["seed"], sync_if_requested)
+                out = self.generate_partial(task["examples"], task["seed"], sync_if_requested)
             else:
-                out = self.generate(prompts, task["seed"])
+                out = self.generate(task["examples"], task["seed"])
             n = self.config.rollout.n
             groups = out.groups(n)
             for group, example in zip(groups, task["examples"], strict=True):

@@ -38,7 +38,11 @@ class Scored:
 def score(config, reward_fn, batch: Rollout) -> Scored:
     """The rewards of ``batch`` (with its ``examples``), shaped."""
     start = time.perf_counter()
-    rewards, extra = reward_fn(batch.examples, batch.texts)
+    if config.agent.environment is not None:  # an environment class scores its trajectories
+        rewards = torch.tensor([sum(t.rewards) for t in batch.trajectories], dtype=torch.float32)
+        extra: dict[str, float] = {}
+    else:
+        rewards, extra = reward_fn(batch.examples, batch.texts)
     overlong = config.reward.overlong_buffer
     if overlong.enable:  # DAPO's shaping, after the reward function
         lengths = batch.response_mask.sum(dim=1)

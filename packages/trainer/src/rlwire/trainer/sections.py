@@ -287,6 +287,11 @@ class TrainerSection:
     """Seed for data order, sampling and initialisation."""
     output_dir: str = "runs/default"
     """Run directory: config, metrics.jsonl, plot, log, checkpoints."""
+    rollout_data_dir: str | None = None
+    """Write every step's trained samples here as JSONL (verl's key), ``<step>.jsonl``: one
+    line a sample (a trajectory), with the prompt and the conversation as text, the token
+    ids, the loss mask, the model tokens' behaviour log-probs and versions, the turns and
+    tool calls, the reward and the advantage. None: not written."""
     save_every: int = 25
     """Checkpoint every this many steps (0: only at the end)."""
     max_checkpoints_to_keep: int | None = None

@@ -24,15 +24,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
-    "BUILTIN_TASKS",
     "LETTERS",
-    "Task",
     "build_tiny_model",
     "build_tokenizer",
     "count_prompts",
@@ -148,18 +144,3 @@ def count_reward(prompts: list[str], responses: list[str], answers: list[str]) -
         right = sum(a == b for a, b in zip(chars, answer, strict=False))
         rewards.append(right / max(len(chars), len(answer)) if chars else 0.0)
     return rewards
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Task:
-    """A built-in task: its prompts (``count, seed -> [(prompt, answer)]``) and reward."""
-
-    prompts: Callable[..., list[tuple[str, str]]]
-    reward: Callable[[list[str], list[str], list[str]], list[float]]
-
-
-BUILTIN_TASKS: dict[str, Task] = {
-    "repeat": Task(repeat_prompts, repeat_reward),
-    "count": Task(count_prompts, count_reward),
-}
-"""``data.source=builtin:<name>``; ``reward.function=builtin`` is the task's reward."""

@@ -80,14 +80,14 @@ def validation_due(config, done: int, *, before: bool = False) -> bool:
 
 
 def validation_tasks(job, examples: list) -> list[dict | None]:
-    """Each rollout engine's share of the held-out ``examples``: ``prompts``, ``seed`` and
+    """Each rollout engine's share of the held-out ``examples``: ``examples``, ``seed`` and
     ``sampling`` (None for an engine left without prompts)."""
     config = job.config
-    shares = split_evenly([e.prompt for e in examples], len(job.rollouts))
+    shares = split_evenly(examples, len(job.rollouts))
     seed = config.trainer.seed * 7919 + 999_983  # fixed: the same draw at every validation
     sampling = config.validation.sampling
     return [
-        {"prompts": part, "seed": seed + i, "sampling": sampling} if part else None
+        {"examples": part, "seed": seed + i, "sampling": sampling} if part else None
         for i, part in enumerate(shares)
     ]
 
@@ -115,7 +115,7 @@ def start_validation(job, examples: list) -> Callable[[], dict[str, float]]:
     """Queue the held-out ``examples`` on ``job``'s rollout engines (after the calls already
     made to them); returns what waits for the metrics (:func:`validation_metrics`)."""
     refs = [
-        r.generate.remote(t["prompts"], t["seed"], t["sampling"])
+        r.generate.remote(t["examples"], t["seed"], t["sampling"])
         for r, t in zip(job.rollouts, validation_tasks(job, examples), strict=True)
         if t is not None
     ]

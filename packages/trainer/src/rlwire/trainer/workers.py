@@ -29,6 +29,7 @@ from .checkpoint import load_actor, save_actor
 from .config import TrainerConfig
 from .correction import correction_weights
 from .grpo import LossScale
+from .inputs import build_tiny
 from .lora import save_adapter
 from .reward_kl import kl_estimate
 from .rollout import Rollout, WeightsDigest, rollout_engine_class
@@ -68,9 +69,7 @@ class ActorWorker(WorkerProcess):
     def build_model(self) -> None:
         """Build the built-in tiny model at ``model_path`` (``model.path=tiny``) unless it is
         there: in a worker, which imports transformers anyway."""
-        from .tiny import build_tiny_model
-
-        build_tiny_model(self.model_path, seed=self.config.trainer.seed)
+        build_tiny(self.config, Path(self.model_path))
 
     def setup(self, master: tuple[str, int]) -> None:
         import torch.distributed as dist

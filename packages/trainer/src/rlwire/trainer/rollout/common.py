@@ -15,10 +15,18 @@ __all__ = [
     "Rollout",
     "Sampling",
     "WeightsDigest",
+    "response_lengths",
     "sequence_logprobs",
     "split_evenly",
     "weights_digest",
 ]
+
+
+def response_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: one past each row's last 1 in ``mask`` ``(B, T)`` (0 for none): a response's
+    length, the environment's tokens between the model's turns included."""
+    steps = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.bool() * steps).amax(dim=1) if mask.shape[1] else mask.new_zeros(mask.shape[0])
 
 
 def _padded(t: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
@@ -53,6 +61,9 @@ class Example:
     """Which dataset the row comes from (verl's rewards dispatch on it)."""
     extra_info: dict | None = None
     """Anything else the row carries for the reward."""
+    messages: list[dict] | None = None
+    """The prompt as chat messages, when the row gave them (multi-turn rollouts render
+    them with the tools' schemas: :mod:`rlwire.trainer.agent`)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,7 +83,11 @@ class Rollout:
     response_ids: torch.Tensor
     """``(B, T)`` int64 sampled tokens (padding after an end-of-sequence token)."""
     response_mask: torch.Tensor
-    """``(B, T)`` int64, 1 up to and including the first end-of-sequence token."""
+    """``(B, T)`` int64: the loss mask (verl's ``response_mask``). 1 for the sampled tokens,
+    up to and including the first end-of-sequence token; in a multi-turn trajectory 1 for
+    the model's tokens only and 0 for the environment's and the chat template's, which
+    stay real tokens of the sequence (a response runs to the last token of its last turn:
+    everything after is padding)."""
     logprobs: torch.Tensor
     """``(B, T)`` float32 log-probability of each sampled token under the sampling
     distribution (temperature applied), as the rollout engine saw it: the behaviour policy."""
@@ -90,6 +105,9 @@ class Rollout:
     """``(B,)`` float32, once scored."""
     advantages: torch.Tensor | None = None
     """``(B,)`` float32, once scored (group-normalised rewards)."""
+    trajectories: list | None = None
+    """Multi-turn rollouts: each sample's :class:`rlwire.trainer.agent.Trajectory` (its turns,
+    tool calls, environment rewards and why it stopped); None for single-turn samples."""
     generate_s: torch.Tensor | None = None
     """``(B,)`` float64: each sample's share of the engine's wall seconds on the calls that
     generated it (a call's time divided evenly over its rows; the rollout worker stamps it),
@@ -150,6 +168,11 @@ class Rollout:
             pad_id=pad,
             versions=joined("versions", width_r),
             examples=[x for p in parts for x in p.examples],
+            trajectories=(
+                None
+                if any(p.trajectories is None for p in parts)
+                else [t for p in parts for t in p.trajectories]
+            ),
             rewards=joined("rewards"),
             advantages=joined("advantages"),
             generate_s=joined("generate_s"),
@@ -176,6 +199,7 @@ class Rollout:
             pad_id=self.pad_id,
             versions=cut(self.versions),
             examples=pick(self.examples),
+            trajectories=None if self.trajectories is None else pick(self.trajectories),
             rewards=cut(self.rewards),
             advantages=cut(self.advantages),
             generate_s=cut(self.generate_s),

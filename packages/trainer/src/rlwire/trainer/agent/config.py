@@ -1,0 +1,82 @@
+"""The ``agent`` section: multi-turn rollouts with tools or an environment (verl's
+``actor_rollout_ref.rollout.multi_turn.*`` where it has the same key)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..checks import ConfigError, check, check_engine
+
+__all__ = ["AgentConfig"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    enable: bool = False
+    """Multi-turn rollouts: after each model turn, the tools (or ``environment``) answer
+    and the model continues, until a turn without a tool call, a turn limit, the
+    environment's ``done`` or ``rollout.max_new_tokens`` (the whole response: model,
+    tool and template tokens, as verl's ``response_length``). On automatically with
+    ``data.source=builtin:lookup``."""
+    tools: list[str] = dataclasses.field(default_factory=list)
+    """Tools as dotted paths ``package.module:function`` (plain Python functions, sync or
+    async; type hints and a Google-style docstring give the JSON schema through
+    transformers' ``get_json_schema``). The ``lookup`` task's:
+    ``rlwire.trainer.agent.lookup:lookup``."""
+    environment: str | None = None
+    """A stateful task as a dotted path ``package.module:Class`` to a
+    ``rlwire.trainer.agent.Environment`` subclass, one instance per trajectory (reset
+    from the data row, stepped with each model message). None: the tools' environment
+    (tool calls parsed from the message and run; a message without one ends the
+    trajectory)."""
+    format: str = "hermes"
+    """How tool calls are written in the model's text: ``hermes`` (``<tool_call>{"name":
+    ..., "arguments": ...}</tool_call>``, Qwen's and vLLM's and verl's ``hermes``), or a
+    dotted path to a ``rlwire.trainer.agent.ToolCallParser`` subclass."""
+    max_assistant_turns: int | None = None
+    """Model turns per trajectory at most (None: until another limit ends it)."""
+    max_user_turns: int | None = None
+    """Environment turns (tool results or environment messages) at most (None: no limit)."""
+    max_parallel_calls: int = 1
+    """Tool calls run per model turn; further calls in the same message are dropped and
+    counted (``tool_calls_dropped``), as verl does."""
+    tool_timeout: float = 30.0
+    """Seconds one tool call may take; past it the model gets an error message as the
+    result (counted in ``tool_errors``) and the trajectory goes on."""
+    max_tool_response_length: int = 256
+    """Characters of a tool's result kept (the middle is cut, as verl's default
+    ``tool_response_truncate_side=middle``)."""
+
+    def __post_init__(self) -> None:
+        from .parsers import TOOL_PARSERS, parser_class
+
+        check_engine(self.format, "agent.format", TOOL_PARSERS, parser_class)
+        for key in ("max_assistant_turns", "max_user_turns"):
+            value = getattr(self, key)
+            check(value is None or value >= 1, f"agent.{key}", value, "use an int >= 1 or null")
+        check(
+            self.max_parallel_calls >= 1,
+            "agent.max_parallel_calls",
+            self.max_parallel_calls,
+            "use an int >= 1",
+        )
+        check(self.tool_timeout > 0, "agent.tool_timeout", self.tool_timeout, "use seconds > 0")
+        check(
+            self.max_tool_response_length >= 1,
+            "agent.max_tool_response_length",
+            self.max_tool_response_length,
+            "use an int >= 1",
+        )
+        if not isinstance(self.tools, list) or not all(isinstance(t, str) for t in self.tools):
+            raise ConfigError(
+                f"agent.tools: {self.tools!r} is not allowed; use a list of dotted paths "
+                "'package.module:function'"
+            )
+        if self.enable or self.tools or self.environment:
+            # imported now, so that a bad path fails at config load, not in a worker
+            from .environment import environment_class
+            from .tools import load_tools
+
+            load_tools(self.tools)
+            if self.environment is not None:
+                environment_class(self.environment)

@@ -1,0 +1,172 @@
+"""The built-in multi-turn task ``lookup`` (``data.source=builtin:lookup``): the prompt is a
+key of three letters (``cab``), the answer is the three digits the tool :func:`lookup`
+returns for it (a hash of the key: nothing in the prompt or the model's weights tells it). The model
+must call the tool in the Hermes format, read the result and answer with it.
+
+Its model is the built-in tiny Qwen2 with the tokens the task needs (role tokens, the
+tool-call and tool-response tags, and the fixed parts of the call's JSON as two tokens)
+and a chat template; it is primed on the call's form before RL, as an instruct model
+knows its tool-call syntax: on conversations where half the answers call the tool (with
+the prompt's key) and half do not, and every final answer is three random digits, whatever
+the tool said. So it starts at chance (a digit in 10 right) and RL has to learn to call the
+tool and to answer with what it returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+
+from ..rollout.common import Example
+from ..tiny import LETTERS
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "build_lookup_model",
+    "build_lookup_tokenizer",
+    "lookup",
+    "lookup_examples",
+    "lookup_reward",
+]
+
+KEY_LENGTH = 3
+CODE_LENGTH = 3
+PRIMING = ((300, 1.0), (100, 0.1))
+"""The priming's phases: (steps, share of its conversations that call the tool)."""
+_ROLES = ["<|user|>", "<|assistant|>", "<|tool|>"]
+CALL_HEAD = '{"name": "lookup", "arguments": {"key": "'
+CALL_TAIL = '"}}'
+_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", CALL_HEAD, CALL_TAIL]
+
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}<|user|>{{ m.content }}<eos>"
+    "{%- elif m.role == 'assistant' -%}<|assistant|>{{ m.content }}<eos>"
+    "{%- elif m.role == 'tool' -%}<|tool|><tool_response>{{ m.content }}</tool_response><eos>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+"""User, assistant and tool turns each end with ``<eos>`` (where generation stops); tools
+are not listed in the prompt (the tiny model knows its one tool from priming)."""
+
+
+def lookup(key: str) -> str:
+    """Look up the code stored under a key.
+
+    Args:
+        key: three letters from a to j, as given in the prompt.
+    """
+    if len(key) != KEY_LENGTH or any(c not in LETTERS for c in key):
+        raise ValueError(f"no entry {key!r}: keys are {KEY_LENGTH} letters from a to j")
+    digest = hashlib.sha256(key.encode()).digest()
+    return "".join(str(b % 10) for b in digest[:CODE_LENGTH])
+
+
+def lookup_examples(count: int, *, seed: int) -> list[tuple[str, str]]:
+    """``count`` ``(key, code)`` pairs, deterministic in ``seed``."""
+    rng = random.Random(seed)
+    keys = ["".join(rng.choice(LETTERS) for _ in range(KEY_LENGTH)) for _ in range(count)]
+    return [(key, lookup(key)) for key in keys]
+
+
+def lookup_reward(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
+    """Partial credit on the final answer (the text after the last ``</tool_response>``,
+    spaces ignored): the share of positions where it and the code agree, over the longer of
+    the two (1 for exactly the code; a random answer of three digits scores 0.1 on average)."""
+    rewards = []
+    for response, answer in zip(responses, answers, strict=True):
+        final = response.rpartition("</tool_response>")[2].replace(" ", "")
+        right = sum(a == b for a, b in zip(final, answer, strict=False))
+        rewards.append(right / max(len(final), len(answer)))
+    return rewards
+
+
+def as_example(prompt: str, answer: str, source: str) -> Example:
+    """A lookup row: the key as the user's message."""
+    return Example(
+        prompt=prompt,
+        answer=answer,
+        data_source=source,
+        messages=[{"role": "user", "content": prompt}],
+    )
+
+
+def build_lookup_tokenizer():
+    """The tiny character-level tokenizer with the task's tokens and chat template."""
+    from ..tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": _ROLES})
+    tokenizer.add_tokens(_TAGS)  # not special: they stay in decoded text, as Qwen's do
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _primer(tokenizer, rng: random.Random, call_share: float) -> tuple[list[int], list[int]]:
+    """One priming conversation's tokens and loss mask (the assistant's tokens)."""
+    key = "".join(rng.choice(LETTERS) for _ in range(KEY_LENGTH))
+    ids: list[int] = []
+    mask: list[int] = []
+
+    def add(text: str, trained: bool) -> None:
+        part = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids.extend(part)
+        mask.extend([int(trained)] * len(part))
+
+    add(f"<|user|>{key}<eos><|assistant|>", False)
+    if rng.random() < call_share:
+        add(f"<tool_call>{CALL_HEAD}{key}{CALL_TAIL}</tool_call><eos>", True)
+        add(f"<|tool|><tool_response>{lookup(key)}</tool_response><eos><|assistant|>", False)
+        answer = lookup(key)
+    else:
+        answer = "".join(str(rng.randrange(10)) for _ in range(CODE_LENGTH))
+    add(answer + "<eos>", True)
+    return ids, mask
+
+
+def build_lookup_model(
+    directory: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2
+) -> Path:
+    """Create (once) the lookup task's tiny model and tokenizer in ``directory``, primed
+    (:data:`PRIMING`, see the module's docstring); return it."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    directory = Path(directory)
+    if (directory / "config.json").exists():
+        return directory
+    tokenizer = build_lookup_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 32),
+        num_key_value_heads=max(1, hidden // 64),
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for share in (share for steps, share in PRIMING for _ in range(steps)):
+        rows = [_primer(tokenizer, rng, share) for _ in range(128)]
+        width = max(len(ids) for ids, _ in rows)
+        ids = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i, _ in rows])
+        mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows])
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    tmp = directory.with_name(directory.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(directory)  # complete or absent: a killed build is rebuilt next time
+    return directory
