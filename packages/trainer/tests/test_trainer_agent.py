@@ -1,0 +1,458 @@
+"""Multi-turn rollouts (``rlwire.trainer.agent``): tool calls parsed and run, every failure an
+observation, token-exact conversations, the loss mask, ``trainer.rollout_data_dir``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlwire.trainer.agent import HermesParser, ParsedCall, load_tools
+from rlwire.trainer.agent.environment import ToolEnvironment, as_observation
+from rlwire.trainer.agent.tools import ToolRunner
+from rlwire.trainer.checks import ConfigError
+
+TOOLS = "agent_tools"
+
+
+def _runner(*names: str, timeout: float = 5.0) -> ToolRunner:
+    return ToolRunner(load_tools([f"{TOOLS}:{n}" for n in names]), timeout, max_chars=64)
+
+
+# --- parsing -------------------------------------------------------------------------------
+
+
+def test_hermes_calls_are_read_in_order_with_arguments_as_objects_or_json_strings():
+    text = (
+        'Let me add. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+        '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}\n</tool_call>'
+    )
+    calls = HermesParser().parse(text)
+    assert [(c.name, c.arguments, c.error) for c in calls] == [
+        ("add", {"a": 1, "b": 2}, None),
+        ("add", {"a": 3, "b": 4}, None),
+    ]
+    assert HermesParser().parse("no call here") == []
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("<tool_call>{not json}</tool_call>", "the tool call is not JSON"),
+        ('<tool_call>{"arguments": {}}</tool_call>', 'a string "name"'),
+        ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', '"arguments" must be'),
+        ('<tool_call>{"name": "add"', "the <tool_call> is not closed"),
+    ],
+)
+def test_a_malformed_call_is_a_call_with_its_error(text, error):
+    (call,) = HermesParser().parse(text)
+    assert error in call.error
+
+
+# --- tools ---------------------------------------------------------------------------------
+
+
+def test_a_tool_schema_comes_from_its_hints_and_docstring():
+    (tool,) = load_tools([f"{TOOLS}:add"])
+    assert tool.schema["function"]["name"] == "add"
+    assert tool.schema["function"]["parameters"]["properties"]["a"]["type"] == "integer"
+    assert tool.schema["function"]["parameters"]["required"] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("agent_tools", "dotted path 'package.module:function'"),
+        ("agent_tools:missing", "cannot import"),
+        ("no_such_module:f", "cannot import"),
+        ("agent_tools:undocumented", "has no JSON schema"),
+    ],
+)
+def test_a_bad_tool_path_is_refused_naming_it(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        load_tools([spec])
+
+
+def test_every_kind_of_failed_call_is_an_error_observation_and_the_good_ones_run():
+    runner = _runner("add", "broken", "not_text", "slow_echo", timeout=5.0)
+    calls = [
+        ParsedCall("add", {"a": 2, "b": 3}),
+        ParsedCall("broken", {"x": "k"}),
+        ParsedCall("not_text", {"x": "k"}),
+        ParsedCall("add", {"a": "two", "b": 3}),
+        ParsedCall("add", {"a": 1}),
+        ParsedCall("add", {"a": 1, "b": 2, "c": 3}),
+        ParsedCall("search", {"q": "x"}),
+        ParsedCall("", {}, error="the tool call is not JSON: x"),
+        ParsedCall("slow_echo", {"text": "hi", "seconds": 0.01}),
+    ]
+    results = runner.run(calls)
+    assert [r.text for r in results[:1]] == ["5"]
+    assert results[-1].text == "hi" and results[-1].error is None
+    errors = [r.error for r in results[1:-1]]
+    assert "'broken' raised KeyError: 'k'" in errors[0]
+    assert "'not_text' returned int, not text" in errors[1]
+    assert "'a' must be integer" in errors[2]
+    assert "missing 'b'" in errors[3]
+    assert "unknown argument 'c'" in errors[4]
+    assert "no tool named 'search'" in errors[5]
+    assert "not JSON" in errors[6]
+    assert all(r.text == f"Error: {r.error}" for r in results[1:-1])
+
+
+@pytest.mark.parametrize("tool", ["hang", "slow_echo"])
+def test_a_tool_past_its_timeout_is_an_error_not_a_stuck_worker(tool):
+    runner = _runner(tool, timeout=0.2)
+    arguments = {"seconds": 30.0} if tool == "hang" else {"text": "x", "seconds": 30.0}
+    (result,) = runner.run([ParsedCall(tool, arguments)])
+    assert result.error == f"{tool!r} did not answer within 0.2 s"
+    assert result.seconds < 30
+
+
+def test_calls_beyond_the_parallel_limit_are_dropped_and_counted():
+    env = ToolEnvironment(_runner("add"), HermesParser(), max_calls=1)
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
+    answer = env.step(call * 3)
+    assert answer.dropped_calls == 2
+    assert [m["content"] for m in answer.messages] == ["2"]
+    assert env.step("just an answer").messages == []
+
+
+def test_an_environment_answer_in_any_allowed_form_becomes_an_observation():
+    assert as_observation(("hi", 1, False)).messages == [{"role": "user", "content": "hi"}]
+    assert as_observation((None, 0.5, True)).done
+    with pytest.raises(TypeError, match="list of chat"):
+        as_observation((3, 0.0, False))
+    with pytest.raises(TypeError, match="Observation or"):
+        as_observation("hi")
+
+
+# --- token in, token out -------------------------------------------------------------------
+
+_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}<|user|>{{ m.content }}<eos>;"
+    "{%- elif m.role == 'assistant' -%}<|assistant|>{{ m.content }}<eos>;"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+"""Every turn ends with ``<eos>`` then ``;``: a separator the model never samples (as Qwen's
+newline after ``<|im_end|>``), which must still reach the sequence."""
+
+
+def _tokenizer():
+    """A tokenizer whose decode/encode is not a bijection: ``aa`` is one token, so the
+    sampled ``a a`` decodes to ``aa`` and encodes back as one token."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "aa", *"abcxyleft 123;"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("aa|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+    fast.chat_template = _TEMPLATE
+    return fast
+
+
+class ScriptedEngine:
+    """The engine seam's ``extend`` with chosen tokens (a test double of a sampler): each
+    conversation (told apart by its prompt) gets its script's turns, ``max_new_tokens`` at a
+    time, each token with log-prob ``-0.5``; every call's contexts are recorded."""
+
+    def __init__(self, scripts: dict[tuple[int, ...], list[list[int]]], eos: int) -> None:
+        self.scripts, self.eos = scripts, eos
+        self.turn = {key: 0 for key in scripts}
+        self.done = {key: 0 for key in scripts}  # tokens of the current turn given so far
+        self.calls: list[list[list[int]]] = []
+
+    def _key(self, context: list[int]) -> tuple[int, ...]:
+        return next(k for k in self.scripts if tuple(context[: len(k)]) == k)
+
+    def extend(self, batch, max_new_tokens: int, seed: int):
+        from rlwire.trainer.rollout import Rollout
+
+        contexts = [
+            batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist() for i in range(len(batch))
+        ]
+        self.calls.append(contexts)
+        rows, ended = [], []
+        for context in contexts:
+            key = self._key(context)
+            turn = self.scripts[key][self.turn[key]]
+            new = turn[self.done[key] : self.done[key] + max_new_tokens]
+            self.done[key] += len(new)
+            if self.done[key] == len(turn):
+                self.turn[key], self.done[key] = self.turn[key] + 1, 0
+            rows.append(new)
+            ended.append(bool(new) and new[-1] == self.eos)
+        width = max(len(r) for r in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+            mask[i, : len(row)] = 1
+        grown = Rollout(
+            batch.prompt_ids, batch.prompt_mask, ids, mask, -0.5 * mask.float(), [""] * len(rows)
+        )
+        return grown, torch.tensor(ended)
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_a_three_turn_conversation_is_exactly_the_tokens_the_engine_was_given_and_gave(chunk):
+    from rlwire.trainer.agent.config import AgentConfig
+    from rlwire.trainer.agent.loop import AgentLoop
+    from rlwire.trainer.agent.render import ChatRenderer
+    from rlwire.trainer.rollout import Example
+
+    tok = _tokenizer()
+    ids = tok.convert_tokens_to_ids
+    a, b, c, eos = ids("a"), ids("b"), ids("c"), tok.eos_token_id
+    examples = [
+        Example(prompt="x", answer="", messages=[{"role": "user", "content": "x"}]),
+        Example(prompt="y", answer="", messages=[{"role": "user", "content": "y"}]),
+    ]
+    renderer = ChatRenderer(tok)
+    prompts = [renderer.prompt(e) for e in examples]
+    assert prompts[0] == [ids("<|user|>"), ids("x"), eos, ids(";"), ids("<|assistant|>")]
+    # "a a b": decoded "aab", which encodes as "aa b": kept as sampled
+    scripts = {
+        tuple(prompts[0]): [[a, a, b, eos], [c, eos], [a, a, a, eos]],
+        tuple(prompts[1]): [[b, eos], [a, a, eos], [c, c, eos]],
+    }
+    assert tok("aab", add_special_tokens=False)["input_ids"] == [ids("aa"), b]
+    engine = ScriptedEngine(scripts, eos)
+    from agent_tools import Countdown
+
+    version = {"now": 7}
+
+    def between() -> None:  # a weight sync between two chunks
+        version["now"] += 1
+
+    loop = AgentLoop(engine, tok, renderer, Countdown, AgentConfig(enable=True), 64)
+    out = loop.run(
+        examples, 1, seed=0, version=lambda: version["now"], chunk=chunk, between=between
+    )
+
+    separator = [ids(";")]
+    for row, prompt in enumerate(prompts):
+        expected, mask, given = [], [], []
+        for number, turn in enumerate(scripts[tuple(prompt)]):
+            given.append(prompt + expected)
+            expected += turn
+            mask += [1] * len(turn)
+            if number < 2:  # the environment's turn, as the template renders it
+                env = renderer.turn([{"role": "user", "content": f"left {2 - number}"}])
+                assert env[: len(separator)] == separator
+                expected += env
+                mask += [0] * len(env)
+        length = len(expected)
+        assert out.prompt_ids[row][out.prompt_mask[row].bool()].tolist() == prompt
+        assert out.response_ids[row, :length].tolist() == expected
+        assert out.response_mask[row].tolist() == mask + [0] * (out.response_mask.shape[1] - length)
+        model = torch.tensor(mask, dtype=torch.bool)
+        assert torch.equal(out.logprobs[row, :length][model], torch.full((int(model.sum()),), -0.5))
+        assert not out.logprobs[row, :length][~model].any()
+        # every engine call was given exactly the tokens so far, and each turn began with all
+        # of the conversation before it
+        mine = [ctx for call in engine.calls for ctx in call if ctx[: len(prompt)] == prompt]
+        assert all(ctx == prompt + expected[: len(ctx) - len(prompt)] for ctx in mine)
+        assert all(start in mine for start in given)
+        record = out.trajectories[row]
+        assert [t.role for t in record.turns] == ["assistant", "user"] * 2 + ["assistant"]
+        assert record.rewards == [0.25, 0.25, 0.25] and record.stop == "done"
+    versions = out.versions[0][out.response_mask[0].bool()].tolist()
+    if chunk is None:  # no sync between calls
+        assert set(versions) == {7}
+    else:  # a sync between every two chunks: later tokens carry later versions
+        assert versions == sorted(versions) and versions[-1] > versions[0]
+
+
+# --- the loss mask -------------------------------------------------------------------------
+
+
+class _KeepLogits(torch.nn.Module):
+    """The model, keeping the logits of every forward with their gradient."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model, self.kept = model, []
+
+    def forward(self, **inputs):
+        out = self.model(**inputs)
+        out.logits.retain_grad()
+        self.kept.append(out.logits)
+        return out
+
+
+def test_the_loss_gives_masked_tokens_logits_exactly_zero_gradient(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlwire.trainer.rollout import Rollout
+    from rlwire.trainer.step import grpo_update
+    from rlwire.trainer.tiny import build_tiny_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))
+    torch.manual_seed(0)
+    B, P, T = 4, 3, 10
+    # model tokens, then an environment turn (mask 0), then model tokens, then padding
+    mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0, 0, 0]] * B)
+    rollout = Rollout(
+        torch.randint(4, 20, (B, P)),
+        torch.ones((B, P), dtype=torch.long),
+        torch.randint(4, 20, (B, T)),
+        mask,
+        -torch.rand(B, T) * mask,
+        [""] * B,
+    )
+    wrapped = _KeepLogits(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    grpo_update(
+        wrapped,
+        optimizer,
+        rollout,
+        None,
+        torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        micro_batch_size=B,
+        temperature=1.0,
+        clip_ratio=0.2,
+    )
+    (logits,) = wrapped.kept
+    # position P - 1 + t predicts response token t
+    grad = logits.grad[:, P - 1 : P - 1 + T]
+    assert torch.count_nonzero(grad[:, ~mask[0].bool()]) == 0
+    assert torch.count_nonzero(grad[:, mask[0].bool()]) > 0
+
+
+def _scripted_loop(tool_or_env: str, turns: list[list[str]], **agent):
+    """An agent loop over :class:`ScriptedEngine` saying ``turns`` (text, one list per
+    turn) for one conversation, with a tool (``agent_tools:<name>``) or an environment."""
+    from rlwire.trainer.agent.config import AgentConfig
+    from rlwire.trainer.agent.loop import build_loop
+    from rlwire.trainer.rollout import Example
+
+    tok = _tokenizer()
+    spec = f"{TOOLS}:{tool_or_env}"
+    config = AgentConfig(
+        enable=True,
+        **({"environment": spec} if tool_or_env[0].isupper() else {"tools": [spec]}),
+        **agent,
+    )
+
+    class Config:  # what build_loop reads
+        pass
+
+    whole = Config()
+    whole.agent, whole.rollout = config, Config()
+    whole.rollout.max_new_tokens = 200
+    example = Example(prompt="x", answer="", messages=[{"role": "user", "content": "x"}])
+
+    engine = ScriptedEngine({}, tok.eos_token_id)
+    engine.tokenizer = tok
+    loop = build_loop(whole, engine, "")
+    prompt = loop.renderer.prompt(example)
+    script = [[*(tok.convert_tokens_to_ids(t) for t in turn), tok.eos_token_id] for turn in turns]
+    engine.__init__({tuple(prompt): script}, tok.eos_token_id)
+    return loop.run([example], 1, seed=0, version=lambda: 0)
+
+
+def test_a_hanging_tool_becomes_an_error_observation_and_the_conversation_goes_on():
+    # the tools' environment as the loop steps it (in a thread of its own) with a message
+    # calling a tool that blocks its thread for a minute
+    runner = _runner("stall", timeout=0.3)
+    env = ToolEnvironment(runner, HermesParser(), max_calls=1)
+    answer = env.step('<tool_call>{"name": "stall", "arguments": {"key": "k"}}</tool_call>')
+    (result,) = answer.tool_results
+    assert result.error == "'stall' did not answer within 0.3 s"
+    assert answer.messages == [
+        {"role": "tool", "name": "stall", "content": f"Error: {result.error}"}
+    ]
+    assert not answer.done
+
+
+def test_an_environment_that_fails_ends_its_conversation_with_the_error_recorded():
+    out = _scripted_loop("Raises", [["a"]])
+    (record,) = out.trajectories
+    assert record.stop == "error"
+    assert record.error == "environment step raised RuntimeError: the sandbox is gone"
+    assert record.tool_errors == 1
+
+
+def test_turn_limits_end_a_conversation():
+    out = _scripted_loop("Countdown", [["a"], ["b"], ["c"]], max_assistant_turns=2)
+    (record,) = out.trajectories
+    assert record.stop == "max_assistant_turns" and record.assistant_turns == 2
+    out = _scripted_loop("Countdown", [["a"], ["b"], ["c"]], max_user_turns=1)
+    (record,) = out.trajectories
+    assert record.stop == "max_user_turns" and [t.role for t in record.turns] == [
+        "assistant",
+        "user",
+        "assistant",
+    ]
+
+
+# --- the lookup task, end to end -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lookup_model(tmp_path_factory):
+    from rlwire.trainer.agent.lookup import build_lookup_model
+
+    return build_lookup_model(tmp_path_factory.mktemp("lookup") / "model")
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ("trainer.mode=colocated",),
+        ("trainer.mode=one_step_off",),
+        (
+            "trainer.mode=fully_async",
+            "rollout.num_workers=2",
+            "async.partial_rollout=true",
+            "async.partial_rollout_chunk_tokens=4",
+        ),
+    ],
+    ids=["colocated", "one_step_off", "fully_async"],
+)
+def test_the_lookup_task_learns_to_call_its_tool_in_every_mode(
+    ray_cluster, lookup_model, tmp_path, mode
+):
+    from trainer_cli import train_cli
+
+    from rlwire.trainer.agent.lookup import lookup_reward
+
+    data = tmp_path / "rollouts"
+    records, _ = train_cli(
+        tmp_path / "run",
+        "data.source=builtin:lookup",
+        f"model.path={lookup_model}",
+        "trainer.steps=30",
+        f"trainer.rollout_data_dir={data}",
+        *mode,
+        cluster=ray_cluster,
+    )
+    first, last = records[0], records[-5:]
+    samples = 8 * 8
+    # the primed model calls in a few answers and guesses otherwise (chance: 0.1)
+    assert first["reward_mean"] < 0.3 and first["tool_calls"] < samples / 2
+    assert sum(r["reward_mean"] for r in last) / 5 > 0.5
+    assert sum(r["tool_calls"] for r in last) / 5 > 0.8 * samples
+    # the samples each step trained, read back
+    lines = [json.loads(x) for x in (data / "30.jsonl").read_text().splitlines()]
+    assert len(lines) == samples and {x["step"] for x in lines} == {30}
+    called = next(x for x in lines if x["tool_calls"])
+    mask = called["loss_mask"]
+    assert len(mask) == len(called["response_ids"]) == len(called["logprobs"])
+    assert [lp is None for lp in called["logprobs"]] == [m == 0 for m in mask]
+    (call,) = called["tool_calls"]
+    assert call["name"] == "lookup" and set(call["arguments"]) == {"key"}
+    tool_turn = next(t for t in called["turns"] if t["role"] == "tool")
+    assert set(mask[tool_turn["start"] : tool_turn["end"]]) == {0}
+    assert called["reward"] == lookup_reward([""], [called["response"]], [called["answer"]])[0]
+    assert [x["prompt_index"] for x in lines] == [i // 8 for i in range(samples)]
