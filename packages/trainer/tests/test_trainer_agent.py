@@ -456,3 +456,48 @@ def test_the_lookup_task_learns_to_call_its_tool_in_every_mode(
     assert set(mask[tool_turn["start"] : tool_turn["end"]]) == {0}
     assert called["reward"] == lookup_reward([""], [called["response"]], [called["answer"]])[0]
     assert [x["prompt_index"] for x in lines] == [i // 8 for i in range(samples)]
+
+
+def test_verl_multi_turn_keys_set_the_agent_section_and_its_tool_config_is_refused_with_why():
+    from rlwire.trainer.config import load_config
+
+    config = load_config(
+        overrides=[
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=4",
+            "actor_rollout_ref.rollout.multi_turn.max_user_turns=3",
+            "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=2",
+            "actor_rollout_ref.rollout.multi_turn.format=hermes",
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path=null",
+            f"agent.tools=[{TOOLS}:add]",
+        ]
+    )
+    agent = config.agent
+    assert (agent.enable, agent.max_assistant_turns, agent.max_user_turns) == (True, 4, 3)
+    assert agent.max_parallel_calls == 2 and agent.tools == [f"{TOOLS}:add"]
+    with pytest.raises(ConfigError, match="name plain Python functions in agent.tools"):
+        load_config(overrides=["actor_rollout_ref.rollout.multi_turn.tool_config_path=t.yaml"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["agent.enable=true", "rollout.backend=paced"], None),
+        (["agent.format=xml"], "agent.format: 'xml' is not allowed; use 'hermes'"),
+        (["agent.tools=[agent_tools:nope]"], "cannot import"),
+        (["agent.environment=agent_tools:add"], "not a Environment subclass"),
+        (["agent.tool_timeout=0"], "agent.tool_timeout"),
+        (
+            ["data.source=builtin:lookup", "validation.source=builtin:lookup"],
+            "validation.do_sample=true and validation.temperature=1.0",
+        ),
+    ],
+)
+def test_agent_settings_are_checked_when_the_config_loads(overrides, message):
+    from rlwire.trainer.config import load_config
+
+    if message is None:  # paced continues from token ids: allowed
+        assert load_config(overrides=overrides).agent.enable
+        return
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)

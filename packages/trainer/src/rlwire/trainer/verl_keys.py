@@ -47,6 +47,18 @@ def _mebibytes(key: str, value: Any) -> Any:
     return f"{value}MiB"  # verl's megabytes are 2**20 bytes
 
 
+def _instead(what: str) -> Callable[[str, Any], Any]:
+    """A verl key whose feature rlwire-train has under another form: null only, else one
+    line saying what to use instead."""
+
+    def convert(key: str, value: Any) -> Any:
+        if value is not None:
+            raise ConfigError(f"{key}: {value!r} is not allowed here; {what}")
+        return None
+
+    return convert
+
+
 def _freq(key: str, value: Any) -> Any:
     return 0 if value == -1 else value  # verl's -1: never periodically (ours: 0)
 
@@ -117,6 +129,41 @@ ALIASES: tuple[Alias, ...] = (
         "ckpt_engine.bucket_size",
         _mebibytes,
         "N -> 'NMiB'",
+    ),
+    *(
+        Alias(_ROLLOUT + f"multi_turn.{key}", f"agent.{key}")
+        for key in (
+            "enable",
+            "max_assistant_turns",
+            "max_user_turns",
+            "max_parallel_calls",
+            "max_tool_response_length",
+            "format",
+        )
+    ),
+    Alias(
+        _ROLLOUT + "multi_turn.tool_response_truncate_side",
+        "",
+        _choices({"middle": None}),
+        "'middle' only",
+    ),
+    Alias(
+        _ROLLOUT + "multi_turn.tool_config_path",
+        "",
+        _instead(
+            "verl's tool classes (verl.tools.base_tool.BaseTool) run only inside verl; name "
+            "plain Python functions in agent.tools (package.module:function) instead"
+        ),
+        "null only: agent.tools",
+    ),
+    Alias(
+        _ROLLOUT + "multi_turn.interaction_config_path",
+        "",
+        _instead(
+            "verl's interactions run only inside verl; name an rlwire.trainer.agent.Environment "
+            "subclass in agent.environment (package.module:Class) instead"
+        ),
+        "null only: agent.environment",
     ),
     Alias("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
     *(  # verl 0.9's dapo reward manager's keys, and the DAPO recipe's older spelling
