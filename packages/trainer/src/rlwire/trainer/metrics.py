@@ -120,8 +120,8 @@ class StepMetrics(UpdateMetrics):
     what the stage-time bound of ``python -m rlwire.trainer.bench`` divides over them."""
     turns_mean: float | None = None
     """Multi-turn rollouts: model turns per trajectory (mean)."""
-    tool_calls: float | None = None
-    """Multi-turn rollouts: tool calls run for this step's trajectories."""
+    tool_calls_mean: float | None = None
+    """Multi-turn rollouts: tool calls run per trajectory (mean)."""
     tool_errors: float | None = None
     """Multi-turn rollouts: calls that failed (unparsable, unknown tool, bad arguments, raised,
     returned no text, past ``agent.tool_timeout``) and environment steps that failed."""

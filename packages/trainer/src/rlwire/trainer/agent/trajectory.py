@@ -62,14 +62,15 @@ class Trajectory:
 
 
 def trajectory_metrics(trajectories: list[Trajectory], lengths: list[int]) -> dict[str, float]:
-    """A batch's multi-turn metrics (``metrics.jsonl``): ``turns_mean`` (model turns per
-    trajectory), ``tool_calls``, ``tool_errors`` and ``tool_calls_dropped`` (counts in the
-    batch), ``tool_time_s`` (mean seconds per call) and ``trajectory_length`` (mean
-    response tokens, the environment's and template's included; ``lengths`` each one's)."""
+    """A batch's multi-turn metrics (``metrics.jsonl``): ``turns_mean`` and
+    ``tool_calls_mean`` (model turns and tool calls per trajectory), ``tool_errors`` and
+    ``tool_calls_dropped`` (counts in the batch), ``tool_time_s`` (mean seconds per call)
+    and ``trajectory_length`` (mean response tokens, the environment's and template's
+    included; ``lengths`` each one's)."""
     calls = [r for t in trajectories for r in t.tool_results]
     return {
         "turns_mean": sum(t.assistant_turns for t in trajectories) / len(trajectories),
-        "tool_calls": float(len(calls)),
+        "tool_calls_mean": len(calls) / len(trajectories),
         "tool_errors": float(sum(t.tool_errors for t in trajectories)),
         "tool_calls_dropped": float(sum(t.dropped_calls for t in trajectories)),
         "tool_time_s": sum(r.seconds for r in calls) / len(calls) if calls else 0.0,
