@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
 
     from rlwire.ckpt_engine import registry
     from rlwire.trainer.config import load_config
-    from rlwire.trainer.rollout import sequence_logprobs
+    from rlwire.trainer.rollout import Example, sequence_logprobs
     from rlwire.trainer.rollout_worker import RolloutWorker
     from rlwire.trainer.tiny import build_tiny_model, repeat_prompts
 
@@ -59,7 +60,7 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
     joined = worker.engine_init.remote("gloo", 2, metadata)
     sender.init_process_group(rank=0, world_size=2, master_metadata=metadata)
     ray.get(joined, timeout=300)
-    prompts = [p for p, _ in repeat_prompts(6, seed=1)]
+    examples = [Example(prompt=p, answer=a) for p, a in repeat_prompts(6, seed=1)]
 
     def max_error(model, out) -> float:
         reference = sequence_logprobs(
@@ -73,16 +74,16 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
         return float((reference - out.logprobs)[mask].abs().max())
 
     actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    before = ray.get(worker.generate.remote(prompts, 123), timeout=300)
-    assert before.response_ids.shape[0] == len(prompts) * 4
+    before = ray.get(worker.generate.remote(examples, 123), timeout=300)
+    assert before.response_ids.shape[0] == len(examples) * 4
     assert before.response_mask.sum() > 0
     with torch.no_grad():
         assert max_error(actor, before) < TOLERANCE
         # same seed, same weights: the same samples
-        again = ray.get(worker.generate.remote(prompts, 123), timeout=300)
+        again = ray.get(worker.generate.remote(examples, 123), timeout=300)
         assert torch.equal(again.response_ids, before.response_ids)
         # in chunks of 3 tokens, each continued as a new request: the same log-probs
-        chunked = ray.get(worker.generate_partial.remote(prompts, 5, lambda: None), timeout=300)
+        chunked = ray.get(worker.generate_partial.remote(examples, 5, lambda: None), timeout=300)
         assert len(chunked) == len(before) and chunked.response_mask[:, 3:].any()
         assert max_error(actor, chunked) < TOLERANCE
         assert (chunked.versions[chunked.response_mask.bool()] == -1).all()  # never synced
@@ -93,7 +94,7 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
         stats = asyncio.run(sender.send_weights(updated.items(), version=1))
         assert stats.tensors == len(updated)
         assert ray.get(pulled, timeout=300)["version"] == 1
-        after = ray.get(worker.generate.remote(prompts, 123), timeout=300)
+        after = ray.get(worker.generate.remote(examples, 123), timeout=300)
         actor.load_state_dict(updated)
         assert max_error(actor, after) < TOLERANCE  # the engine now holds the new weights
         original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -109,6 +110,7 @@ def test_vllm_samples_from_the_plain_distribution_whatever_the_generation_config
     from transformers import AutoModelForCausalLM
 
     from rlwire.trainer.config import load_config
+    from rlwire.trainer.rollout import Example
     from rlwire.trainer.rollout_worker import RolloutWorker
     from rlwire.trainer.step import compute_old_logprobs
     from rlwire.trainer.tiny import build_tiny_model, repeat_prompts
@@ -127,11 +129,11 @@ def test_vllm_samples_from_the_plain_distribution_whatever_the_generation_config
             f"rollout.temperature={temperature}",
         ]
     )
-    prompts = [p for p, _ in repeat_prompts(6, seed=1)]
+    examples = [Example(prompt=p, answer=a) for p, a in repeat_prompts(6, seed=1)]
     worker = ray.remote(num_cpus=1)(RolloutWorker).remote(config, str(model_dir), 0)
     try:
         ray.get(worker.load_engine.remote(), timeout=300)
-        out = ray.get(worker.generate.remote(prompts, 7), timeout=300)
+        out = ray.get(worker.generate.remote(examples, 7), timeout=300)
     finally:
         ray.kill(worker)
     actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -180,3 +182,121 @@ def test_a_lora_run_serves_each_synced_adapter_from_vllm(ray_local, tmp_path):
     for r in records:
         assert r["weight_sync_bytes"] == adapter, r
         assert abs(r["kl_rollout"]) < 1e-3, r
+
+
+def test_the_agent_loop_on_vllm_is_token_in_token_out(ray_local, tmp_path):
+    """The lookup task's conversations on vLLM, in a rollout worker whose engine records each
+    ``extend``: every model turn is given exactly the sequence so far (the previous turn's
+    context, the tokens the engine returned, then the template's tool turn), the trajectory
+    is the last context plus what the engine returned, the loss mask is 1 on exactly those
+    tokens, and their behaviour log-probs are the actor's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlwire.trainer.agent.lookup import build_lookup_model
+    from rlwire.trainer.config import load_config
+    from rlwire.trainer.rollout import sequence_logprobs
+    from rlwire.trainer.rollout_worker import RolloutWorker
+    from rlwire.trainer.tasks import BUILTIN_TASKS
+
+    class RecordingWorker(RolloutWorker):
+        """Records, for each ``extend`` of its agent loop's engine, every row's context (its
+        real prompt tokens), and the tokens and log-probs the engine returned for it.
+        Defined here: Ray sends it to the worker by value."""
+
+        def load_engine(self) -> None:
+            RolloutWorker.load_engine(self)
+            engine, self.extends = self.agent.engine, []
+
+            def extend(batch, max_new_tokens: int, seed: int):
+                grown, ended = engine.extend(batch, max_new_tokens, seed)
+                rows = []
+                for i in range(len(batch)):
+                    context = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
+                    given = int(batch.response_mask[i].sum())  # 0: the loop sends contexts
+                    real = grown.response_mask[i].bool()
+                    new = grown.response_ids[i][real].tolist()[given:]
+                    rows.append((context, given, new, grown.logprobs[i][real].tolist()[given:]))
+                self.extends.append(rows)
+                return grown, ended
+
+            self.agent.engine = types.SimpleNamespace(extend=extend)
+
+        def recorded(self) -> list:
+            return self.extends
+
+    ray = ray_local
+    model_dir = build_lookup_model(tmp_path / "lookup")
+    temperature, budget = 1.2, 24
+    config = load_config(
+        overrides=[
+            "data.source=builtin:lookup",
+            "rollout.backend=vllm",
+            "rollout.n=4",
+            f"rollout.max_new_tokens={budget}",
+            f"rollout.temperature={temperature}",
+        ]
+    )
+    # the primed model calls the tool in ~7% of first turns: 10 of these 128 conversations
+    # do with these seeds (vLLM's seeded sampling repeats them; none would be a 1e-4 chance)
+    examples = BUILTIN_TASKS["lookup"].examples(32, 3, "builtin:lookup")
+    worker = ray.remote(num_cpus=1)(RecordingWorker).remote(config, str(model_dir), 0)
+    try:
+        ray.get(worker.load_engine.remote(), timeout=300)
+        out = ray.get(worker.generate.remote(examples, 11), timeout=300)
+        extends = ray.get(worker.recorded.remote(), timeout=60)
+    finally:
+        ray.kill(worker)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    records = out.trajectories
+    assert len(out) == len(records) == 4 * len(examples)
+    turns = [r.assistant_turns for r in records]
+    # no chunks: one engine call per model turn, whose rows are the conversations with a
+    # turn left, in order
+    assert len(extends) == max(turns) >= 2
+    row_of = [
+        {j: i for i, j in enumerate(j for j, t in enumerate(turns) if t > k)}
+        for k in range(len(extends))
+    ]
+    assert [len(rows) for rows in extends] == [len(r) for r in row_of]
+    assert all(given == 0 for rows in extends for _, given, _, _ in rows)
+    for j, record in enumerate(records):
+        prompt = out.prompt_ids[j][out.prompt_mask[j].bool()].tolist()
+        length = record.turns[-1].end
+        mask = [0] * out.response_mask.shape[1]
+        logprobs = []
+        sequence = list(prompt)  # what the next model turn must be given
+        for k in range(turns[j]):
+            context, _, new, new_logprobs = extends[k][row_of[k][j]]
+            assert context == sequence, (j, k)  # token in: exactly the sequence so far
+            start = len(context) - len(prompt)
+            kept = new[: budget - start]  # the engine samples to the batch's longest budget
+            if kept != new:
+                assert record.stop == "length" and k == turns[j] - 1, (j, k)
+            mask[start : start + len(kept)] = [1] * len(kept)
+            logprobs += new_logprobs[: len(kept)]
+            sequence = context + kept
+            if k + 1 < turns[j]:  # the tool's answer, as the lookup model's template writes it
+                turn = f"<|tool|><tool_response>{record.tool_results[k].text}</tool_response>"
+                turn += "<eos><|assistant|>"
+                sequence += tokenizer(turn, add_special_tokens=False)["input_ids"]
+        # (a) token out: the trajectory is the last context plus what the engine returned
+        assert prompt + out.response_ids[j][:length].tolist() == sequence, j
+        # (b) the loss mask: 1 on the engine's tokens, 0 on the tool's and template's
+        assert out.response_mask[j].tolist() == mask, j
+        chosen = out.response_mask[j].bool()
+        torch.testing.assert_close(out.logprobs[j][chosen], torch.tensor(logprobs), atol=0, rtol=0)
+    # (c) the behaviour log-probs of the model's tokens are the actor's own, and the
+    # environment's tokens carry none
+    actor = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = sequence_logprobs(
+            actor, out.prompt_ids, out.prompt_mask, out.response_ids, temperature=temperature
+        )
+    model = out.response_mask.bool()
+    assert float((reference - out.logprobs)[model].abs().max()) < TOLERANCE
+    assert (out.logprobs[~model] == 0).all() and (out.versions[model] == -1).all()
+    # (d) conversations called the tool and went on after its answer
+    called = [j for j, r in enumerate(records) if r.tool_results]
+    assert called and any(turns[j] >= 2 for j in called)
+    assert any(r.error is None for j in called for r in records[j].tool_results)

@@ -167,6 +167,10 @@ class AgentLoop:
     def _environment_turn(self, live: list[Conversation], version: int) -> None:
         """Every live conversation's environment answers its last model turn, all at once;
         the answers' tokens are appended, or the conversation stops."""
+        for conv in live:  # at the limit: the environment is not asked again
+            if conv.user_turns == self.config.max_user_turns:
+                conv.record.stop = "max_user_turns"
+        live = [c for c in live if not c.record.stop]
         if not live:
             return
         answers = self._step_all(live)
@@ -180,9 +184,6 @@ class AgentLoop:
             record.rewards.append(answer.reward)
             if answer.done or not answer.messages:
                 record.stop = "done" if answer.done else "no_call"
-                continue
-            if conv.user_turns == self.config.max_user_turns:
-                record.stop = "max_user_turns"
                 continue
             ids = self.renderer.turn(answer.messages)
             if len(conv.ids) + len(ids) >= self.max_tokens:  # no room left for a model token
