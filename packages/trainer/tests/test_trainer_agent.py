@@ -501,3 +501,40 @@ def test_agent_settings_are_checked_when_the_config_loads(overrides, message):
         return
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
+
+
+def test_single_turn_samples_are_written_in_the_same_format(tmp_path):
+    from rlwire.trainer.rollout import Example, Rollout
+    from rlwire.trainer.rollout_data import write_rollouts
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    batch = Rollout(
+        torch.tensor([[0, 5], [6, 7]]),
+        torch.tensor([[0, 1], [1, 1]]),
+        torch.tensor([[8, 2, 0], [2, 0, 0]]),
+        mask,
+        torch.tensor([[-0.5, -0.25, 0.0], [-1.0, 0.0, 0.0]]),
+        ["ab", ""],
+        versions=torch.tensor([[3, 3, 0], [2, 0, 0]]),
+        examples=[Example(prompt="p", answer="a")] * 2,
+        rewards=torch.tensor([1.0, 0.0]),
+        advantages=torch.tensor([0.7, -0.7]),
+    )
+    path = write_rollouts(tmp_path / "data", 4, batch, n=2)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert path.name == "4.jsonl" and len(lines) == 2
+    assert lines[0] == {
+        "step": 4,
+        "prompt_index": 0,
+        "prompt": "p",
+        "answer": "a",
+        "response": "ab",
+        "prompt_ids": [5],
+        "response_ids": [8, 2],
+        "loss_mask": [1, 1],
+        "logprobs": [-0.5, -0.25],
+        "versions": [3, 3],
+        "reward": 1.0,
+        "advantage": pytest.approx(0.7),
+    }
+    assert lines[1]["response_ids"] == [2] and lines[1]["versions"] == [2]

@@ -25,7 +25,9 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "LETTERS",
@@ -61,11 +63,19 @@ def build_tokenizer():
 
 
 def build_tiny_model(
-    directory: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2
+    directory: str | Path,
+    *,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    tokenizer=None,
+    train: Callable[[Any, Any], None] | None = None,
 ) -> Path:
     """Create (once) a tiny Qwen2 model and its tokenizer in ``directory``; return it.
 
-    An existing directory with a ``config.json`` is reused as is.
+    ``tokenizer``: another than :func:`build_tokenizer`'s (the model's vocabulary is its);
+    ``train(model, tokenizer)``: run on the fresh model before it is saved (a task's
+    priming). An existing directory with a ``config.json`` is reused as is.
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -73,9 +83,9 @@ def build_tiny_model(
     directory = Path(directory)
     if (directory / "config.json").exists():
         return directory
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer() if tokenizer is None else tokenizer
     config = Qwen2Config(
-        vocab_size=len(VOCAB),
+        vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
@@ -90,6 +100,8 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
+    if train is not None:
+        train(model, tokenizer)
     tmp = directory.with_name(directory.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -19,7 +19,7 @@ import random
 from pathlib import Path
 
 from ..rollout.common import Example
-from ..tiny import LETTERS
+from ..tiny import LETTERS, build_tiny_model, build_tokenizer
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -95,8 +95,6 @@ def as_example(prompt: str, answer: str, source: str) -> Example:
 
 def build_lookup_tokenizer():
     """The tiny character-level tokenizer with the task's tokens and chat template."""
-    from ..tiny import build_tokenizer
-
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": _ROLES})
     tokenizer.add_tokens(_TAGS)  # not special: they stay in decoded text, as Qwen's do
@@ -131,42 +129,28 @@ def build_lookup_model(
 ) -> Path:
     """Create (once) the lookup task's tiny model and tokenizer in ``directory``, primed
     (:data:`PRIMING`, see the module's docstring); return it."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    directory = Path(directory)
-    if (directory / "config.json").exists():
-        return directory
-    tokenizer = build_lookup_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 32),
-        num_key_value_heads=max(1, hidden // 64),
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for share in (share for steps, share in PRIMING for _ in range(steps)):
-        rows = [_primer(tokenizer, rng, share) for _ in range(128)]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i, _ in rows])
-        mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows])
-        labels = ids.masked_fill(mask == 0, -100)
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    tmp = directory.with_name(directory.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(directory)  # complete or absent: a killed build is rebuilt next time
-    return directory
+
+    def prime(model, tokenizer) -> None:
+        import torch
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for share in (share for steps, share in PRIMING for _ in range(steps)):
+            rows = [_primer(tokenizer, rng, share) for _ in range(128)]
+            width = max(len(ids) for ids, _ in rows)
+            pad = tokenizer.pad_token_id
+            ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in rows])
+            mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows])
+            loss = model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100)).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return build_tiny_model(
+        directory,
+        seed=seed,
+        hidden=hidden,
+        layers=layers,
+        tokenizer=build_lookup_tokenizer(),
+        train=prime,
+    )
