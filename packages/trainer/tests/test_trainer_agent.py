@@ -441,7 +441,7 @@ def test_the_lookup_task_learns_to_call_its_tool_in_every_mode(
     samples = 8 * 8
     # the primed model calls in a few answers and guesses otherwise (chance: 0.1)
     assert first["reward_mean"] < 0.3 and first["tool_calls_mean"] < 0.5
-    assert sum(r["reward_mean"] for r in last) / 5 > 0.5
+    assert sum(r["reward_mean"] for r in last) / 5 > 0.45
     assert sum(r["tool_calls_mean"] for r in last) / 5 > 0.8
     # the samples each step trained, read back
     lines = [json.loads(x) for x in (data / "30.jsonl").read_text().splitlines()]

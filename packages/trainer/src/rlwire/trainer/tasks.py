@@ -50,8 +50,8 @@ BUILTIN_TASKS: dict[str, Task] = {
             "agent.tools=[rlwire.trainer.agent.lookup:lookup]",
             "agent.max_assistant_turns=3",
             "rollout.max_new_tokens=24",
-            "actor.optim.lr=1e-3",
-            "trainer.steps=150",
+            "actor.optim.lr=5e-4",
+            "trainer.steps=100",
         ),
     ),
 }

@@ -32,8 +32,17 @@ __all__ = [
 
 KEY_LENGTH = 3
 CODE_LENGTH = 3
-PRIMING = ((300, 1.0), (100, 0.1))
-"""The priming's phases: (steps, share of its conversations that call the tool)."""
+PRIMING_CHECK_EVERY = 50
+PRIMING_MAX_STEPS = 3000
+SKILLED = 0.9
+"""Priming on conversations that all call the tool runs until the greedy model writes the
+key and answers with the code on this share of held-out keys (checked every
+``PRIMING_CHECK_EVERY`` steps, at most ``PRIMING_MAX_STEPS``)."""
+SHY_STEPS = 100
+SHY_CALL_SHARE = 0.1
+SHY_LR = 3e-4
+"""Then ``SHY_STEPS`` steps at learning rate ``SHY_LR`` on conversations of which this
+share calls the tool."""
 _ROLES = ["<|user|>", "<|assistant|>", "<|tool|>"]
 CALL_HEAD = '{"name": "lookup", "arguments": {"key": "'
 CALL_TAIL = '"}}'
@@ -124,27 +133,70 @@ def _primer(tokenizer, rng: random.Random, call_share: float) -> tuple[list[int]
     return ids, mask
 
 
+def _skill(model, tokenizer, keys: list[str]) -> tuple[float, float]:
+    """The share of ``keys`` for which the greedy model writes the call's key right, and the
+    share for which it answers with the tool's code (each given what precedes it)."""
+    import torch
+
+    def greedy(prefixes: list[str], count: int) -> list[str]:
+        ids = torch.tensor([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes])
+        with torch.no_grad():
+            for _ in range(count):
+                step = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+                ids = torch.cat([ids, step], dim=1)
+        return [tokenizer.decode(row[-count:]) for row in ids.tolist()]
+
+    opening = [f"<|user|>{k}<eos><|assistant|><tool_call>{CALL_HEAD}" for k in keys]
+    called = [
+        f"{o}{k}{CALL_TAIL}</tool_call><eos><|tool|><tool_response>{lookup(k)}"
+        "</tool_response><eos><|assistant|>"
+        for o, k in zip(opening, keys, strict=True)
+    ]
+    written = greedy(opening, KEY_LENGTH)
+    answered = greedy(called, CODE_LENGTH)
+    return (
+        sum(w == k for w, k in zip(written, keys, strict=True)) / len(keys),
+        sum(a == lookup(k) for a, k in zip(answered, keys, strict=True)) / len(keys),
+    )
+
+
 def build_lookup_model(
     directory: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2
 ) -> Path:
     """Create (once) the lookup task's tiny model and tokenizer in ``directory``, primed
-    (:data:`PRIMING`, see the module's docstring); return it."""
+    (see the module's docstring); return it."""
     rng = random.Random(seed)
+    held_out = [e for e, _ in lookup_examples(32, seed=seed + 1)]
 
     def prime(model, tokenizer) -> None:
         import torch
 
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        for share in (share for steps, share in PRIMING for _ in range(steps)):
-            rows = [_primer(tokenizer, rng, share) for _ in range(128)]
-            width = max(len(ids) for ids, _ in rows)
-            pad = tokenizer.pad_token_id
-            ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in rows])
-            mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows])
-            loss = model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100)).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+
+        def train(steps: int, share: float) -> None:
+            for _ in range(steps):
+                rows = [_primer(tokenizer, rng, share) for _ in range(128)]
+                width = max(len(ids) for ids, _ in rows)
+                pad = tokenizer.pad_token_id
+                ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in rows])
+                mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows])
+                loss = model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100)).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+        done = 0
+        while done < PRIMING_MAX_STEPS and min(_skill(model, tokenizer, held_out)) < SKILLED:
+            train(PRIMING_CHECK_EVERY, 1.0)
+            done += PRIMING_CHECK_EVERY
+        if min(_skill(model, tokenizer, held_out)) < SKILLED:
+            raise RuntimeError(
+                f"the lookup model (seed {seed}) did not learn to call and read the tool in "
+                f"{PRIMING_MAX_STEPS} priming steps; try another trainer.seed"
+            )
+        for group in optimizer.param_groups:  # gently: the decision, not the skills
+            group["lr"] = SHY_LR
+        train(SHY_STEPS, SHY_CALL_SHARE)
 
     return build_tiny_model(
         directory,
