@@ -501,3 +501,28 @@ def test_background_runs_one_coroutine_at_a_time_and_hands_back_its_outcome():
     with pytest.raises(RuntimeError, match="receiver 2 died"):
         sending.finish(timeout=5)
     assert sending.finish(timeout=1) is None
+
+
+@pytest.mark.parametrize(("chunk_groups", "sizes"), [(None, [2, 2, 2, 2]), (4, [4, 4])])
+def test_a_task_is_as_many_groups_as_async_chunk_groups_says_within_the_bound(chunk_groups, sizes):
+    """Default: a step's groups over the workers; ``async.chunk_groups`` sets it (multi-turn
+    rollouts amortise a tool's latency over larger tasks); the bound caps what is handed
+    out either way."""
+
+    async def run():
+        queue = _queue(
+            groups_per_step=4,
+            trigger_sync=1,
+            staleness_threshold=1.0,  # bound: 8 groups
+            max_version_lag=1,
+            num_workers=2,
+            chunk_groups=chunk_groups,
+        )
+        await queue.worker_synced(0, {"version": 0, "digest": None})
+        tasks = []
+        for _ in range(len(sizes)):
+            tasks.append(await queue.next_task(0))
+        return tasks
+
+    tasks = asyncio.run(run())
+    assert [len(t["indices"]) for t in tasks] == sizes

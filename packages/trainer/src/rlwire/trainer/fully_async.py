@@ -58,6 +58,7 @@ def run_fully_async(job: Job, bar) -> None:
         staleness_threshold=cfg.staleness_threshold,
         max_version_lag=cfg.version_lag_bound(),
         num_workers=len(job.rollouts),
+        chunk_groups=cfg.chunk_groups,
         start_version=job.start_step,
         seed=config.trainer.seed,
         resume=job.resumed.get("queue"),  # groups started before the checkpoint, to redo

@@ -72,6 +72,7 @@ class SampleQueue:
         max_version_lag: int,
         num_workers: int,
         start_version: int,
+        chunk_groups: int | None = None,
         seed: int,
         resume: dict[str, Any] | None = None,
         poll: float = 1.0,
@@ -83,7 +84,8 @@ class SampleQueue:
         self.required = groups_per_step
         self.bound = max_stale_groups(groups_per_step, trigger_sync, staleness_threshold)
         self.max_lag = max_version_lag
-        self.chunk = max(1, math.ceil(groups_per_step / num_workers))
+        # the prompt groups of one generation task (``async.chunk_groups``)
+        self.chunk = chunk_groups or max(1, math.ceil(groups_per_step / num_workers))
         self.seed = seed
         self.poll = poll
         self.queue: collections.deque[_Queued] = collections.deque()

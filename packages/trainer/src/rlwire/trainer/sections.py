@@ -221,6 +221,11 @@ class AsyncConfig:
     most the bound above allows, so nothing is dropped in a steady run."""
     sample_timeout: float = 600.0
     """Seconds the trainer may wait for one step's samples before the run stops."""
+    chunk_groups: int | None = None
+    """Prompt groups a rollout worker generates per task (one engine call, or one agent
+    loop). None: ``data.train_batch_size`` over the workers, rounded up. Larger chunks
+    amortise what a task pays whatever its size (a tool's latency per turn in multi-turn
+    rollouts); the staleness bound still caps the groups in flight."""
     partial_rollout: bool = False
     """Partial rollouts: when a weight sync is requested, rollout workers stop at the end
     of the current token chunk, apply the update and continue the unfinished responses
@@ -248,6 +253,12 @@ class AsyncConfig:
             "async.max_version_lag",
             self.max_version_lag,
             "use an int >= 0 or null",
+        )
+        check(
+            self.chunk_groups is None or self.chunk_groups >= 1,
+            "async.chunk_groups",
+            self.chunk_groups,
+            "use an int >= 1 or null",
         )
         check(self.sample_timeout > 0, "async.sample_timeout", self.sample_timeout, "use > 0")
         check(

@@ -1,15 +1,18 @@
 """The built-in multi-turn task ``lookup`` (``data.source=builtin:lookup``): the prompt is a
 key of three letters (``cab``), the answer is the three digits the tool :func:`lookup`
-returns for it (a hash of the key: nothing in the prompt or the model's weights tells it). The model
-must call the tool in the Hermes format, read the result and answer with it.
+returns for it (a hash of the key: nothing in the prompt or the model's weights tells it).
+The model must call the tool in the Hermes format, read the result and answer with it.
 
 Its model is the built-in tiny Qwen2 with the tokens the task needs (role tokens, the
 tool-call and tool-response tags, and the fixed parts of the call's JSON as two tokens)
-and a chat template; it is primed on the call's form before RL, as an instruct model
-knows its tool-call syntax: on conversations where half the answers call the tool (with
-the prompt's key) and half do not, and every final answer is three random digits, whatever
-the tool said. So it starts at chance (a digit in 10 right) and RL has to learn to call the
-tool and to answer with what it returned.
+and a chat template. A randomly initialised model cannot find a JSON tool call by sampling,
+nor (measured) learn by RL alone to read a tool's result, so it is primed before RL, as an
+instruct model knows its tool syntax: on conversations that all call the tool with the
+prompt's key and answer with its result, until the greedy model does both on held-out
+keys; then briefly, at a tenth of the learning rate, on conversations of which only one in
+ten calls the tool and the others answer three random digits. It starts knowing how to
+call and read but calling in a few percent of its first turns, near chance (a digit in ten
+right): RL has to learn to call the tool.
 """
 
 from __future__ import annotations
