@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .agent.loop import build_loop
 from .config import TrainerConfig
 from .errors import RunError
 from .rollout import Example, Rollout, Sampling, rollout_engine_class
@@ -61,8 +62,6 @@ class RolloutWorker(WorkerProcess):
         if isinstance(model, torch.nn.Module):
             set_threads(self.config, model)
         if self.config.agent.enable:
-            from .agent.loop import build_loop
-
             self.agent = build_loop(self.config, self.backend, self.model_path)
 
     def engine_init(

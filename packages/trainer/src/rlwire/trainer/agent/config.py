@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 from ..checks import ConfigError, check, check_engine
+from .environment import environment_class
+from .parsers import TOOL_PARSERS, parser_class
+from .tools import load_tools
 
 __all__ = ["AgentConfig"]
 
@@ -48,8 +51,6 @@ class AgentConfig:
     ``tool_response_truncate_side=middle``)."""
 
     def __post_init__(self) -> None:
-        from .parsers import TOOL_PARSERS, parser_class
-
         check_engine(self.format, "agent.format", TOOL_PARSERS, parser_class)
         for key in ("max_assistant_turns", "max_user_turns"):
             value = getattr(self, key)
@@ -74,9 +75,22 @@ class AgentConfig:
             )
         if self.enable or self.tools or self.environment:
             # imported now, so that a bad path fails at config load, not in a worker
-            from .environment import environment_class
-            from .tools import load_tools
-
             load_tools(self.tools)
             if self.environment is not None:
-                environment_class(self.environment)
+                self._check_environment(self.environment)
+
+    @staticmethod
+    def _check_environment(value: str) -> None:
+        check(
+            ":" in value,
+            "agent.environment",
+            value,
+            "use a dotted path 'package.module:Class' to a rlwire.trainer.agent.Environment "
+            "subclass",
+        )
+        try:
+            environment_class(value)
+        except ValueError as err:  # not an Environment subclass: the message names the key
+            raise ConfigError(str(err)) from None
+        except ImportError as err:
+            raise ConfigError(f"agent.environment: cannot import {value!r}: {err}") from None
