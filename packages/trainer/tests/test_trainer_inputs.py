@@ -133,6 +133,7 @@ def test_verl_rows_render_chat_messages_and_carry_source_and_extra_info(tmp_path
         answer="1",
         data_source="openai/gsm8k",
         extra_info={"index": 0, "split": "train"},
+        messages=[{"role": "user", "content": "what is 0 + 1?"}],  # for multi-turn rollouts
     )
     # dotted keys address nested fields explicitly, too
     nested = load_config(

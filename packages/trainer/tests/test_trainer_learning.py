@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlwire.trainer.algorithm import group_advantages
-from rlwire.trainer.rollout import hf_generate
+from rlwire.trainer.rollout import Example, hf_generate
 from rlwire.trainer.step import compute_old_logprobs, grpo_update
 from rlwire.trainer.tiny import build_tiny_model, repeat_prompts, repeat_reward
 
@@ -224,7 +224,8 @@ def test_rollout_worker_stitches_partial_responses_in_order_with_per_token_versi
                     p.add_(0.05 * torch.randn_like(p))
             worker.version = 5
 
-    out = worker.generate_partial(["a:", "bcd:"], 11, sync_requested)
+    examples = [Example(prompt="a:", answer="a"), Example(prompt="bcd:", answer="b")]
+    out = worker.generate_partial(examples, 11, sync_requested)
     assert checks and checks[0] == 4 and len(out) == 6
     assert torch.equal(
         out.prompt_ids, hf_start(worker.backend.tokenizer, ["a:", "bcd:"], 3).prompt_ids
