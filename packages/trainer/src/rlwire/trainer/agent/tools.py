@@ -133,13 +133,16 @@ class ToolRunner:
         self.tools = {t.name: t for t in tools}
         self.timeout, self.max_chars = timeout, max_chars
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()  # environments step in threads of their own
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="rlwire-tools", daemon=True).start()
-            self._loop = loop
-        return self._loop
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="rlwire-tools", daemon=True)
+                thread.start()
+                self._loop = loop
+            return self._loop
 
     def run(self, calls: list[ParsedCall]) -> list[ToolResult]:
         """Every call's result, in order; all start at once."""
