@@ -58,7 +58,9 @@ class DataConfig:
     """``builtin:repeat`` (the built-in verifiable task: answer a letter with that
     letter, partial credit per character), ``builtin:count`` (answer a letter and a count,
     ``c3:``, with the letter that many times and stop: response lengths with a long tail;
-    the ``realistic`` preset's) or a JSONL/Parquet file."""
+    the ``realistic`` preset's), ``builtin:lookup`` (multi-turn: call a tool and answer with
+    what it returned; with its own ``agent`` settings and primed model) or a JSONL/Parquet
+    file."""
     prompt_key: str = "prompt"
     """Field holding the prompt in a user file: text, or a list of chat messages (verl's
     layout) rendered with the tokenizer's chat template. Dots address nested fields."""
