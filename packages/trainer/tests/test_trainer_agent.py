@@ -4,6 +4,7 @@ observation, token-exact conversations, the loss mask, ``trainer.rollout_data_di
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -344,12 +345,8 @@ def _scripted_loop(tool_or_env: str, turns: list[list[str]], **agent):
         **agent,
     )
 
-    class Config:  # what build_loop reads
-        pass
-
-    whole = Config()
-    whole.agent, whole.rollout = config, Config()
-    whole.rollout.max_new_tokens = 200
+    # the parts of the trainer's config build_loop reads
+    whole = types.SimpleNamespace(agent=config, rollout=types.SimpleNamespace(max_new_tokens=200))
     example = Example(prompt="x", answer="", messages=[{"role": "user", "content": "x"}])
 
     engine = ScriptedEngine({}, tok.eos_token_id)

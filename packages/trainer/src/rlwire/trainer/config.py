@@ -21,7 +21,7 @@ from typing import Any
 
 from rlwire.ckpt_engine import registry as engine_registry
 
-from .agent.config import AgentConfig
+from .agent.config import AgentConfig, check_agent
 from .checks import check
 from .rollout.base import rollout_engine_class
 from .sections import (
@@ -110,7 +110,7 @@ class TrainerConfig:
             )
 
         if self.agent.enable:
-            self._check_agent()
+            check_agent(self)
         overlong = self.reward.overlong_buffer
         if overlong.enable:
             check(
@@ -153,26 +153,6 @@ class TrainerConfig:
                 "ckpt_engine.delta",
                 "on",
                 f"ckpt_engine.backend {backend!r} sends whole weights only; use 'auto' or 'off'",
-            )
-
-    def _check_agent(self) -> None:
-        """Multi-turn rollouts: an engine that takes token ids in (``extend``) and
-        validation at the training temperature."""
-        check(
-            rollout_engine_class(self.rollout.backend).can_continue,
-            "agent.enable",
-            True,
-            f"rollout.backend {self.rollout.backend!r} cannot continue from token ids (not a "
-            "rlwire.trainer.rollout.PartialRolloutEngine); use 'hf' or 'vllm'",
-        )
-        val = self.validation
-        if val.source is not None:
-            check(
-                val.do_sample and val.temperature == self.rollout.temperature,
-                "validation.do_sample",
-                val.do_sample,
-                "multi-turn rollouts sample at rollout.temperature: set validation.do_sample="
-                f"true and validation.temperature={self.rollout.temperature}",
             )
 
     def hybrid_engine(self) -> bool:

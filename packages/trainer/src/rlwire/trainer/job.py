@@ -32,7 +32,7 @@ from .correction import GapWatch
 from .errors import RunError
 from .hybrid import HybridWorker
 from .loggers import Tracker
-from .metrics import StepMetrics, UpdateMetrics
+from .metrics import StepMetrics, UpdateMetrics, update_metrics
 from .micro_batches import rank_shares, row_tokens
 from .reward_kl import KLController, kl_in_reward
 from .rollout import Rollout, rollout_engine_class, split_evenly
@@ -42,27 +42,6 @@ from .scoring import Scored, score
 from .workers import ActorWorker
 
 __all__ = ["Job"]
-
-# What the actor ranks report and the step records as their mean.
-_SLOWEST_RANK = (  # phase times: the update waits for the slowest actor rank
-    "time_old_logprob_s",
-    "time_ref_s",
-    "time_forward_backward_s",
-    "time_optimizer_s",
-    "time_actor_s",
-)
-_MEAN_OVER_RANKS = (
-    "policy_loss",
-    "clip_fraction",
-    "entropy",
-    "kl_ref",
-    "grad_norm",
-    "kl_rollout",
-    "kl_behaviour_proximal",
-    "rollout_is_mean",
-    "rollout_is_truncated_fraction",
-    "rollout_rs_masked_fraction",
-)
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -365,26 +344,7 @@ class Job:
 
         def done() -> UpdateMetrics:
             results = self.call(refs, "update")
-            tokens = int(batch.response_mask.sum())
-            mean = {k: sum(r[k] for r in results) / self.world for k in _MEAN_OVER_RANKS}
-            spans = batch.version_spans()
-            return UpdateMetrics(
-                reward_mean=rewards.mean().item(),
-                reward_std=rewards.std().item(),
-                reward_extra=reward_extra,
-                response_length=tokens / len(batch),
-                **mean,
-                rollout_is_max=max(r["rollout_is_max"] for r in results),
-                lr_scale=results[0]["lr_scale"],
-                retained_grad_bytes=max(r["retained_grad_bytes"] for r in results),
-                grad_sync_policy=results[0]["grad_sync_policy"],
-                optimizer_steps=results[0]["optimizer_steps"],
-                version_span_max=int(spans.max()),
-                continued_fraction=float((spans > 0).float().mean()),
-                tokens=tokens,
-                time_reward_s=reward_s,
-                **{k: max(r[k] for r in results) for k in _SLOWEST_RANK},
-            )
+            return update_metrics(batch, rewards, reward_extra, reward_s, results)
 
         return done
 

@@ -8,7 +8,7 @@ from typing import Any
 from .agent.trajectory import trajectory_metrics
 from .rollout import Rollout, response_lengths
 
-__all__ = ["StepMetrics", "UpdateMetrics", "step_record"]
+__all__ = ["StepMetrics", "UpdateMetrics", "step_record", "update_metrics"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -146,6 +146,60 @@ class StepMetrics(UpdateMetrics):
         line.update({f"reward_extra/{k}": v for k, v in extra.items()})
         line.update({k: v for k, v in values.items() if v is not None})
         return line
+
+
+# What the actor ranks report and the step records as their mean.
+_SLOWEST_RANK = (  # phase times: the update waits for the slowest actor rank
+    "time_old_logprob_s",
+    "time_ref_s",
+    "time_forward_backward_s",
+    "time_optimizer_s",
+    "time_actor_s",
+)
+_MEAN_OVER_RANKS = (
+    "policy_loss",
+    "clip_fraction",
+    "entropy",
+    "kl_ref",
+    "grad_norm",
+    "kl_rollout",
+    "kl_behaviour_proximal",
+    "rollout_is_mean",
+    "rollout_is_truncated_fraction",
+    "rollout_rs_masked_fraction",
+)
+
+
+def update_metrics(
+    batch: Rollout,
+    rewards,
+    reward_extra: dict[str, float],
+    reward_s: float,
+    results: list[dict[str, Any]],
+) -> UpdateMetrics:
+    """One update's metrics: ``batch``'s scores (``rewards``, the reward's extras and the
+    seconds scoring took) and the actor ranks' reports ``results``, combined (means, or the
+    slowest rank's times)."""
+    tokens = int(batch.response_mask.sum())
+    mean = {k: sum(r[k] for r in results) / len(results) for k in _MEAN_OVER_RANKS}
+    spans = batch.version_spans()
+    return UpdateMetrics(
+        reward_mean=rewards.mean().item(),
+        reward_std=rewards.std().item(),
+        reward_extra=reward_extra,
+        response_length=tokens / len(batch),
+        **mean,
+        rollout_is_max=max(r["rollout_is_max"] for r in results),
+        lr_scale=results[0]["lr_scale"],
+        retained_grad_bytes=max(r["retained_grad_bytes"] for r in results),
+        grad_sync_policy=results[0]["grad_sync_policy"],
+        optimizer_steps=results[0]["optimizer_steps"],
+        version_span_max=int(spans.max()),
+        continued_fraction=float((spans > 0).float().mean()),
+        tokens=tokens,
+        time_reward_s=reward_s,
+        **{k: max(r[k] for r in results) for k in _SLOWEST_RANK},
+    )
 
 
 def step_record(

@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from ..checks import ConfigError, check, check_engine
+from ..rollout.base import rollout_engine_class
 from .environment import environment_class
 from .parsers import TOOL_PARSERS, parser_class
 from .tools import load_tools
 
-__all__ = ["AgentConfig"]
+__all__ = ["AgentConfig", "check_agent"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -94,3 +95,26 @@ class AgentConfig:
             raise ConfigError(str(err)) from None
         except ImportError as err:
             raise ConfigError(f"agent.environment: cannot import {value!r}: {err}") from None
+
+
+def check_agent(config) -> None:
+    """What multi-turn rollouts need of the rest of the
+    :class:`~rlwire.trainer.config.TrainerConfig`: an engine that takes token ids in
+    (``extend``), and validation at the training temperature."""
+    rollout = config.rollout
+    check(
+        rollout_engine_class(rollout.backend).can_continue,
+        "agent.enable",
+        True,
+        f"rollout.backend {rollout.backend!r} cannot continue from token ids (not a "
+        "rlwire.trainer.rollout.PartialRolloutEngine); use 'hf' or 'vllm'",
+    )
+    val = config.validation
+    if val.source is not None:
+        check(
+            val.do_sample and val.temperature == rollout.temperature,
+            "validation.do_sample",
+            val.do_sample,
+            "multi-turn rollouts sample at rollout.temperature: set validation.do_sample="
+            f"true and validation.temperature={rollout.temperature}",
+        )
