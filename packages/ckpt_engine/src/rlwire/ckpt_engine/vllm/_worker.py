@@ -1,0 +1,253 @@
+"""The inference side: an rlwire receiver inside each vLLM worker process.
+
+vLLM builds one :class:`RlwireWeightTransferEngine` per worker (tensor- and
+pipeline-parallel ranks, data-parallel replicas) when it starts with
+``weight_transfer_config={"backend": "rlwire_<name>"}``. Each joins the trainer's rlwire
+group as one receiver; an update is received whole beside the model (nothing is written
+into it before the whole update arrived, matched and, with ``checksum``, verified), then
+written through vLLM's own checkpoint-format path (layerwise reload around
+``model.load_weights``, which takes each rank's shard and fuses what vLLM fuses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+
+from .._apply import StagedUpdate, stage_update
+from .._base import DEFAULT_TIMEOUT_S, CheckpointEngine
+from .._errors import CheckpointEngineError
+from .._registry import registry
+from ._names import backend_of
+
+__all__ = ["RlwireInitInfo", "RlwireUpdateInfo", "RlwireWeightTransferEngine"]
+
+logger = init_logger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class RlwireInitInfo(WeightTransferInitInfo):
+    """What a worker needs to join (built by the trainer side, sent through vLLM's
+    ``init_weight_transfer_engine``): the master's metadata and the group's size."""
+
+    backend: str
+    master_metadata: dict[str, Any]
+    world_size: int
+    rank_offset: int = 1
+    timeout: float = DEFAULT_TIMEOUT_S
+    checksum: bool = False
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RlwireUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the version the trainer sends (checked against what arrives)."""
+
+    version: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int):
+            raise ValueError(f"version: {self.version!r} is not an int")
+
+
+def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to the end from synchronous code, in a thread of its own when the
+    caller is itself inside an event loop (vLLM calls its engines synchronously)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as err:  # re-raised in the caller
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name="rlwire-vllm-receive", daemon=True)
+    thread.start()
+    thread.join()  # the engine bounds every wait inside by its own timeout
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpdateInfo]):
+    """vLLM's ``WeightTransferEngine`` over one rlwire backend (``config.backend`` is
+    ``rlwire_<name>``).
+
+    The engine keeps the last version it wrote as checkpoint-format host tensors (its
+    *mirror*, one model-sized host copy) when the trainer sends deltas: a delta applies
+    onto that exact version, and vLLM's loader is then given whole tensors. Without deltas
+    nothing is kept between updates.
+    """
+
+    init_info_cls = RlwireInitInfo
+    update_info_cls = RlwireUpdateInfo
+    supports_draft_weight_update = False  # one group per model: a draft model needs its own
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.backend = backend_of(config.backend)
+        self.engine: CheckpointEngine | None = None
+        self.deltas = False
+        self.mirror: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        """The version vLLM's model holds (None: the weights it started with)."""
+        self.layout: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        """Names, shapes and dtypes of the last update written (a dense one must match)."""
+        self._staged: StagedUpdate | dict[str, torch.Tensor] | None = None
+        self._staged_version: int | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: RlwireInitInfo) -> None:
+        if init_info.backend != self.config.backend:
+            raise ValueError(
+                f"the trainer sends with {init_info.backend!r} but this vLLM engine was "
+                f"started with weight_transfer_config backend {self.config.backend!r}"
+            )
+        self.shutdown()
+        parallel = self.parallel_config
+        worker = parallel.data_parallel_index * parallel.world_size + parallel.rank
+        rank = init_info.rank_offset + worker
+        engine = registry.new(
+            self.backend,
+            timeout=init_info.timeout,
+            checksum=init_info.checksum,
+            **init_info.options,
+        )
+        engine.prepare()
+        engine.init_process_group(
+            rank=rank, world_size=init_info.world_size, master_metadata=init_info.master_metadata
+        )
+        self.engine = engine
+        self.deltas = init_info.master_metadata.get("delta", "off") != "off"
+        logger.info("rlwire_%s: joined as receiver %d of %d", self.backend, rank,
+                    init_info.world_size - 1)
+
+    def start_weight_update(self) -> None:
+        self._staged = None
+        self._staged_version = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's default synchronises the accelerator, which raises on a CPU host; the
+        # rlwire backends hand over tensors that are complete when they are yielded.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: RlwireUpdateInfo) -> None:
+        """Receive one whole update beside the model; nothing is written into it here."""
+        if self.engine is None:
+            raise CheckpointEngineError(
+                f"rlwire_{self.backend}: update_weights before init_weight_transfer_engine"
+            )
+        if self._staged is not None:
+            raise CheckpointEngineError(
+                f"rlwire_{self.backend}: a second update_weights in one weight update (rlwire "
+                "sends a whole update per call)"
+            )
+        staged, version = run_coroutine(self._receive())
+        if version != update_info.version:
+            raise CheckpointEngineError(
+                f"rlwire_{self.backend}: received version {version} but the trainer announced "
+                f"{update_info.version}; vLLM keeps version {self.version}"
+            )
+        self._staged, self._staged_version = staged, version
+
+    async def _receive(self) -> tuple[StagedUpdate | dict[str, torch.Tensor], int]:
+        engine = self.engine
+        assert engine is not None
+        if self.deltas and self.mirror:
+            staged = await stage_update(self.mirror, engine, version=self.version)
+            return staged, staged.version
+        received = {name: tensor async for name, tensor in engine.receive_weights(copy=True)}
+        if self.layout:  # a dense update must carry the same tensors as the last one
+            _check_layout(self.backend, self.layout, received)
+        assert engine.last_version is not None
+        return received, engine.last_version
+
+    def finish_weight_update(self) -> None:
+        """Write the staged update into vLLM's model through its checkpoint-format loader."""
+        staged, version = self._staged, self._staged_version
+        self._staged = self._staged_version = None
+        if staged is None or version is None:
+            raise CheckpointEngineError(
+                f"rlwire_{self.backend}: finish_weight_update without a received update; vLLM "
+                f"keeps version {self.version}"
+            )
+        mirror_changed = isinstance(staged, StagedUpdate)
+        if isinstance(staged, StagedUpdate):
+            staged.commit()  # the deltas onto the mirror: it now holds the new version
+            weights = self.mirror
+        else:
+            weights = staged
+        try:
+            self._load(weights)
+        except Exception as err:
+            raise CheckpointEngineError(
+                f"rlwire_{self.backend}: vLLM's loader failed on version {version} ({err}); "
+                + self._restore(mirror_changed)
+            ) from err
+        self.layout = {name: (t.shape, t.dtype) for name, t in weights.items()}
+        self.mirror = weights if self.deltas else {}
+        self.version = version
+
+    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        initialize_layerwise_reload(self.model)
+        with torch.no_grad():
+            self.model.load_weights(iter(weights.items()))
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def _restore(self, mirror_changed: bool) -> str:
+        """After a failed load, the version held before where it can be had again: the
+        model's own files before the first update, the mirror after a dense one (deltas on).
+        Returns what the model holds now."""
+        if self.version is None:
+            from vllm.model_executor.model_loader.reload import reload_weights
+
+            reload_weights(self.vllm_config, self.model, None, None, True)
+            self.mirror = {}
+            return "the weights it started with were reloaded from the model's files"
+        if self.mirror and not mirror_changed:
+            self._load(self.mirror)
+            return f"version {self.version} was written back"
+        self.mirror, self.version = {}, None  # unknown now: the next update is dense
+        return "the model may hold part of it: the next update is sent whole"
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.finalize()
+            self.engine = None
+
+
+def _check_layout(
+    backend: str, held: dict[str, tuple[torch.Size, torch.dtype]], new: dict[str, torch.Tensor]
+) -> None:
+    differ = sorted(
+        name
+        for name in held.keys() | new.keys()
+        if name not in held or name not in new or held[name] != (new[name].shape, new[name].dtype)
+    )
+    if differ:
+        raise CheckpointEngineError(
+            f"rlwire_{backend}: the update's tensors differ from the last one's (names, shapes "
+            f"or dtypes): {differ[:8]}{' ...' if len(differ) > 8 else ''}"
+        )

@@ -1,0 +1,112 @@
+"""Run by test_ckpt_engine_vllm.py in a process of its own (an in-process vLLM engine
+changes its host process): a tiny model served by ``vllm.LLM`` with an rlwire weight
+transfer engine, updated through vLLM's trainer-side API; prints what it saw as JSON.
+
+    python vllm_transfer.py MODEL_DIR BACKEND
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+
+def versions(base: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Three versions: all of it changed, then a few elements of every tensor twice."""
+    out = [{name: t * 1.05 for name, t in base.items()}]
+    for step in (1, 2):
+        g = torch.Generator().manual_seed(step)
+        nxt = {}
+        for name, t in out[-1].items():
+            t = t.clone()
+            flat = t.view(-1)
+            idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
+            flat[idx] += 0.01 * step
+            nxt[name] = t
+        out.append(nxt)
+    return out
+
+
+def main() -> None:
+    model_dir, backend = sys.argv[1], sys.argv[2]
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.inputs import TokensPrompt
+
+    from rlwire.ckpt_engine.vllm import LLMClient, RlwireTrainerInitInfo
+
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=32 << 20,
+        seed=0,
+        weight_transfer_config={"backend": f"rlwire_{backend}"},
+    )
+    prompts = [TokensPrompt(prompt_token_ids=[1, 5, 9, 17, 33, 2, 8])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
+
+    def seen() -> dict:
+        out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+        (sums,) = llm.collective_rpc("compute_weight_checksums")
+        return {
+            "tokens": list(out.token_ids),
+            "logprobs": [step[t].logprob for t, step in zip(out.token_ids, out.logprobs)],
+            "checksums": sums,
+            "version": llm.get_weight_version(),
+        }
+
+    report: dict = {"start": seen(), "updates": [], "reference": []}
+    info = RlwireTrainerInitInfo(
+        backend=f"rlwire_{backend}", rank=0, receivers=1, delta="on", checksum=True, timeout=5,
+        options={"root": os.path.join(os.path.dirname(model_dir), "fs")} if backend == "filesystem" else {},
+        bucket_size="64KiB",
+    )
+    if backend == "filesystem":
+        info.delta = "off"
+    sender = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm))
+    report["sender"] = type(sender).__name__
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    for weights in versions(base):
+        stats = sender.send_weights(weights.items())
+        report["updates"].append(
+            {**seen(), "base": stats.base, "bytes": stats.bytes, "wire_bytes": stats.wire_bytes}
+        )
+        # the same weights through vLLM's own reload path: what they must give
+        llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": iter(list(weights.items())), "is_checkpoint_format": True},
+        )
+        report["reference"].append(seen())
+
+    # a cut-off update: the sender's weights stop half-way; vLLM keeps serving version 3
+    def broken():
+        for i, item in enumerate(base.items()):
+            if i == len(base) // 2:
+                raise RuntimeError("the trainer died half-way")
+            yield item
+
+    try:
+        sender.send_weights(broken())
+        report["cut_off"] = None
+    except Exception as err:  # noqa: BLE001 - reported
+        report["cut_off"] = str(err)
+    report["after_cut_off"] = seen()
+    stats = sender.send_weights(base.items())  # and the next one lands (whole: no base held)
+    report["after_recovery"] = {**seen(), "base": stats.base}
+    sender.shutdown()
+    print("REPORT " + json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
