@@ -51,7 +51,8 @@ def main() -> None:
         skip_tokenizer_init=True,
         kv_cache_memory_bytes=32 << 20,
         seed=0,
-        weight_transfer_config={"backend": f"rlwire_{backend}"},
+        # gloo through the generic name: the trainer side's init info picks the backend
+        weight_transfer_config={"backend": "rlwire" if backend == "gloo" else f"rlwire_{backend}"},
     )
     prompts = [TokensPrompt(prompt_token_ids=[1, 5, 9, 17, 33, 2, 8])]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)

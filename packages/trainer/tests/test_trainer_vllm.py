@@ -33,6 +33,8 @@ def ray_local():
 
 
 def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local, tmp_path):
+    """Updates reach vLLM's worker through its weight-transfer engine (``rlwire``), deltas
+    included, and vLLM samples from the weights sent."""
     from transformers import AutoModelForCausalLM
 
     from rlwire.ckpt_engine import registry
@@ -55,7 +57,7 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
     )
     worker = ray.remote(num_cpus=1)(RolloutWorker).remote(config, str(model_dir), 0)
     ray.get(worker.load_engine.remote(), timeout=300)
-    sender = registry.new("gloo", is_master=True, bucket_size="1MiB", timeout=120)
+    sender = registry.new("gloo", is_master=True, bucket_size="1MiB", timeout=120, delta="on")
     metadata = sender.prepare()
     joined = worker.engine_init.remote("gloo", 2, metadata)
     sender.init_process_group(rank=0, world_size=2, master_metadata=metadata)
@@ -99,6 +101,19 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
         assert max_error(actor, after) < TOLERANCE  # the engine now holds the new weights
         original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         assert max_error(original, after) > 100 * TOLERANCE  # and not the old ones
+
+        # a sparse change crosses as a delta straight into vLLM's worker (its weight-transfer
+        # engine holds version 1), and vLLM generates from the result
+        nudged = {name: value.clone() for name, value in updated.items()}
+        head = next(name for name in nudged if name.endswith("lm_head.weight"))
+        nudged[head][:, :3] += 0.5
+        pulled = worker.pull_weights.remote()
+        stats = asyncio.run(sender.send_weights(nudged.items(), version=2))
+        assert stats.base == 1 and stats.wire_bytes < stats.bytes / 10
+        assert ray.get(pulled, timeout=300)["version"] == 2
+        nudged_out = ray.get(worker.generate.remote(examples, 123), timeout=300)
+        actor.load_state_dict(nudged)
+        assert max_error(actor, nudged_out) < TOLERANCE
     sender.finalize()
 
 

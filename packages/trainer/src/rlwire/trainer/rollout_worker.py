@@ -68,19 +68,13 @@ class RolloutWorker(WorkerProcess):
         self, backend: str, world_size: int, metadata: dict, rank: int | None = None
     ) -> None:
         """Join the checkpoint engine as a receiver: rank ``rank``, by default ``1 + index``
-        (actor rank 0 sends to every rollout worker)."""
-        from rlwire.ckpt_engine import registry
-
-        self.engine = registry.new(
+        (actor rank 0 sends to every rollout worker), through the rollout engine's
+        :meth:`~rlwire.trainer.rollout.RolloutEngine.join`."""
+        self.engine = self.backend.join(
             backend,
-            bucket_size=self.config.ckpt_engine.bucket_size,
-            timeout=self.config.ckpt_engine.timeout,
-        )
-        self.engine.prepare()
-        self.engine.init_process_group(
             rank=1 + self.index if rank is None else rank,
             world_size=world_size,
-            master_metadata=metadata,
+            metadata=metadata,
         )
 
     def pull_weights(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@
 
     llm = LLM(model, weight_transfer_config=WeightTransferConfig(backend="rlwire_shm"))
     # or: vllm serve MODEL --weight-transfer-config '{"backend": "rlwire_shm"}'
+    # or backend="rlwire": whichever rlwire backend the trainer side names
 
 and the trainer sends through vLLM's trainer-side API with :class:`RlwireTrainerInitInfo`
 (importing this module registers the trainer side in the trainer's process).
@@ -31,11 +32,12 @@ except ImportError as err:  # pragma: no cover - the module's whole point
     ) from None
 
 from .._registry import registry
-from ._names import BACKENDS, backend_of, vllm_name
+from ._names import ANY, BACKENDS, backend_of, vllm_name
 from ._trainer import LLMClient, RlwireTrainerEngine, RlwireTrainerInitInfo
 from ._worker import RlwireInitInfo, RlwireUpdateInfo, RlwireWeightTransferEngine
 
 __all__ = [
+    "ANY",
     "BACKENDS",
     "LLMClient",
     "RlwireInitInfo",
@@ -57,18 +59,19 @@ def offered() -> list[str]:
 
 
 def register() -> list[str]:
-    """Register :func:`offered` in both of vLLM's factories (again: no-op); their names."""
+    """Register :func:`offered` in both of vLLM's factories, and :data:`ANY` (``rlwire``:
+    the trainer side chooses) in the inference-side one (again: no-op); the names."""
     names = offered()
+    pairs = [(WeightTransferEngineFactory, ANY, RlwireWeightTransferEngine)]
     for name in names:
-        for factory, engine in (
-            (WeightTransferEngineFactory, RlwireWeightTransferEngine),
-            (WeightTransferTrainerFactory, RlwireTrainerEngine),
-        ):
-            try:
-                factory.register_engine(name, engine)
-            except ValueError:  # registered before (vLLM may load plug-ins more than once)
-                pass
-    return names
+        pairs.append((WeightTransferEngineFactory, name, RlwireWeightTransferEngine))
+        pairs.append((WeightTransferTrainerFactory, name, RlwireTrainerEngine))
+    for factory, name, engine in pairs:
+        try:
+            factory.register_engine(name, engine)
+        except ValueError:  # registered before (vLLM may load plug-ins more than once)
+            pass
+    return [ANY, *names]
 
 
 register()

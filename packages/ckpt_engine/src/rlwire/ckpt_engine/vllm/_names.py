@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["BACKENDS", "PREFIX", "backend_of", "vllm_name"]
+__all__ = ["ANY", "BACKENDS", "PREFIX", "backend_of", "vllm_name"]
 
 BACKENDS = ("gloo", "shm", "filesystem", "nccl", "cuda_ipc")
 """Offered where they can be built (:meth:`rlwire.ckpt_engine.registry.usable`): ``nccl``
 and ``cuda_ipc`` need CUDA."""
 
 PREFIX = "rlwire_"
+
+ANY = "rlwire"
+"""The vLLM-side name for any rlwire backend: the trainer side's init info names it."""
 
 
 def vllm_name(backend: str) -> str:

@@ -29,7 +29,7 @@ from .._apply import StagedUpdate, stage_update
 from .._base import DEFAULT_TIMEOUT_S, CheckpointEngine
 from .._errors import CheckpointEngineError
 from .._registry import registry
-from ._names import backend_of
+from ._names import ANY, backend_of
 
 __all__ = ["RlwireInitInfo", "RlwireUpdateInfo", "RlwireWeightTransferEngine"]
 
@@ -56,11 +56,14 @@ class RlwireInitInfo(WeightTransferInitInfo):
 class RlwireUpdateInfo(WeightTransferUpdateInfo):
     """One update: the version the trainer sends (checked against what arrives)."""
 
-    version: int
+    version: int | None = None
+    """None: whichever version arrives (a receiver that learns it on receipt)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.version, bool) or not isinstance(self.version, int):
-            raise ValueError(f"version: {self.version!r} is not an int")
+        if self.version is not None and (
+            isinstance(self.version, bool) or not isinstance(self.version, int)
+        ):
+            raise ValueError(f"version: {self.version!r} is not an int or None")
 
 
 def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
@@ -87,8 +90,9 @@ def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
 
 
 class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpdateInfo]):
-    """vLLM's ``WeightTransferEngine`` over one rlwire backend (``config.backend`` is
-    ``rlwire_<name>``).
+    """vLLM's ``WeightTransferEngine`` over one rlwire backend: ``config.backend`` is
+    ``rlwire_<name>``, or ``rlwire`` for the one the trainer side names at
+    ``init_weight_transfer_engine``.
 
     The engine keeps the last version it wrote as checkpoint-format host tensors (its
     *mirror*, one model-sized host copy) when the trainer sends deltas: a delta applies
@@ -102,7 +106,8 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.backend = backend_of(config.backend)
+        self.fixed = None if config.backend == ANY else backend_of(config.backend)
+        self.backend = self.fixed or "?"
         self.engine: CheckpointEngine | None = None
         self.deltas = False
         self.mirror: dict[str, torch.Tensor] = {}
@@ -115,12 +120,15 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
 
     # --- lifecycle -------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: RlwireInitInfo) -> None:
-        if init_info.backend != self.config.backend:
+        backend = backend_of(init_info.backend)
+        if self.fixed is not None and backend != self.fixed:
             raise ValueError(
                 f"the trainer sends with {init_info.backend!r} but this vLLM engine was "
-                f"started with weight_transfer_config backend {self.config.backend!r}"
+                f"started with weight_transfer_config backend {self.config.backend!r} (or "
+                f"{ANY!r}: any rlwire backend)"
             )
         self.shutdown()
+        self.backend = backend
         parallel = self.parallel_config
         worker = parallel.data_parallel_index * parallel.world_size + parallel.rank
         rank = init_info.rank_offset + worker
@@ -134,14 +142,15 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         engine.init_process_group(
             rank=rank, world_size=init_info.world_size, master_metadata=init_info.master_metadata
         )
+        engine.last_version = self.version  # what vLLM holds (filesystem: wait for a newer one)
         self.engine = engine
         self.deltas = init_info.master_metadata.get("delta", "off") != "off"
         logger.info("rlwire_%s: joined as receiver %d of %d", self.backend, rank,
                     init_info.world_size - 1)
 
     def start_weight_update(self) -> None:
-        self._staged = None
-        self._staged_version = None
+        """Nothing to prepare: an update is received whole by ``update_weights`` (or by
+        :meth:`receive` ahead of time) and written in by :meth:`finish_weight_update`."""
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's default synchronises the accelerator, which raises on a CPU host; the
@@ -150,22 +159,29 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
 
     def receive_weights(self, update_info: RlwireUpdateInfo) -> None:
         """Receive one whole update beside the model; nothing is written into it here."""
+        run_coroutine(self.receive(update_info.version))
+
+    async def receive(self, version: int | None = None) -> int:
+        """Receive one whole update beside the model (it may keep generating meanwhile, in
+        another thread); :meth:`finish_weight_update` writes it in. ``version``: the one the
+        trainer announced (checked), or None. Returns the version received."""
         if self.engine is None:
             raise CheckpointEngineError(
                 f"rlwire_{self.backend}: update_weights before init_weight_transfer_engine"
             )
         if self._staged is not None:
             raise CheckpointEngineError(
-                f"rlwire_{self.backend}: a second update_weights in one weight update (rlwire "
-                "sends a whole update per call)"
+                f"rlwire_{self.backend}: version {self._staged_version} is received and not yet "
+                "written in (finish_weight_update); rlwire sends a whole update per call"
             )
-        staged, version = run_coroutine(self._receive())
-        if version != update_info.version:
+        staged, received = await self._receive()
+        if version is not None and received != version:
             raise CheckpointEngineError(
-                f"rlwire_{self.backend}: received version {version} but the trainer announced "
-                f"{update_info.version}; vLLM keeps version {self.version}"
+                f"rlwire_{self.backend}: received version {received} but the trainer announced "
+                f"{version}; vLLM keeps version {self.version}"
             )
-        self._staged, self._staged_version = staged, version
+        self._staged, self._staged_version = staged, received
+        return received
 
     async def _receive(self) -> tuple[StagedUpdate | dict[str, torch.Tensor], int]:
         engine = self.engine

@@ -81,9 +81,23 @@ class RolloutEngine(abc.ABC):
         ``pad_id`` (the worker stamps ``versions``). ``sampling``: other settings for this
         call (validation), else ``rollout``'s; an engine that cannot honour it raises."""
 
+    def join(self, backend: str, *, rank: int, world_size: int, metadata: dict):
+        """Join the checkpoint-engine group as receiver ``rank``; the handle that
+        :meth:`apply` (and :meth:`StagingRolloutEngine.stage`) are given. By default an
+        rlwire receiver in this process; an engine whose weights live in processes of its
+        own may have those join instead (``vllm``: its weight-transfer engine)."""
+        from rlwire.ckpt_engine import registry
+
+        cfg = self.config.ckpt_engine
+        engine = registry.new(backend, bucket_size=cfg.bucket_size, timeout=cfg.timeout)
+        engine.prepare()
+        engine.init_process_group(rank=rank, world_size=world_size, master_metadata=metadata)
+        return engine
+
     @abc.abstractmethod
     async def apply(self, engine) -> int:
-        """Receive one update from the checkpoint ``engine`` into the weights; its version."""
+        """Receive one update from the checkpoint ``engine`` (what :meth:`join` returned)
+        into the weights; its version."""
 
     @abc.abstractmethod
     def digest(self) -> str | None:

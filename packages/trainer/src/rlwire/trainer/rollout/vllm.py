@@ -10,16 +10,20 @@ Generation takes token-id prompts (the tokenizer is the trainer's) and returns, 
 sampled token, its log-probability under the *processed* distribution
 (``logprobs_mode="processed_logprobs"``: temperature applied), the same quantity the
 actor recomputes: nothing else processes the logits, whatever the model's
-``generation_config.json`` says. Weight updates arrive through ``rlwire.ckpt_engine``
-and go into the running engine through vLLM's own reload path
-(``Worker.reload_weights`` with checkpoint-format Hugging Face names, reached with
-``collective_rpc`` through :class:`WeightReloadExtension`), never through
-``model.load_weights``: on CPU vLLM repacks linear weights at load and the original
-parameters are gone. The prefix cache is reset after every update (cached prompt KV was
-computed with the old weights).
+``generation_config.json`` says. Weight updates go straight into vLLM's worker: the
+engine starts with ``weight_transfer_config={"backend": "rlwire"}``
+(:mod:`rlwire.ckpt_engine.vllm`), whose weight-transfer engine joins the checkpoint
+engine's group as this worker's receiver, receives each update beside the model (deltas
+onto the version it holds) while generation goes on, and writes it in through vLLM's
+checkpoint-format loader at :meth:`VLLMEngine.stage`'s commit (``start_weight_update`` /
+``finish_weight_update``). The prefix cache is reset after every update (cached prompt KV
+was computed with the old weights).
 
 With ``actor.lora`` the engine serves the adapter as a vLLM LoRA (``enable_lora``): an
-update carries the adapter alone (PEFT's saved names), which is written as a PEFT adapter
+update carries the adapter alone (PEFT's saved names), received by an rlwire receiver in
+this process (as is the in-process ``naive`` hand-over of the hybrid engine, whose update
+goes in through ``Worker.reload_weights`` and :class:`WeightReloadExtension`), and is
+written as a PEFT adapter
 directory and becomes the ``LoRARequest`` of every later generation; the previous version
 is removed from the engine and its directory deleted, so one adapter version is held at a
 time (calls are synchronous: none is in use when the next arrives).
@@ -69,6 +73,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
 
     name = "vllm"
     takes_lora = True
+    takes_deltas = True  # vLLM's weight-transfer engine keeps the version it holds
 
     def __init__(
         self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
@@ -117,7 +122,10 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
             options["enable_sleep_mode"] = True
         self.lora_request = None  # the adapter version generations use (LoRA runs)
         self._adapters: Path | None = None
-        if config.actor.lora.enabled:
+        self._transfer = None  # vLLM's weight-transfer engine, once joined (not LoRA)
+        if not config.actor.lora.enabled:
+            options["weight_transfer_config"] = {"backend": "rlwire"}
+        else:
             rank = config.actor.lora.rank
             if rank > max(_LORA_RANKS):
                 raise ValueError(
@@ -132,9 +140,43 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
             weakref.finalize(self, shutil.rmtree, self._adapters, ignore_errors=True)
         self.llm = LLM(**options)
 
+    def join(self, backend: str, *, rank: int, world_size: int, metadata: dict):
+        """vLLM's weight-transfer engine joins as receiver ``rank`` (LoRA, and the hybrid
+        engine's in-process ``naive``: a receiver in this process)."""
+        if self._adapters is not None or backend == "naive":
+            return super().join(backend, rank=rank, world_size=world_size, metadata=metadata)
+        from rlwire.ckpt_engine.vllm import vllm_name
+
+        cfg = self.config.ckpt_engine
+        self.llm.init_weight_transfer_engine(
+            {
+                "init_info": {
+                    "backend": vllm_name(backend),
+                    "master_metadata": metadata,
+                    "world_size": world_size,
+                    "rank_offset": rank,
+                    "timeout": cfg.timeout,
+                }
+            }
+        )
+        # the uni executor runs the worker in this process: its engine, to receive into
+        # from the staging thread while generation goes on (collective_rpc would not)
+        (self._transfer,) = self.llm.collective_rpc(_weight_transfer_engine)
+        return self._transfer
+
     async def stage(self, engine) -> Callable[[], int]:
-        """Receive one whole update (owned tensors); the commit reloads it into the live
-        engine (with LoRA: loads it as the engine's adapter)."""
+        """Receive one whole update beside the weights in use; the commit writes it into
+        the live engine (vLLM's loader; with LoRA: loads it as the engine's adapter)."""
+        if engine is self._transfer and engine is not None:
+            version = await engine.receive()
+
+            def commit_in_vllm() -> int:
+                self.llm.start_weight_update()
+                self.llm.finish_weight_update(str(version))
+                self.llm.reset_prefix_cache()
+                return version
+
+            return commit_in_vllm
         weights = [(name, tensor) async for name, tensor in engine.receive_weights(copy=True)]
         version = engine.last_version
 
@@ -278,6 +320,11 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
         return Rollout(
             prompt_ids, prompt_mask, response_ids, response_mask, logprobs, texts, pad_id=pad
         )
+
+
+def _weight_transfer_engine(worker):
+    """Run in vLLM's worker (``collective_rpc``): its weight-transfer engine."""
+    return worker.weight_transfer_engine
 
 
 def _sampled_logprobs(sample) -> list[float]:

@@ -1,0 +1,240 @@
+"""rlwire's backends as vLLM weight-transfer engines (marked ``vllm``: run by ``.ci/vllm`` in
+an environment with vLLM's CPU build and the rlwire wheels; deselected by default).
+
+The real thing: a tiny Qwen2 model served by ``vllm.LLM`` and by a ``vllm serve`` process,
+updated through vLLM's own trainer-side API (``WeightTransferTrainerFactory``) and its
+weight-transfer routes; what vLLM serves after each update is compared bit for bit with the
+same weights loaded through vLLM's own reload path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+HERE = Path(__file__).resolve().parent
+PROMPT = [1, 5, 9, 17, 33, 2, 8]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny Qwen2 (untied, fp32; head size 64, which vLLM's CPU attention takes)."""
+    pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("vllm") / "tiny"
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "TORCHDYNAMO_DISABLE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "VLLM_SERVER_DEV_MODE": "1",  # vLLM's weight-transfer routes
+    }
+
+
+def test_vllm_loads_the_rlwire_engines_as_a_plugin_and_keeps_its_own():
+    pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
+    code = (
+        "import sys, json\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "from vllm.distributed.weight_transfer import WeightTransferEngineFactory as W\n"
+        "from vllm.distributed.weight_transfer import WeightTransferTrainerFactory as T\n"
+        "before = 'rlwire.ckpt_engine.vllm' in sys.modules\n"
+        "load_general_plugins()\n"
+        "keys = [k for k in W._registry if k.startswith('rlwire') or k in ('nccl', 'ipc')]\n"
+        "print(json.dumps({'before': before,\n"
+        "  'workers': {k: (W._registry[k]().__module__, W._registry[k]().__name__) for k in keys},\n"
+        "  'trainers': {k: T._registry[k]().__name__ for k in keys if k in T._registry}}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_env()
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["before"] is False  # the entry point did it, not an import of ours
+    ours = {k for k in seen["workers"] if k.startswith("rlwire")}
+    # no CUDA here; "rlwire" on the vLLM side: the trainer's init info names the backend
+    assert ours == {"rlwire", "rlwire_gloo", "rlwire_shm", "rlwire_filesystem"}
+    for name in ours:
+        assert seen["workers"][name] == [
+            "rlwire.ckpt_engine.vllm._worker",
+            "RlwireWeightTransferEngine",
+        ]
+    assert {k for k in seen["trainers"] if k.startswith("rlwire")} == ours - {"rlwire"}
+    assert all(seen["trainers"][k] == "RlwireTrainerEngine" for k in ours - {"rlwire"})
+    # vLLM's own engines are untouched
+    assert seen["workers"]["nccl"] == [
+        "vllm.distributed.weight_transfer.nccl_engine",
+        "NCCLWeightTransferEngine",
+    ]
+    assert seen["workers"]["ipc"][1] == "IPCWeightTransferEngine"
+    assert seen["trainers"]["nccl"] == "NCCLTrainerWeightTransferEngine"
+
+
+def test_bad_trainer_settings_are_refused_with_what_is_allowed():
+    pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
+    from rlwire.ckpt_engine.vllm import RlwireTrainerInitInfo
+
+    with pytest.raises(ValueError, match="'rlwire_tcp' is not an rlwire one; use rlwire_gloo"):
+        RlwireTrainerInitInfo(backend="rlwire_tcp", rank=0)
+    with pytest.raises(ValueError, match="receivers: 0 is not allowed; use an int >= 1"):
+        RlwireTrainerInitInfo(rank=0, receivers=0)
+    with pytest.raises(ValueError, match="delta"):
+        RlwireTrainerInitInfo(rank=0, delta="sometimes")
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo", "filesystem"])
+def test_three_versions_reach_vllm_LLM_bit_exact(tiny_model, backend):
+    out = subprocess.run(
+        [sys.executable, str(HERE / "vllm_transfer.py"), str(tiny_model), backend],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("REPORT "))
+    report = json.loads(line[len("REPORT ") :])
+    assert report["sender"] == "RlwireTrainerEngine"  # vLLM's factory built ours
+    start, updates, reference = report["start"], report["updates"], report["reference"]
+    assert [u["version"] for u in updates] == ["1", "2", "3"]
+    for update, ref in zip(updates, reference, strict=True):
+        # what vLLM serves equals the same weights through its own reload path, bit for bit
+        assert update["logprobs"] == ref["logprobs"] and update["tokens"] == ref["tokens"]
+        assert update["checksums"] == ref["checksums"]
+    logprobs = [start["logprobs"]] + [u["logprobs"] for u in updates]
+    assert all(a != b for a, b in zip(logprobs, logprobs[1:]))  # every update changed them
+    dense = updates[0]["bytes"]
+    assert updates[0]["base"] is None and updates[0]["wire_bytes"] == dense
+    if backend == "filesystem":  # whole snapshots only
+        assert all(u["base"] is None for u in updates)
+    else:  # 2% of the elements changed: a delta onto the version vLLM holds
+        assert [u["base"] for u in updates[1:]] == [1, 2]
+        assert all(u["wire_bytes"] < dense / 10 for u in updates[1:])
+    # an update cut off half-way: refused, named, and vLLM keeps serving version 3
+    assert "the trainer died half-way" in report["cut_off"]
+    assert "vLLM keeps version 3" in report["cut_off"]
+    after = report["after_cut_off"]
+    assert after["version"] == "3" and after["logprobs"] == updates[-1]["logprobs"]
+    assert after["checksums"] == updates[-1]["checksums"]
+    # the next update lands (whole: the failed one left no base), here the original weights
+    recovered = report["after_recovery"]
+    assert recovered["version"] == "4" and recovered["base"] is None
+    assert recovered["logprobs"] == start["logprobs"] and recovered["checksums"] == start["checksums"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_vllm_serve_process_is_updated_over_http(tiny_model, tmp_path):
+    import requests
+    from safetensors.torch import load_file
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        WeightTransferTrainerFactory,
+    )
+
+    from rlwire.ckpt_engine.vllm import RlwireTrainerInitInfo
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(
+        [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(tiny_model), "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init", "--seed", "0",
+            "--kv-cache-memory-bytes", str(32 << 20),
+            "--weight-transfer-config", '{"backend": "rlwire_shm"}',
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            try:
+                if requests.get(f"{url}/health", timeout=5).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "vllm serve did not start within 240 s"
+            time.sleep(1)
+
+        def tokens() -> list[int]:
+            body = {
+                "model": str(tiny_model),
+                "prompt": PROMPT,
+                "max_tokens": 8,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
+            answer = requests.post(f"{url}/v1/completions", json=body, timeout=60).json()
+            return answer["choices"][0]["token_ids"]
+
+        def checksums() -> dict:
+            body = {"action": "checksum"}
+            return requests.post(f"{url}/weight_checker", json=body, timeout=60).json()["checksums"]
+
+        def version() -> str:
+            return requests.get(f"{url}/weight_info", timeout=60).json()["weight_version"]
+
+        start_tokens, start_sums = tokens(), checksums()
+        info = RlwireTrainerInitInfo(backend="rlwire_shm", rank=0, delta="on", timeout=60)
+        sender = WeightTransferTrainerFactory.trainer_init(
+            info, client=HTTPVLLMWeightSyncClient(url, timeout=120)
+        )
+        base = load_file(tiny_model / "model.safetensors")
+        changed = {name: t * 1.05 for name, t in base.items()}
+        sender.send_weights(changed.items())
+        assert version() == "1"
+        assert tokens() != start_tokens and checksums() != start_sums
+        # a sparse change: a delta over HTTP-driven updates
+        nudged = {name: t.clone() for name, t in changed.items()}
+        nudged["lm_head.weight"][3, :7] += 0.5
+        stats = sender.send_weights(nudged.items())
+        assert stats.base == 1 and stats.wire_bytes < stats.bytes / 100
+        assert version() == "2"
+        # and back to the model's own weights: exactly what the server started with
+        sender.send_weights(base.items())
+        assert version() == "3"
+        assert tokens() == start_tokens and checksums() == start_sums
+        sender.shutdown()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
