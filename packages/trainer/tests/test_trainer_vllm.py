@@ -315,3 +315,136 @@ def test_the_agent_loop_on_vllm_is_token_in_token_out(ray_local, tmp_path):
     called = [j for j, r in enumerate(records) if r.tool_results]
     assert called and any(turns[j] >= 2 for j in called)
     assert any(r.error is None for j in called for r in records[j].tool_results)
+
+
+# --- rollout.backend=vllm_server: vllm serve servers over HTTP ------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A ``vllm serve`` server for a tiny model, started as a user would (the README's flags),
+    shared by the tests that give its URL: ``(model_dir, url)``."""
+    pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from rlwire.trainer.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("served") / "tiny", seed=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TORCHDYNAMO_DISABLE": "1"}
+    log = (model_dir.parent / "serve.log").open("w")
+    server = subprocess.Popen(
+        [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+            "--kv-cache-memory-bytes", str(64 << 20), "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm", "--weight-transfer-config", '{"backend": "rlwire"}',
+            "--worker-extension-cls", "rlwire.ckpt_engine.vllm.WorkerExtension",
+        ],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, (model_dir.parent / "serve.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not start within 240 s"
+                time.sleep(1)
+        yield model_dir, url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def _weight_version(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/weight_info", timeout=30) as answer:
+        return json.loads(answer.read())["weight_version"]
+
+
+def test_a_run_on_a_running_vllm_server_then_a_second_run_is_refused(served, tmp_path):
+    """Colocated on a server given by URL: token ids in and out, the server's log-probs are
+    the actor's, every sync lands (the server's weight version is the last one sent); a
+    second run on the same server, which now holds that run's weights, is refused."""
+    model_dir, url = served
+    common = [f"model.path={model_dir}", "rollout.backend=vllm_server", f"rollout.server_urls=[{url}]"]
+    records, _ = train_cli(tmp_path / "run", *common, "trainer.steps=3")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["version_lag_max"] == 0 and abs(r["kl_rollout"]) < 1e-3, r
+        assert r["weight_sync_bytes"] > 0
+    assert _weight_version(url) == "3"
+    import subprocess
+    import sys
+
+    again = subprocess.run(
+        [sys.executable, "-m", "rlwire.trainer.cli", "--no-progress",
+         f"trainer.output_dir={tmp_path / 'again'}", "ray.startup_timeout=300", *common],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert again.returncode != 0
+    assert f"vllm_server {url} serves weights version 3 that an earlier run sent" in (
+        again.stdout + again.stderr
+    )
+
+
+def test_a_server_that_does_not_answer_stops_the_run_naming_it(tmp_path):
+    pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    run = subprocess.run(
+        [sys.executable, "-m", "rlwire.trainer.cli", "--no-progress",
+         f"trainer.output_dir={tmp_path / 'run'}", "ray.startup_timeout=120",
+         "rollout.backend=vllm_server", f"rollout.server_urls=[{url}]"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert f"vllm_server {url}: no answer to /v1/models" in run.stdout + run.stderr
+
+
+def test_a_fully_async_run_on_a_vllm_server_it_starts_learns(tmp_path):
+    """The trainer starts the server (on the rollout worker's node), generates with partial
+    rollouts through it and syncs every step over the weight-transfer routes; the reward of
+    the built-in task rises (0.04 -> 0.19 over 40 steps on seed 0; chosen on seed 0,
+    checked on seeds 11 and 12: README), and no server is left behind."""
+    pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
+    import subprocess
+
+    run = tmp_path / "run"
+    records, _ = train_cli(
+        run,
+        "rollout.backend=vllm_server",
+        "trainer.mode=fully_async",
+        "trainer.steps=40",
+        "actor.optim.lr=1e-2",
+    )
+    rewards = [r["reward_mean"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.1 and last > first + 0.08, (first, last)
+    for r in records:
+        if r["version_lag_max"] == 0:
+            assert abs(r["kl_rollout"]) < 1e-3, r
+    left = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server --model " + str(run)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert left.stdout.strip() == ""

@@ -56,7 +56,7 @@ class RolloutWorker(WorkerProcess):
         engine_class = rollout_engine_class(self.config.rollout.backend)
         # several engines on one GPU split their share (vLLM: gpu_memory_utilization)
         self.backend = engine_class(
-            self.config, self.model_path, self.device, gpu_share=self.gpu_share
+            self.config, self.model_path, self.device, gpu_share=self.gpu_share, index=self.index
         )
         model = getattr(self.backend, "model", None)  # the hf engine's; vLLM's is its own
         if isinstance(model, torch.nn.Module):

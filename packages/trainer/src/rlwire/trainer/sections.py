@@ -106,6 +106,9 @@ class VLLMSection:
     """Longest prompt + response (None: the model's own limit)."""
     enforce_eager: bool = True
     """No CUDA graphs / compilation: fast start, slower decoding on GPUs."""
+    request_timeout: float = 600.0
+    """``vllm_server``: seconds any HTTP call to a server may take before the run stops
+    with a line naming the server."""
 
     def __post_init__(self) -> None:
         check(
@@ -120,6 +123,12 @@ class VLLMSection:
             self.gpu_memory_utilization,
             "use a float in (0, 1]",
         )
+        check(
+            self.request_timeout > 0,
+            "rollout.vllm.request_timeout",
+            self.request_timeout,
+            "use seconds > 0",
+        )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -127,6 +136,7 @@ class RolloutConfig:
     backend: str = "hf"
     """Generation engine: ``hf`` (Hugging Face ``generate`` on a plain copy of the
     policy), ``vllm`` (a live ``vllm.LLM`` engine; extra ``rlwire-trainer[vllm]``),
+    ``vllm_server`` (``vllm serve`` servers over HTTP: see ``rollout.server_urls``),
     ``paced`` (``hf`` at a set wall time per decoding step, ``rollout.paced_step_s``: a
     stand-in for an engine off the trainer's CPUs, for benchmarks and tests), or a
     dotted path ``package.module:Class`` to a ``rlwire.trainer.rollout.RolloutEngine``
@@ -149,6 +159,10 @@ class RolloutConfig:
     equal to ``actor.world_size``, ``ckpt_engine.backend`` ``auto`` or ``naive`` and
     ``ckpt_engine.delta`` not ``on``; false: rollout workers of their own."""
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
+    server_urls: list[str] | None = None
+    """``vllm_server``: running servers, one per rollout worker (``http://host:port``;
+    started with the flags the README names). None: each rollout worker starts one on its
+    node."""
     paced_step_s: float = 0.004
     """``rollout.backend=paced`` only: wall seconds per decoding step of every generation
     call; the ``hf`` engine's generation, with the rest of that time waited out without
@@ -167,6 +181,26 @@ class RolloutConfig:
             "use an int >= 1",
         )
         check(self.temperature > 0, "rollout.temperature", self.temperature, "use a float > 0")
+        urls = self.server_urls
+        if urls is not None:
+            check(
+                self.backend == "vllm_server",
+                "rollout.server_urls",
+                urls,
+                "set it with rollout.backend=vllm_server only",
+            )
+            check(
+                all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls),
+                "rollout.server_urls",
+                urls,
+                "use http://host:port URLs",
+            )
+            check(
+                len(urls) == self.num_workers,
+                "rollout.server_urls",
+                urls,
+                f"give one per rollout worker (rollout.num_workers={self.num_workers})",
+            )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -186,8 +220,8 @@ class CheckpointEngineConfig:
     library's default, ``rlwire.ckpt_engine.DEFAULT_TIMEOUT_S``)."""
     delta: str = "auto"
     """Lossless delta updates (``rlwire.ckpt_engine``'s ``delta``): ``on`` sends only the
-    elements that changed since the last sync when every rollout worker holds it (the
-    ``hf`` backend does; ``vllm`` always takes whole weights, its parameters are fused);
+    elements that changed since the last sync when every rollout worker holds it (``hf``,
+    ``vllm`` and ``vllm_server`` do);
     ``auto`` does so until a delta is not below half the dense bytes (fp32 weights under
     AdamW change almost everywhere: then dense from there on); ``off``. Costs actor rank 0
     one copy of the full weights. Bucketed backends only (``gloo``, ``shm``, ``nccl``,

@@ -34,7 +34,12 @@ except ImportError as err:  # pragma: no cover - the module's whole point
 from .._registry import registry
 from ._names import ANY, BACKENDS, backend_of, vllm_name
 from ._trainer import LLMClient, RlwireTrainerEngine, RlwireTrainerInitInfo
-from ._worker import RlwireInitInfo, RlwireUpdateInfo, RlwireWeightTransferEngine
+from ._worker import (
+    RlwireInitInfo,
+    RlwireUpdateInfo,
+    RlwireWeightTransferEngine,
+    WorkerExtension,
+)
 
 __all__ = [
     "ANY",
@@ -45,6 +50,7 @@ __all__ = [
     "RlwireTrainerInitInfo",
     "RlwireUpdateInfo",
     "RlwireWeightTransferEngine",
+    "WorkerExtension",
     "backend_of",
     "offered",
     "register",

@@ -31,7 +31,13 @@ from .._errors import CheckpointEngineError
 from .._registry import registry
 from ._names import ANY, backend_of
 
-__all__ = ["RlwireInitInfo", "RlwireUpdateInfo", "RlwireWeightTransferEngine"]
+__all__ = [
+    "RlwireInitInfo",
+    "RlwireUpdateInfo",
+    "RlwireWeightTransferEngine",
+    "WorkerExtension",
+    "run_coroutine",
+]
 
 logger = init_logger(__name__)
 
@@ -117,6 +123,7 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         """Names, shapes and dtypes of the last update written (a dense one must match)."""
         self._staged: StagedUpdate | dict[str, torch.Tensor] | None = None
         self._staged_version: int | None = None
+        """Received, not yet written in (``finish_weight_update``)."""
 
     # --- lifecycle -------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: RlwireInitInfo) -> None:
@@ -267,3 +274,24 @@ def _check_layout(
             f"rlwire_{backend}: the update's tensors differ from the last one's (names, shapes "
             f"or dtypes): {differ[:8]}{' ...' if len(differ) > 8 else ''}"
         )
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker (``--worker-extension-cls
+    rlwire.ckpt_engine.vllm.WorkerExtension``): what its rlwire engine holds, for a
+    trainer that drives a ``vllm serve`` server over HTTP (``/collective_rpc``, with
+    ``VLLM_SERVER_DEV_MODE=1``) and must learn the version an update carried."""
+
+    def rlwire_weight_versions(self) -> dict[str, Any]:
+        """``backend`` (None before the trainer joined), ``held`` (the version written
+        into the model; None: the weights it started with) and ``staged`` (received, not
+        yet written in)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, RlwireWeightTransferEngine):
+            return {"backend": None, "held": None, "staged": None, "rlwire": False}
+        return {
+            "backend": engine.backend if engine.engine is not None else None,
+            "held": engine.version,
+            "staged": engine._staged_version,
+            "rlwire": True,
+        }

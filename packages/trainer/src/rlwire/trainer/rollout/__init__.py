@@ -1,4 +1,5 @@
-"""Rollout engines (``hf``, ``vllm``; one module each, one seam) and what they hand back.
+"""Rollout engines (``hf``, ``vllm``, ``vllm_server``, ``paced``; one module each, one seam)
+and what they hand back.
 
 Add an engine by subclassing :class:`RolloutEngine` in a module of its own and naming it
 in :data:`ROLLOUT_ENGINES`, or, outside this package, with

@@ -35,6 +35,7 @@ ROLLOUT_ENGINES: dict[str, str] = {
     "hf": "rlwire.trainer.rollout.hf:HFEngine",
     "paced": "rlwire.trainer.rollout.paced:PacedEngine",
     "vllm": "rlwire.trainer.rollout.vllm:VLLMEngine",
+    "vllm_server": "rlwire.trainer.rollout.vllm_server:VLLMServerEngine",
 }
 
 
@@ -46,6 +47,7 @@ class RolloutEngine(abc.ABC):
         model_path: a Hugging Face model directory (the initial weights).
         device: this worker's device.
         gpu_share: the fraction of its GPU this engine may use (several engines can share one).
+        index: this rollout worker's index (``0 .. rollout.num_workers - 1``).
     """
 
     name: ClassVar[str] = ""
@@ -70,9 +72,16 @@ class RolloutEngine(abc.ABC):
     a sync of the adapter alone (by :func:`rlwire.trainer.lora.adapter_name`)."""
 
     def __init__(
-        self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
+        self,
+        config,
+        model_path: str,
+        device: torch.device,
+        *,
+        gpu_share: float = 1.0,
+        index: int = 0,
     ) -> None:
         self.config = config
+        self.index = index
 
     @abc.abstractmethod
     def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:

@@ -156,11 +156,17 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
     takes_lora = True
 
     def __init__(
-        self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
+        self,
+        config,
+        model_path: str,
+        device: torch.device,
+        *,
+        gpu_share: float = 1.0,
+        index: int = 0,
     ) -> None:
         from transformers import AutoTokenizer
 
-        super().__init__(config, model_path, device, gpu_share=gpu_share)
+        super().__init__(config, model_path, device, gpu_share=gpu_share, index=index)
         model = load_hf_model(model_path, config.model.dtype, device)
         # With LoRA the same PEFT adapters as the actor's; syncs carry them alone, by name.
         self.adapter: dict[str, torch.Tensor] | None = None

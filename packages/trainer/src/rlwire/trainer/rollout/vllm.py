@@ -44,6 +44,7 @@ import torch
 from .. import lora
 from .base import PartialRolloutEngine, SleepingRolloutEngine, StagingRolloutEngine
 from .common import Rollout, Sampling
+from .tokens import Row, continuation_rows, token_rollout
 
 __all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension"]
 
@@ -76,9 +77,15 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
     takes_deltas = True  # vLLM's weight-transfer engine keeps the version it holds
 
     def __init__(
-        self, config, model_path: str, device: torch.device, *, gpu_share: float = 1.0
+        self,
+        config,
+        model_path: str,
+        device: torch.device,
+        *,
+        gpu_share: float = 1.0,
+        index: int = 0,
     ) -> None:
-        super().__init__(config, model_path, device, gpu_share=gpu_share)
+        super().__init__(config, model_path, device, gpu_share=gpu_share, index=index)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
@@ -276,13 +283,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
     ) -> tuple[Rollout, torch.Tensor]:
         from vllm.inputs import TokensPrompt
 
-        rows = []
-        for i in range(len(batch)):
-            prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
-            real = batch.response_mask[i].bool()
-            rows.append(
-                (prompt, batch.response_ids[i][real].tolist(), batch.logprobs[i][real].tolist())
-            )
+        rows = continuation_rows(batch)
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p + r) for p, r, _ in rows],
             [self._params(n=1, max_tokens=max_new_tokens, seed=seed + i) for i in range(len(rows))],
@@ -296,30 +297,8 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
         ended = torch.tensor([out.outputs[0].finish_reason == "stop" for out in outputs])
         return self._rows(grown), ended
 
-    def _rows(self, rows: list[tuple[list[int], list[int], list[float]]]) -> Rollout:
-        """One batch of ``(prompt tokens, response tokens, their log-probs)`` rows: prompts
-        left-padded, responses right-padded (a response runs up to and including its eos)."""
-        tok = self.tokenizer
-        pad = tok.pad_token_id
-        width_p = max(len(p) for p, _, _ in rows)
-        width_r = max(len(r) for _, r, _ in rows)
-        prompt_ids = torch.full((len(rows), width_p), pad, dtype=torch.long)
-        prompt_mask = torch.zeros((len(rows), width_p), dtype=torch.long)
-        response_ids = torch.full((len(rows), width_r), pad, dtype=torch.long)
-        response_mask = torch.zeros((len(rows), width_r), dtype=torch.long)
-        logprobs = torch.zeros((len(rows), width_r), dtype=torch.float32)
-        for row, (prompt, tokens, values) in enumerate(rows):
-            prompt_ids[row, width_p - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            prompt_mask[row, width_p - len(prompt) :] = 1
-            response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            response_mask[row, : len(tokens)] = 1
-            logprobs[row, : len(tokens)] = torch.tensor(values, dtype=torch.float32)
-        texts = tok.batch_decode(
-            response_ids * response_mask + pad * (1 - response_mask), skip_special_tokens=True
-        )
-        return Rollout(
-            prompt_ids, prompt_mask, response_ids, response_mask, logprobs, texts, pad_id=pad
-        )
+    def _rows(self, rows: list[Row]) -> Rollout:
+        return token_rollout(self.tokenizer, rows)
 
 
 def _weight_transfer_engine(worker):

@@ -1,0 +1,281 @@
+"""A ``vllm serve`` server as the ``vllm_server`` rollout engine sees it: the HTTP calls it
+makes (every one bounded in time, every failure naming the server) and the server process
+it starts when no URL is given.
+
+Run as ``python -m rlwire.trainer.rollout.vllm_http PARENT_PID COMMAND...``: a watchdog that
+runs ``COMMAND`` (the server) and stops it when the process ``PARENT_PID`` is gone, so that
+a rollout worker killed outright leaves no server behind; the server also gets SIGTERM when
+the watchdog itself is killed (Linux).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ServerProcess", "VLLMServer"]
+
+EXTENSION = "rlwire.ckpt_engine.vllm.WorkerExtension"
+SERVER_FLAGS = (
+    f"VLLM_SERVER_DEV_MODE=1 (vLLM's weight-transfer and RPC routes), --weight-transfer-config "
+    f"'{{\"backend\": \"rlwire\"}}' and --worker-extension-cls {EXTENSION}"
+)
+_CPU_KV_CACHE_BYTES = 64 << 20  # as the vllm engine's CPU default
+
+
+class VLLMServer:
+    """The calls the rollout engine makes to one server at ``url``."""
+
+    def __init__(self, url: str, *, timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.model_name: str | None = None
+
+    def _call(self, path: str, body: dict | None = None, *, timeout: float | None = None):
+        wait = self.timeout if timeout is None else timeout
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method="GET" if body is None else "POST",
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=wait) as answer:
+                raw = answer.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:500]
+            raise RuntimeError(f"vllm_server {self.url}: {path} answered {err.code}: {detail}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, socket.timeout) as err:
+            reason = getattr(err, "reason", err)
+            raise RuntimeError(
+                f"vllm_server {self.url}: no answer to {path} within {wait:g} s ({reason})"
+            ) from None
+        return json.loads(raw) if raw else None
+
+    def healthy(self) -> bool:
+        try:
+            self._call("/health", timeout=5)
+        except RuntimeError:
+            return False
+        return True
+
+    def check_serves(self, *paths: str) -> None:
+        """Refuse a server that serves another model than ``paths`` name, lacks the rlwire
+        weight transfer, or holds weights an earlier run sent."""
+        models = self._call("/v1/models")["data"]
+        served = {m.get("root") or m["id"] for m in models} | {m["id"] for m in models}
+        wanted = {str(Path(p).resolve()) for p in paths if p} | {p for p in paths if p}
+        if not served & wanted and not {str(Path(s).resolve()) for s in served} & wanted:
+            raise RuntimeError(
+                f"vllm_server {self.url} serves {sorted(served)}, not the model this run trains "
+                f"({', '.join(sorted(p for p in paths if p))})"
+            )
+        self.model_name = models[0]["id"]
+        try:
+            (held,) = self._call("/collective_rpc", {"method": "rlwire_weight_versions"})[
+                "results"
+            ]
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}; start the server with {SERVER_FLAGS}") from None
+        if not held["rlwire"]:
+            raise RuntimeError(
+                f"vllm_server {self.url} has no rlwire weight transfer; start it with "
+                f"{SERVER_FLAGS}"
+            )
+        if held["held"] is not None:
+            raise RuntimeError(
+                f"vllm_server {self.url} serves weights version {held['held']} that an earlier "
+                "run sent, not the model's own: restart it"
+            )
+
+    def init_weight_transfer(
+        self, backend: str, *, rank: int, world_size: int, metadata: dict, timeout: float
+    ) -> None:
+        info = {
+            "backend": f"rlwire_{backend}",
+            "master_metadata": metadata,
+            "world_size": world_size,
+            "rank_offset": rank,
+            "timeout": timeout,
+        }
+        self._call("/init_weight_transfer_engine", {"init_info": info}, timeout=timeout + 30)
+
+    def receive_update(self) -> int:
+        """Receive one whole update beside the weights in use; its version."""
+        self._call("/start_weight_update", {})
+        self._call("/update_weights", {"update_info": {}}, timeout=self.timeout)
+        (versions,) = self._call("/collective_rpc", {"method": "rlwire_weight_versions"})[
+            "results"
+        ]
+        return int(versions["staged"])
+
+    def finish_update(self, version: int) -> None:
+        """Write the received update in; the prefix cache (KV of the old weights) reset."""
+        self._call("/finish_weight_update", {"weight_version": str(version)})
+        self._call("/reset_prefix_cache", {})
+
+    def complete(self, body: dict, *, expected: int) -> list[tuple[list[int], list[float], str]]:
+        """``/v1/completions``: each choice's sampled token ids, their log-probs and its
+        finish reason, in choice order."""
+        choices = sorted(self._call("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        if len(choices) != expected:
+            raise RuntimeError(
+                f"vllm_server {self.url}: {len(choices)} completions for {expected} requested"
+            )
+        out = []
+        for choice in choices:
+            tokens, values = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+            if len(values) != len(tokens):
+                raise RuntimeError(
+                    f"vllm_server {self.url}: {len(values)} log-probs for {len(tokens)} tokens"
+                )
+            out.append((tokens, values, choice["finish_reason"]))
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A ``vllm serve`` server this rollout worker started, on its own node (loopback)."""
+
+    def __init__(self, process: subprocess.Popen, url: str, log: Path) -> None:
+        self.process, self.url, self.log = process, url, log
+        atexit.register(self.stop)
+
+    @classmethod
+    def start(cls, config, model_path: str, *, gpu_share: float = 1.0) -> ServerProcess:
+        if importlib.util.find_spec("vllm") is None:
+            from .vllm import INSTALL_HINT
+
+            raise RuntimeError(INSTALL_HINT.replace("rollout.backend=vllm", "rollout.backend=vllm_server"))
+        import torch
+
+        cfg = config.rollout.vllm
+        port = _free_port()
+        on_gpu = torch.cuda.is_available()
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", config.model.dtype, "--seed", str(config.trainer.seed),
+            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+            "--weight-transfer-config", json.dumps({"backend": "rlwire"}),
+            "--worker-extension-cls", EXTENSION,
+        ]  # fmt: skip
+        if cfg.enforce_eager:
+            command.append("--enforce-eager")
+        kv_bytes = cfg.kv_cache_memory_bytes
+        if kv_bytes is None and not on_gpu:
+            kv_bytes = _CPU_KV_CACHE_BYTES
+        if kv_bytes is not None:
+            command += ["--kv-cache-memory-bytes", str(kv_bytes)]
+        if on_gpu:
+            command += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization * gpu_share)]
+        if cfg.max_model_len is not None:
+            command += ["--max-model-len", str(cfg.max_model_len)]
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_DO_NOT_TRACK": "1",
+        }
+        if not on_gpu:
+            env.setdefault("TORCHDYNAMO_DISABLE", "1")
+        log = Path(tempfile.mkstemp(prefix="rlwire-vllm-server-", suffix=".log")[1])
+        with log.open("w") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(os.getpid()), *command],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        return cls(process, f"http://127.0.0.1:{port}", log)
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, server: VLLMServer, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not server.healthy():
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"vllm_server: the server for {self.url} exited with code {code}:\n{self.tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"vllm_server: the server for {self.url} did not answer /health within "
+                    f"{timeout:g} s (ray.startup_timeout):\n{self.tail()}"
+                )
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()  # the watchdog stops the server, then exits
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        self.log.unlink(missing_ok=True)
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it runs (Linux): SIGTERM when the watchdog is gone,
+    even killed outright (Ray kills a worker's child processes when the worker exits)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _watch(parent: int, command: list[str]) -> int:
+    """Run ``command`` until it exits, or until ``parent`` is gone or this process is asked
+    to stop: then stop it (SIGTERM, SIGKILL after 30 s)."""
+    child = subprocess.Popen(command, preexec_fn=_die_with_parent)
+    stopping = False
+
+    def stop(*_: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while child.poll() is None:
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            stopping = True
+        if stopping:
+            child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            break
+        time.sleep(0.5)
+    return child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(_watch(int(sys.argv[1]), sys.argv[2:]))
