@@ -27,7 +27,8 @@ PROMPT = [1, 5, 9, 17, 33, 2, 8]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    """A tiny Qwen2 (untied, fp32; head size 64, which vLLM's CPU attention takes)."""
+    """A tiny Qwen2 (untied, fp32; head size 64, which vLLM's CPU attention takes; two heads:
+    tensor parallelism 2 splits them)."""
     pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -35,11 +36,11 @@ def tiny_model(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=128,
+        intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=1,
-        num_key_value_heads=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
         max_position_embeddings=128,
         tie_word_embeddings=False,
     )
@@ -147,6 +148,33 @@ def test_three_versions_reach_vllm_LLM_bit_exact(tiny_model, backend):
     recovered = report["after_recovery"]
     assert recovered["version"] == "4" and recovered["base"] is None
     assert recovered["logprobs"] == start["logprobs"] and recovered["checksums"] == start["checksums"]
+
+
+def test_with_tensor_parallelism_2_each_rank_takes_its_shard_deltas_included(tiny_model):
+    """Two worker processes (vLLM's ``mp`` executor), each an rlwire receiver; vLLM's loader
+    takes each rank's shard of the checkpoint-format tensors. The CPU build binds one core
+    per worker (``VLLM_CPU_OMP_THREADS_BIND``: it refuses two workers on one NUMA node)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("tensor parallelism 2 binds a core per worker")
+    out = subprocess.run(
+        [sys.executable, str(HERE / "vllm_transfer.py"), str(tiny_model), "shm", "--tp", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**_env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("REPORT "))
+    report = json.loads(line[len("REPORT ") :])
+    start, (dense, delta, back) = report["start"], report["updates"]
+    assert any(k.startswith("dp0:pp0:pcp0:tp1:") for k in start["checksums"])  # two ranks
+    assert [u["version"] for u in (dense, delta, back)] == ["1", "2", "3"]
+    assert dense["base"] is None and dense["logprobs"] != start["logprobs"]
+    assert delta["base"] == 1 and delta["wire_bytes"] < delta["bytes"] / 10
+    assert delta["logprobs"] != dense["logprobs"]
+    # the model's own weights back: every rank exactly as it started
+    assert back["tokens"] == start["tokens"] and back["logprobs"] == start["logprobs"]
+    assert back["checksums"] == start["checksums"]
 
 
 def _free_port() -> int:

@@ -2,7 +2,8 @@
 changes its host process): a tiny model served by ``vllm.LLM`` with an rlwire weight
 transfer engine, updated through vLLM's trainer-side API; prints what it saw as JSON.
 
-    python vllm_transfer.py MODEL_DIR BACKEND
+    python vllm_transfer.py MODEL_DIR BACKEND           # one worker, in-process engine
+    python vllm_transfer.py MODEL_DIR BACKEND --tp 2    # tensor parallelism 2 (processes)
 """
 
 from __future__ import annotations
@@ -35,8 +36,60 @@ def versions(base: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def tensor_parallel(model_dir: str, backend: str, tp: int) -> None:
+    """``tp`` worker processes, each a receiver taking its shard through vLLM's loader: a
+    dense update, a delta, then the model's own weights back (what it started with)."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.inputs import TokensPrompt
+
+    from rlwire.ckpt_engine.vllm import LLMClient, RlwireTrainerInitInfo
+
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp",
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=32 << 20,
+        weight_transfer_config={"backend": f"rlwire_{backend}"},
+    )
+    prompts = [TokensPrompt(prompt_token_ids=[1, 5, 9, 17, 33, 2, 8])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
+
+    def seen() -> dict:
+        out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+        sums: dict = {}
+        for worker in llm.collective_rpc("compute_weight_checksums"):
+            sums.update(worker)
+        return {
+            "tokens": list(out.token_ids),
+            "logprobs": [step[t].logprob for t, step in zip(out.token_ids, out.logprobs)],
+            "checksums": sums,
+            "version": llm.get_weight_version(),
+        }
+
+    info = RlwireTrainerInitInfo(
+        backend=f"rlwire_{backend}", rank=0, receivers=tp, delta="on", checksum=True, timeout=60
+    )
+    sender = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm))
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    report: dict = {"start": seen(), "updates": []}
+    changed = versions(base)
+    for weights in (changed[0], changed[1], base):
+        stats = sender.send_weights(weights.items())
+        report["updates"].append({**seen(), "base": stats.base, "wire_bytes": stats.wire_bytes,
+                                  "bytes": stats.bytes})  # fmt: skip
+    sender.shutdown()
+    print("REPORT " + json.dumps(report))
+
+
 def main() -> None:
     model_dir, backend = sys.argv[1], sys.argv[2]
+    if "--tp" in sys.argv:
+        tensor_parallel(model_dir, backend, int(sys.argv[sys.argv.index("--tp") + 1]))
+        return
     from vllm import LLM, SamplingParams
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.inputs import TokensPrompt
