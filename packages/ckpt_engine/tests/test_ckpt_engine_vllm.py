@@ -70,7 +70,8 @@ def test_vllm_loads_the_rlwire_engines_as_a_plugin_and_keeps_its_own():
         "load_general_plugins()\n"
         "keys = [k for k in W._registry if k.startswith('rlwire') or k in ('nccl', 'ipc')]\n"
         "print(json.dumps({'before': before,\n"
-        "  'workers': {k: (W._registry[k]().__module__, W._registry[k]().__name__) for k in keys},\n"
+        "  'workers': {k: (W._registry[k]().__module__, W._registry[k]().__name__)\n"
+        "              for k in keys},\n"
         "  'trainers': {k: T._registry[k]().__name__ for k in keys if k in T._registry}}))\n"
     )
     out = subprocess.run(
@@ -130,7 +131,7 @@ def test_three_versions_reach_vllm_LLM_bit_exact(tiny_model, backend):
         assert update["logprobs"] == ref["logprobs"] and update["tokens"] == ref["tokens"]
         assert update["checksums"] == ref["checksums"]
     logprobs = [start["logprobs"]] + [u["logprobs"] for u in updates]
-    assert all(a != b for a, b in zip(logprobs, logprobs[1:]))  # every update changed them
+    assert all(a != b for a, b in zip(logprobs, logprobs[1:], strict=False))  # each changed them
     dense = updates[0]["bytes"]
     assert updates[0]["base"] is None and updates[0]["wire_bytes"] == dense
     if backend == "filesystem":  # whole snapshots only
@@ -147,7 +148,9 @@ def test_three_versions_reach_vllm_LLM_bit_exact(tiny_model, backend):
     # the next update lands (whole: the failed one left no base), here the original weights
     recovered = report["after_recovery"]
     assert recovered["version"] == "4" and recovered["base"] is None
-    assert recovered["logprobs"] == start["logprobs"] and recovered["checksums"] == start["checksums"]
+    assert (
+        recovered["logprobs"] == start["logprobs"] and recovered["checksums"] == start["checksums"]
+    )
 
 
 def test_with_tensor_parallelism_2_each_rank_takes_its_shard_deltas_included(tiny_model):

@@ -65,7 +65,9 @@ def tensor_parallel(model_dir: str, backend: str, tp: int) -> None:
             sums.update(worker)
         return {
             "tokens": list(out.token_ids),
-            "logprobs": [step[t].logprob for t, step in zip(out.token_ids, out.logprobs)],
+            "logprobs": [
+                step[t].logprob for t, step in zip(out.token_ids, out.logprobs, strict=True)
+            ],
             "checksums": sums,
             "version": llm.get_weight_version(),
         }
@@ -115,15 +117,24 @@ def main() -> None:
         (sums,) = llm.collective_rpc("compute_weight_checksums")
         return {
             "tokens": list(out.token_ids),
-            "logprobs": [step[t].logprob for t, step in zip(out.token_ids, out.logprobs)],
+            "logprobs": [
+                step[t].logprob for t, step in zip(out.token_ids, out.logprobs, strict=True)
+            ],
             "checksums": sums,
             "version": llm.get_weight_version(),
         }
 
     report: dict = {"start": seen(), "updates": [], "reference": []}
     info = RlwireTrainerInitInfo(
-        backend=f"rlwire_{backend}", rank=0, receivers=1, delta="on", checksum=True, timeout=5,
-        options={"root": os.path.join(os.path.dirname(model_dir), "fs")} if backend == "filesystem" else {},
+        backend=f"rlwire_{backend}",
+        rank=0,
+        receivers=1,
+        delta="on",
+        checksum=True,
+        timeout=5,
+        options={"root": os.path.join(os.path.dirname(model_dir), "fs")}
+        if backend == "filesystem"
+        else {},
         bucket_size="64KiB",
     )
     if backend == "filesystem":

@@ -383,7 +383,11 @@ def test_a_run_on_a_running_vllm_server_then_a_second_run_is_refused(served, tmp
     the actor's, every sync lands (the server's weight version is the last one sent); a
     second run on the same server, which now holds that run's weights, is refused."""
     model_dir, url = served
-    common = [f"model.path={model_dir}", "rollout.backend=vllm_server", f"rollout.server_urls=[{url}]"]
+    common = [
+        f"model.path={model_dir}",
+        "rollout.backend=vllm_server",
+        f"rollout.server_urls=[{url}]",
+    ]
     records, _ = train_cli(tmp_path / "run", *common, "trainer.steps=3")
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:

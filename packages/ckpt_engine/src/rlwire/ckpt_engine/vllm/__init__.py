@@ -20,6 +20,8 @@ in-process ``LLM`` (``_trainer``), the names (``_names``). Imports vLLM and the 
 
 from __future__ import annotations
 
+import contextlib
+
 try:
     from vllm.distributed.weight_transfer import (
         WeightTransferEngineFactory,
@@ -73,10 +75,9 @@ def register() -> list[str]:
         pairs.append((WeightTransferEngineFactory, name, RlwireWeightTransferEngine))
         pairs.append((WeightTransferTrainerFactory, name, RlwireTrainerEngine))
     for factory, name, engine in pairs:
-        try:
+        # registered before: vLLM may load plug-ins more than once
+        with contextlib.suppress(ValueError):
             factory.register_engine(name, engine)
-        except ValueError:  # registered before (vLLM may load plug-ins more than once)
-            pass
     return [ANY, *names]
 
 

@@ -3,7 +3,9 @@
 Any trainer drives it through vLLM's own API::
 
     info = RlwireTrainerInitInfo(backend="rlwire_shm", rank=rank, receivers=tp * dp)
-    sender = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
+    sender = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=ModuleSource(model)
+    )
     sender.send_weights()          # every trainer rank, after each optimizer step
 
 ``client`` is any of vLLM's weight-sync clients (``HTTPVLLMWeightSyncClient`` for a
@@ -56,8 +58,10 @@ class RlwireTrainerInitInfo(TrainerInitInfo):
 
     def __post_init__(self) -> None:
         backend_of(self.backend)
-        if isinstance(self.receivers, bool) or not isinstance(self.receivers, int) or (
-            self.receivers < 1
+        if (
+            isinstance(self.receivers, bool)
+            or not isinstance(self.receivers, int)
+            or (self.receivers < 1)
         ):
             raise ValueError(f"receivers: {self.receivers!r} is not allowed; use an int >= 1")
         check_delta_mode(self.delta)
@@ -179,7 +183,10 @@ class RlwireTrainerEngine(TrainerWeightTransferEngine[RlwireTrainerInitInfo]):
         return box["stats"]
 
     def _beside(
-        self, what: str, remote: Callable[[], None], local: Callable[[], None],
+        self,
+        what: str,
+        remote: Callable[[], None],
+        local: Callable[[], None],
         engine: CheckpointEngine,
     ) -> None:
         """Run the client's ``remote`` call in a thread while ``local`` runs here, both
@@ -240,4 +247,3 @@ class LLMClient:
 
     def shutdown_weight_transfer_engine(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
-

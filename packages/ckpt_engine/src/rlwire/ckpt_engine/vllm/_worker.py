@@ -119,6 +119,8 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         self.mirror: dict[str, torch.Tensor] = {}
         self.version: int | None = None
         """The version vLLM's model holds (None: the weights it started with)."""
+        self.spare: dict[str, torch.Tensor] = {}
+        """Host tensors a whole update is received into, kept for the next one."""
         self.layout: dict[str, tuple[torch.Size, torch.dtype]] = {}
         """Names, shapes and dtypes of the last update written (a dense one must match)."""
         self._staged: StagedUpdate | dict[str, torch.Tensor] | None = None
@@ -152,8 +154,9 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         engine.last_version = self.version  # what vLLM holds (filesystem: wait for a newer one)
         self.engine = engine
         self.deltas = init_info.master_metadata.get("delta", "off") != "off"
-        logger.info("rlwire_%s: joined as receiver %d of %d", self.backend, rank,
-                    init_info.world_size - 1)
+        logger.info(
+            "rlwire_%s: joined as receiver %d of %d", self.backend, rank, init_info.world_size - 1
+        )
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: an update is received whole by ``update_weights`` (or by
@@ -194,9 +197,18 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         engine = self.engine
         assert engine is not None
         if self.deltas and self.mirror:
-            staged = await stage_update(self.mirror, engine, version=self.version)
+            # deltas onto the mirror, whole tensors into the spare copies (swapped in at the
+            # commit: the mirror's old storage becomes the next update's spare)
+            staged = await stage_update(
+                self.mirror, engine, staging=self.spare, version=self.version, swap=True
+            )
             return staged, staged.version
-        received = {name: tensor async for name, tensor in engine.receive_weights(copy=True)}
+        received: dict[str, torch.Tensor] = {}
+        async for name, tensor in engine.receive_weights(copy=False):
+            kept = self.spare.get(name)  # reused across updates: no page faults after the first
+            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+                kept = self.spare[name] = torch.empty_like(tensor)
+            received[name] = kept.copy_(tensor)
         if self.layout:  # a dense update must carry the same tensors as the last one
             _check_layout(self.backend, self.layout, received)
         assert engine.last_version is not None
@@ -225,7 +237,8 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
                 + self._restore(mirror_changed)
             ) from err
         self.layout = {name: (t.shape, t.dtype) for name, t in weights.items()}
-        self.mirror = weights if self.deltas else {}
+        if self.deltas and weights is not self.mirror:  # a dense update becomes the mirror
+            self.mirror, self.spare = weights, {}
         self.version = version
 
     def _load(self, weights: dict[str, torch.Tensor]) -> None:

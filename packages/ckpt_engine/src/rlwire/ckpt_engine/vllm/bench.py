@@ -1,7 +1,7 @@
 """Benchmark: weight updates into a live ``vllm.LLM`` through rlwire's weight-transfer engines.
 
     python -m rlwire.ckpt_engine.vllm.bench [--backends shm,gloo] [--layers 6] [--hidden 896]
-        [--vocab 32000] [--changed 0.01] [--updates 3]
+        [--vocab 32000] [--changed 0.01] [--updates 5]
 
 One process per backend (an in-process vLLM engine changes its host process): a Qwen2-shaped
 fp32 model (random weights) served by ``vllm.LLM`` with ``rlwire_<backend>``, updated through
@@ -14,9 +14,12 @@ vLLM's trainer-side API (:class:`~rlwire.ckpt_engine.vllm.RlwireTrainerInitInfo`
 - ``vLLM reload``: the same weights handed to vLLM's own ``reload_weights`` in the same
   process (no transport at all: the floor any transfer adds to; vLLM's own NCCL and IPC
   engines do not run on a CPU host).
-- ``copy``: ``dst.copy_(src)`` of the model's bytes (the memory-bandwidth reference).
+- ``copy``: ``dst.copy_(src)`` of the model's bytes into memory touched before (the
+  memory-bandwidth reference).
 
-Times are end to end: from ``send_weights`` until vLLM serves the new weights.
+``transfer``: the sender's ``TransferStats.seconds`` (until every receiver holds the whole
+update beside the model); ``end-to-end``: from ``send_weights`` until vLLM serves the new
+weights (the transfer, then vLLM's checkpoint-format loader writing them in).
 """
 
 from __future__ import annotations
@@ -97,30 +100,33 @@ def child(model_dir: str, backend: str, changed: float, updates: int) -> None:
         dense = {name: t * (1.0 + 1e-3 * (i + 1)) for name, t in weights.items()}
         start = time.perf_counter()
         stats = sender.send_weights(dense.items())
-        rows["dense"].append((time.perf_counter() - start, stats.wire_bytes))
+        rows["dense"].append((time.perf_counter() - start, stats.wire_bytes, stats.seconds))
         sparse = _sparse(dense, changed, seed=i)
         start = time.perf_counter()
         stats = sender.send_weights(sparse.items())
         assert stats.base is not None, "the sparse update was not sent as a delta"
-        rows["delta"].append((time.perf_counter() - start, stats.wire_bytes))
+        rows["delta"].append((time.perf_counter() - start, stats.wire_bytes, stats.seconds))
         items = list(sparse.items())
         start = time.perf_counter()
         llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(items), "is_checkpoint_format": True}
         )
-        rows["vLLM reload"].append((time.perf_counter() - start, 0))
-        src = torch.cat([t.view(-1).view(torch.uint8) for t in sparse.values()])
-        dst = torch.empty_like(src)
+        rows["vLLM reload"].append((time.perf_counter() - start, 0, 0.0))
+        if i == 0:  # allocated once, touched before timing: the memory-bandwidth reference
+            src = torch.cat([t.view(-1).view(torch.uint8) for t in sparse.values()])
+            dst = torch.empty_like(src).copy_(src)
         start = time.perf_counter()
         dst.copy_(src)
-        rows["copy"].append((time.perf_counter() - start, 0))
+        rows["copy"].append((time.perf_counter() - start, 0, 0.0))
     sender.shutdown()
     for what, values in rows.items():
         kept = values[1:]
         seconds = statistics.median(v[0] for v in kept)
         wire = statistics.median(v[1] for v in kept)
+        transfer = statistics.median(v[2] for v in kept)
         print(PREFIX + json.dumps({"backend": backend, "what": what, "seconds": seconds,
-                                   "wire_bytes": wire, "bytes": nbytes}), flush=True)  # fmt: skip
+                                   "transfer": transfer, "wire_bytes": wire, "bytes": nbytes}),
+              flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,8 +136,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=896)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--changed", type=float, default=0.01)
-    parser.add_argument("--updates", type=int, default=3)
-    parser.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "BACKEND"), help=argparse.SUPPRESS)
+    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument(
+        "--child", nargs=2, metavar=("MODEL_DIR", "BACKEND"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.child:
         child(args.child[0], args.child[1], args.changed, args.updates)
@@ -142,24 +150,32 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         for backend in args.backends.split(","):
             out = subprocess.run(
-                [sys.executable, "-m", __name__, "--child", str(model), backend,
-                 "--changed", str(args.changed), "--updates", str(args.updates)],
+                [sys.executable, "-m", "rlwire.ckpt_engine.vllm.bench", "--child", str(model),
+                 backend, "--changed", str(args.changed), "--updates", str(args.updates)],
                 capture_output=True, text=True, timeout=3600,
             )  # fmt: skip
             if out.returncode != 0:
                 raise SystemExit(f"{backend}: exit {out.returncode}\n{out.stderr[-3000:]}")
-            rows += [json.loads(x[len(PREFIX) :]) for x in out.stdout.splitlines() if x.startswith(PREFIX)]
+            rows += [
+                json.loads(x[len(PREFIX) :])
+                for x in out.stdout.splitlines()
+                if x.startswith(PREFIX)
+            ]
     mb = rows[0]["bytes"] / 1e6
     print(f"model: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32, "
           f"{mb:.1f} MB; delta rows: {args.changed:.0%} of every tensor changed")  # fmt: skip
-    print("| backend | update | wire MB | end-to-end s | vs dense | vs vLLM reload | vs copy |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| backend | update | wire MB | transfer s | vs dense | end-to-end s | vs dense "
+          "| vs vLLM reload | vs copy |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for backend in args.backends.split(","):
         mine = {r["what"]: r for r in rows if r["backend"] == backend}
         for what in ("dense", "delta", "vLLM reload", "copy"):
             r = mine[what]
-            wire = f"{r['wire_bytes'] / 1e6:.1f}" if what in ("dense", "delta") else ""
-            print(f"| {backend} | {what} | {wire} | {r['seconds']:.3f} | "
+            sent = what in ("dense", "delta")
+            wire = f"{r['wire_bytes'] / 1e6:.1f}" if sent else ""
+            transfer = f"{r['transfer']:.3f}" if sent else ""
+            vs = f"{r['transfer'] / mine['dense']['transfer']:.2f}x" if sent else ""
+            print(f"| {backend} | {what} | {wire} | {transfer} | {vs} | {r['seconds']:.3f} | "
                   f"{r['seconds'] / mine['dense']['seconds']:.2f}x | "
                   f"{r['seconds'] / mine['vLLM reload']['seconds']:.2f}x | "
                   f"{r['seconds'] / mine['copy']['seconds']:.1f}x |")  # fmt: skip

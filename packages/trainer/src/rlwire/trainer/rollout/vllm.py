@@ -64,7 +64,7 @@ class WeightReloadExtension:
         return len(weights)
 
 
-_CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
+CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's max_lora_rank takes
 
 
@@ -117,7 +117,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
         }
         kv_bytes = cfg.kv_cache_memory_bytes
         if kv_bytes is None and not on_gpu:
-            kv_bytes = _CPU_KV_CACHE_BYTES
+            kv_bytes = CPU_KV_CACHE_BYTES
         if kv_bytes is not None:
             options["kv_cache_memory_bytes"] = kv_bytes
         if on_gpu:  # vLLM's start-up memory check uses it even with an explicit KV size

@@ -25,14 +25,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from .vllm import CPU_KV_CACHE_BYTES, INSTALL_HINT
+
 __all__ = ["ServerProcess", "VLLMServer"]
 
 EXTENSION = "rlwire.ckpt_engine.vllm.WorkerExtension"
 SERVER_FLAGS = (
     f"VLLM_SERVER_DEV_MODE=1 (vLLM's weight-transfer and RPC routes), --weight-transfer-config "
-    f"'{{\"backend\": \"rlwire\"}}' and --worker-extension-cls {EXTENSION}"
+    f'\'{{"backend": "rlwire"}}\' and --worker-extension-cls {EXTENSION}'
 )
-_CPU_KV_CACHE_BYTES = 64 << 20  # as the vllm engine's CPU default
 
 
 class VLLMServer:
@@ -57,8 +58,10 @@ class VLLMServer:
                 raw = answer.read()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:500]
-            raise RuntimeError(f"vllm_server {self.url}: {path} answered {err.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, socket.timeout) as err:
+            raise RuntimeError(
+                f"vllm_server {self.url}: {path} answered {err.code}: {detail}"
+            ) from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
             reason = getattr(err, "reason", err)
             raise RuntimeError(
                 f"vllm_server {self.url}: no answer to {path} within {wait:g} s ({reason})"
@@ -85,9 +88,7 @@ class VLLMServer:
             )
         self.model_name = models[0]["id"]
         try:
-            (held,) = self._call("/collective_rpc", {"method": "rlwire_weight_versions"})[
-                "results"
-            ]
+            (held,) = self._call("/collective_rpc", {"method": "rlwire_weight_versions"})["results"]
         except RuntimeError as err:
             raise RuntimeError(f"{err}; start the server with {SERVER_FLAGS}") from None
         if not held["rlwire"]:
@@ -117,9 +118,7 @@ class VLLMServer:
         """Receive one whole update beside the weights in use; its version."""
         self._call("/start_weight_update", {})
         self._call("/update_weights", {"update_info": {}}, timeout=self.timeout)
-        (versions,) = self._call("/collective_rpc", {"method": "rlwire_weight_versions"})[
-            "results"
-        ]
+        (versions,) = self._call("/collective_rpc", {"method": "rlwire_weight_versions"})["results"]
         return int(versions["staged"])
 
     def finish_update(self, version: int) -> None:
@@ -162,9 +161,10 @@ class ServerProcess:
     @classmethod
     def start(cls, config, model_path: str, *, gpu_share: float = 1.0) -> ServerProcess:
         if importlib.util.find_spec("vllm") is None:
-            from .vllm import INSTALL_HINT
-
-            raise RuntimeError(INSTALL_HINT.replace("rollout.backend=vllm", "rollout.backend=vllm_server"))
+            raise RuntimeError(
+                INSTALL_HINT.replace("rollout.backend=vllm", "rollout.backend=vllm_server")
+                + "; or give running servers: rollout.server_urls"
+            )
         import torch
 
         cfg = config.rollout.vllm
@@ -182,7 +182,7 @@ class ServerProcess:
             command.append("--enforce-eager")
         kv_bytes = cfg.kv_cache_memory_bytes
         if kv_bytes is None and not on_gpu:
-            kv_bytes = _CPU_KV_CACHE_BYTES
+            kv_bytes = CPU_KV_CACHE_BYTES
         if kv_bytes is not None:
             command += ["--kv-cache-memory-bytes", str(kv_bytes)]
         if on_gpu:
@@ -220,7 +220,8 @@ class ServerProcess:
             code = self.process.poll()
             if code is not None:
                 raise RuntimeError(
-                    f"vllm_server: the server for {self.url} exited with code {code}:\n{self.tail()}"
+                    f"vllm_server: the server for {self.url} exited with code {code}:\n"
+                    + self.tail()
                 )
             if time.monotonic() > deadline:
                 raise RuntimeError(

@@ -135,7 +135,9 @@ class VLLMServerEngine(PartialRolloutEngine, StagingRolloutEngine):
 
     def start(self, prompts: list[str]) -> Rollout:
         n = self.config.rollout.n
-        return token_rollout(self.tokenizer, [(p, [], []) for p in self._encode(prompts) for _ in range(n)])
+        return token_rollout(
+            self.tokenizer, [(p, [], []) for p in self._encode(prompts) for _ in range(n)]
+        )
 
     def extend(
         self, batch: Rollout, max_new_tokens: int, seed: int
@@ -149,6 +151,9 @@ class VLLMServerEngine(PartialRolloutEngine, StagingRolloutEngine):
             return self.server.complete(body, expected=1)[0]
 
         outs = list(self._pool.map(one, range(len(rows)), rows))
-        grown = [(p, r + tokens, lp + values) for (p, r, lp), (tokens, values, _) in zip(rows, outs, strict=True)]
+        grown = [
+            (p, r + tokens, lp + values)
+            for (p, r, lp), (tokens, values, _) in zip(rows, outs, strict=True)
+        ]
         ended = torch.tensor([finish == "stop" for _, _, finish in outs])
         return token_rollout(self.tokenizer, grown), ended

@@ -1,0 +1,196 @@
+"""``rollout.backend=vllm_server``'s side of the HTTP conversation, against a stand-in server
+(the real one: ``test_trainer_vllm.py``, marked ``vllm``): what it refuses at start, how it
+reads completions, and the config it accepts."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rlwire.trainer.checks import ConfigError
+from rlwire.trainer.config import load_config
+from rlwire.trainer.rollout.vllm_http import SERVER_FLAGS, VLLMServer
+
+
+class _Server:
+    """Answers GET/POST paths from ``routes`` (path -> (status, JSON body)); records posts."""
+
+    def __init__(self, routes: dict[str, tuple[int, object]]) -> None:
+        self.routes, self.posts = routes, []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                status, body = outer.routes.get(self.path, (404, {"detail": "Not Found"}))
+                raw = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._answer()
+
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length", 0))
+                outer.posts.append((self.path, json.loads(self.rfile.read(length) or b"null")))
+                self._answer()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def fake():
+    servers = []
+
+    def make(routes):
+        servers.append(_Server(routes))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def _models(root: str) -> tuple[int, dict]:
+    return 200, {"data": [{"id": root, "root": root}]}
+
+
+def _versions(held, rlwire: bool = True) -> tuple[int, dict]:
+    return 200, {"results": [{"backend": None, "held": held, "staged": None, "rlwire": rlwire}]}
+
+
+def test_a_server_of_the_model_with_the_rlwire_engine_and_no_update_is_taken(fake, tmp_path):
+    server = fake({"/v1/models": _models(str(tmp_path)), "/collective_rpc": _versions(None)})
+    client = VLLMServer(server.url, timeout=5)
+    client.check_serves(str(tmp_path))
+    assert client.model_name == str(tmp_path)
+    assert server.posts == [("/collective_rpc", {"method": "rlwire_weight_versions"})]
+
+
+def test_a_server_of_another_model_is_refused_naming_both(fake, tmp_path):
+    server = fake({"/v1/models": _models("/models/other"), "/collective_rpc": _versions(None)})
+    with pytest.raises(RuntimeError) as err:
+        VLLMServer(server.url, timeout=5).check_serves(str(tmp_path))
+    assert str(err.value) == (
+        f"vllm_server {server.url} serves ['/models/other'], not the model this run trains "
+        f"({tmp_path})"
+    )
+
+
+def test_a_server_holding_an_earlier_runs_weights_is_refused(fake, tmp_path):
+    server = fake({"/v1/models": _models(str(tmp_path)), "/collective_rpc": _versions(7)})
+    with pytest.raises(RuntimeError, match="serves weights version 7 that an earlier run sent"):
+        VLLMServer(server.url, timeout=5).check_serves(str(tmp_path))
+
+
+def test_a_server_without_the_flags_is_refused_with_them(fake, tmp_path):
+    # no /collective_rpc route: VLLM_SERVER_DEV_MODE unset
+    server = fake({"/v1/models": _models(str(tmp_path))})
+    with pytest.raises(RuntimeError) as err:
+        VLLMServer(server.url, timeout=5).check_serves(str(tmp_path))
+    assert "/collective_rpc answered 404" in str(err.value) and SERVER_FLAGS in str(err.value)
+    # another weight-transfer engine than rlwire's
+    server = fake({"/v1/models": _models(str(tmp_path)), "/collective_rpc": _versions(None, False)})
+    with pytest.raises(RuntimeError, match="has no rlwire weight transfer; start it with"):
+        VLLMServer(server.url, timeout=5).check_serves(str(tmp_path))
+
+
+def test_a_server_that_is_down_is_named():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(
+        RuntimeError, match=f"vllm_server {url}: no answer to /v1/models within 5 s"
+    ):
+        VLLMServer(url, timeout=5).check_serves("/m")
+
+
+def test_completions_are_read_in_choice_order_with_their_logprobs(fake):
+    def choice(index, tokens, values, finish):
+        return {
+            "index": index,
+            "token_ids": tokens,
+            "logprobs": {"token_logprobs": values},
+            "finish_reason": finish,
+        }
+
+    choices = [choice(1, [7], [-0.5], "length"), choice(0, [4, 2], [-1.0, -2.0], "stop")]
+    server = fake({"/v1/completions": (200, {"choices": choices})})
+    client = VLLMServer(server.url, timeout=5)
+    assert client.complete({"prompt": [[1]]}, expected=2) == [
+        ([4, 2], [-1.0, -2.0], "stop"),
+        ([7], [-0.5], "length"),
+    ]
+    with pytest.raises(RuntimeError, match="2 completions for 3 requested"):
+        client.complete({"prompt": [[1]]}, expected=3)
+    choices[0]["logprobs"]["token_logprobs"] = []
+    with pytest.raises(RuntimeError, match="0 log-probs for 1 tokens"):
+        client.complete({"prompt": [[1]]}, expected=2)
+
+
+def test_an_update_is_received_then_written_in_with_its_version(fake):
+    routes = {
+        "/start_weight_update": (200, {}),
+        "/update_weights": (200, {}),
+        "/collective_rpc": (200, {"results": [{"held": None, "staged": 4, "rlwire": True}]}),
+        "/finish_weight_update": (200, {}),
+        "/reset_prefix_cache": (200, {}),
+    }
+    server = fake(routes)
+    client = VLLMServer(server.url, timeout=5)
+    assert client.receive_update() == 4
+    client.finish_update(4)
+    assert [p for p, _ in server.posts] == [
+        "/start_weight_update",
+        "/update_weights",
+        "/collective_rpc",
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+    ]
+    assert server.posts[1][1] == {"update_info": {}}
+    assert server.posts[3][1] == {"weight_version": "4"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.server_urls=[http://a:1]"], "set it with rollout.backend=vllm_server only"),
+        (
+            ["rollout.backend=vllm_server", "rollout.server_urls=[http://a:1,http://b:2]"],
+            "give one per rollout worker (rollout.num_workers=1)",
+        ),
+        (["rollout.backend=vllm_server", "rollout.server_urls=[a:1]"], "use http://host:port URLs"),
+        (["rollout.vllm.request_timeout=0"], "use seconds > 0"),
+        (["rollout.backend=vllm_server", "actor.lora.rank=8"], "does not take LoRA adapters"),
+    ],
+)
+def test_bad_server_settings_are_refused_at_config_load(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(overrides=overrides)
+
+
+def test_servers_given_one_per_worker_are_taken():
+    config = load_config(
+        overrides=[
+            "rollout.backend=vllm_server",
+            "rollout.num_workers=2",
+            "rollout.server_urls=[http://10.0.0.1:8000,http://10.0.0.2:8000]",
+        ]
+    )
+    assert config.rollout.server_urls == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
