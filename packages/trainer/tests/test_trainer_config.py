@@ -86,15 +86,21 @@ def test_unknown_key_lists_valid_keys_and_closest_match():
         ),
         (
             "ckpt_engine.delta=on",
-            "ckpt_engine.delta: 'on' is not allowed; rollout.backend 'vllm' takes whole weights "
-            "only; use 'auto' or 'off'",
+            "ckpt_engine.delta: 'on' is not allowed; rollout.backend 'whole_weights:Engine' takes "
+            "whole weights only; use 'auto' or 'off'",
         ),
     ],
 )
-def test_bad_values_name_the_key(override, message):
+def test_bad_values_name_the_key(override, message, tmp_path, monkeypatch):
+    # a rollout engine of a third party's that takes whole weights only
+    (tmp_path / "whole_weights.py").write_text(
+        "from rlwire.trainer.rollout import HFEngine\n\n\n"
+        "class Engine(HFEngine):\n    takes_deltas = False\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
     context = {  # what makes the value impossible
         "ckpt_engine.delta=yes": ["ckpt_engine.backend=naive"],
-        "ckpt_engine.delta=on": ["rollout.backend=vllm"],
+        "ckpt_engine.delta=on": ["rollout.backend=whole_weights:Engine"],
     }.get(override, [])
     with pytest.raises(ConfigError) as err:
         load_config(overrides=[*context, override])
