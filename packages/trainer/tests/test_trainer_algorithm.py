@@ -219,6 +219,66 @@ def test_dynamic_sampling_keeps_groups_that_differ_and_generates_until_full():
     )
 
 
+class _SleepingEngine:
+    """A rollout worker whose calls run in the order made (as a Ray actor's do) and whose
+    engine, like vLLM's after ``sleep(level=1)``, cannot generate while asleep."""
+
+    def __init__(self) -> None:
+        self.asleep, self.calls = False, []
+
+    def _call(self, name, run):
+        outer = self
+
+        class Method:
+            def remote(self, *args):
+                outer.calls.append(name)
+                return run(*args)
+
+        return Method()
+
+    def __getattr__(self, name):
+        if name == "generate":
+
+            def generate(examples, seed):
+                if self.asleep:
+                    raise RuntimeError("generation on a sleeping engine")
+                return _generated(["x"] * len(examples) * 2, [e.prompt for e in examples] * 2)
+
+            return self._call(name, generate)
+        if name in ("sleep", "wake_up"):
+            return self._call(name, lambda: setattr(self, "asleep", name == "sleep"))
+        raise AttributeError(name)
+
+
+def test_dynamic_sampling_wakes_sleeping_engines_before_each_extra_batch():
+    """Colocated on GPUs the engines sleep after every generation; an extra batch of dynamic
+    sampling (``generate_more``) must wake them first (vLLM crashes otherwise)."""
+    import types
+
+    from rlwire.trainer.job import Job
+    from rlwire.trainer.rollout import Example
+
+    config = load_config(overrides=["rollout.n=2", "data.train_batch_size=2"])
+    engines = [_SleepingEngine(), _SleepingEngine()]
+    job = types.SimpleNamespace(
+        config=config,
+        rollouts=engines,
+        rollout_sleeps=True,
+        extra_batches=0,
+        batches=lambda position: [Example(prompt=f"p{position}", answer="")] * 2,
+        call=lambda refs, what: list(refs),
+    )
+    job.start_generation = types.MethodType(Job.start_generation, job)
+    job.generate_more = types.MethodType(Job.generate_more, job)
+    job.start_generation(0)()
+    assert all(e.asleep for e in engines)
+    job.generate_more(0)
+    more = job.generate_more(0)
+    assert job.extra_batches == 2 and len(more) == 2 * 2  # 2 prompts x rollout.n
+    for e in engines:
+        assert e.calls == ["generate", "sleep"] + ["wake_up", "generate", "sleep"] * 2
+
+
 @pytest.mark.parametrize("mode", ["colocated", "one_step_off", "fully_async"])
 def test_dapos_recipe_runs_end_to_end_through_verls_keys(mode, ray_cluster, tmp_path):
     """Clip-higher, dynamic sampling, token-mean and overlong shaping, set with verl's keys,

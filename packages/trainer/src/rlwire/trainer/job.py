@@ -287,8 +287,11 @@ class Job:
     def generate_more(self, step: int, missing: int = 0) -> Rollout:
         """Dynamic sampling: the data's next batch, generated now for step ``step`` (the data
         position moves on by one batch for the rest of the run; a whole batch whatever
-        ``missing``, as verl generates)."""
+        ``missing``, as verl generates). Sleeping engines (colocated on GPUs) are woken first:
+        the generation before this one put them to sleep."""
         self.extra_batches += 1
+        if self.rollout_sleeps:
+            self.call([r.wake_up.remote() for r in self.rollouts], "waking the rollout engines")
         return self.start_generation(step)()
 
     def call(self, refs, what: str):
