@@ -30,6 +30,48 @@ def _peft_model(path, section, dtype=torch.float32, seed=0):
     return wrapped
 
 
+def _untied_qwen2(path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "targets",
+    ["all-linear", ["q_proj", "v_proj"], ["lm_head", "q_proj"], ["embed_tokens", "q_proj"]],
+)
+def test_everything_that_trains_is_what_syncs_or_the_targets_are_refused(tmp_path, targets):
+    """Every parameter that requires grad under LoRA is one that the weight sync, the
+    checkpoints and export carry (``adapter_targets``); PEFT's embedding adapters
+    (``lora_embedding_A/B``) are not, so an embedding target is refused before training."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_untied_qwen2(tmp_path / "untied"))
+    section = lora.LoraSection(rank=4, alpha=8, target_modules=targets)
+    if "embed_tokens" in targets:
+        with pytest.raises(ValueError) as err:
+            lora.wrap(model, section)
+        assert str(err.value) == (
+            "actor.lora.target_modules: PEFT would train ['model.embed_tokens'] with parameters "
+            "other than lora_A/lora_B (an embedding's are lora_embedding_A/B), which the weight "
+            "sync, checkpoints and export do not carry; adapt linear layers instead"
+        )
+        return
+    wrapped = lora.wrap(model, section)
+    trained = {lora.adapter_name(n) for n, p in wrapped.named_parameters() if p.requires_grad}
+    assert trained and trained == set(lora.adapter_targets(wrapped))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merged_weights_are_pefts_merge_and_unload_bit_for_bit(tmp_path, dtype):
     section = lora.LoraSection(rank=4, alpha=8, target_modules="all-linear")

@@ -101,7 +101,8 @@ def wrap(model: torch.nn.Module, section: LoraSection) -> torch.nn.Module:
         ValueError: ``target_modules`` names an embedding or the output layer of a model
             whose embeddings are tied (the adapted layer would change both), or matches
             nothing; PEFT added ``modules_to_save`` (whole modules, which adapter-only sync
-            would not carry).
+            would not carry) or would train anything but ``lora_A`` / ``lora_B`` (an
+            embedding layer's adapter).
     """
     from peft import get_peft_model
 
@@ -120,6 +121,18 @@ def wrap(model: torch.nn.Module, section: LoraSection) -> torch.nn.Module:
     kept = getattr(wrapped, "modules_to_save", None)
     if kept:  # whole modules trained beside the adapter would never reach the rollout engines
         raise ValueError(f"LoRA with modules_to_save ({sorted(kept)}) is not supported")
+    # Everything that trains must be what syncs, checkpoints and export carry: PEFT names an
+    # embedding's adapter lora_embedding_A/B, which they do not.
+    other = sorted(
+        n for n, p in wrapped.named_parameters() if p.requires_grad and not is_adapter(n)
+    )
+    if other:
+        modules = sorted({n.split(".lora_")[0].removeprefix("base_model.model.") for n in other})
+        raise ValueError(
+            f"actor.lora.target_modules: PEFT would train {modules} with parameters other than "
+            "lora_A/lora_B (an embedding's are lora_embedding_A/B), which the weight sync, "
+            "checkpoints and export do not carry; adapt linear layers instead"
+        )
     return wrapped
 
 

@@ -100,10 +100,11 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
     ``rlwire_<name>``, or ``rlwire`` for the one the trainer side names at
     ``init_weight_transfer_engine``.
 
-    The engine keeps the last version it wrote as checkpoint-format host tensors (its
-    *mirror*, one model-sized host copy) when the trainer sends deltas: a delta applies
-    onto that exact version, and vLLM's loader is then given whole tensors. Without deltas
-    nothing is kept between updates.
+    The engine keeps the last version it wrote as checkpoint-format tensors (its *mirror*,
+    one model-sized copy where the backend delivers: host memory for ``gloo``, ``shm`` and
+    ``filesystem``, the device for ``nccl`` and ``cuda_ipc``) when the trainer sends
+    deltas: a delta applies onto that exact version, and vLLM's loader is then given whole
+    tensors. Received tensors are kept for the next update either way (``spare``).
     """
 
     init_info_cls = RlwireInitInfo
@@ -125,7 +126,11 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         """Names, shapes and dtypes of the last update written (a dense one must match)."""
         self._staged: StagedUpdate | dict[str, torch.Tensor] | None = None
         self._staged_version: int | None = None
-        """Received, not yet written in (``finish_weight_update``)."""
+
+    @property
+    def staged_version(self) -> int | None:
+        """The version received and not yet written in (``finish_weight_update``)."""
+        return self._staged_version
 
     # --- lifecycle -------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: RlwireInitInfo) -> None:
@@ -305,6 +310,6 @@ class WorkerExtension:
         return {
             "backend": engine.backend if engine.engine is not None else None,
             "held": engine.version,
-            "staged": engine._staged_version,
+            "staged": engine.staged_version,
             "rlwire": True,
         }
