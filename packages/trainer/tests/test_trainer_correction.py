@@ -118,18 +118,34 @@ def test_behaviour_equal_to_proximal_leaves_loss_and_gradient_exactly_unchanged(
     assert torch.equal(c.weights, torch.ones_like(c.weights)) and torch.equal(c.mask, mask)
     logits = behaviour + 0.3 * torch.randn(4, 5)
 
-    def loss_and_grad(**correction):
+    def loss_and_grad(loss_mask, **correction):
         current = logits.clone().requires_grad_()
         value, clipped = policy_loss(
-            current, behaviour, advantages, mask, clip_ratio=0.2, **loss, **correction
+            current, behaviour, advantages, loss_mask, clip_ratio=0.2, **loss, **correction
         )
         value.backward()
         return value.detach(), current.grad, clipped
 
-    plain = loss_and_grad()
-    corrected = loss_and_grad(weights=c.weights)
+    plain = loss_and_grad(mask)
+    # as the update passes them (step.py): the weights, and the mask less rejected tokens
+    corrected = loss_and_grad(c.mask, weights=c.weights)
     for a, b in zip(plain, corrected, strict=True):
         assert torch.equal(a, b)
+
+
+def test_rejected_tokens_leave_the_loss_and_its_counts():
+    """Token-level rejection (rho = 3 and 0.25 outside [1/2, 2]) takes the first row out of
+    the loss as the update passes it: the mask less the rejected tokens, so the token mean
+    is over the 3 kept tokens, not the 5 real ones."""
+    c = _correct(rollout_is=None, rollout_rs="token", rollout_rs_threshold=2.0)
+    advantages = torch.tensor([1.0, -1.0])
+    # on-policy (ratio 1): each kept token's term is -A = +1 (the second row)
+    loss, _ = policy_loss(
+        BEHAVIOUR, BEHAVIOUR, advantages, c.mask, clip_ratio=0.2, weights=c.weights
+    )
+    assert loss.item() == pytest.approx(1.0)
+    unmasked, _ = policy_loss(BEHAVIOUR, BEHAVIOUR, advantages, MASK, clip_ratio=0.2)
+    assert unmasked.item() == pytest.approx((-1 - 1 + 1 + 1 + 1) / 5)
 
 
 def test_weights_scale_each_tokens_loss_term():

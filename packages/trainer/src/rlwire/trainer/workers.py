@@ -179,7 +179,8 @@ class ActorWorker(WorkerProcess):
             **metrics,
             **weights.metrics,
             "kl_rollout": float(kl_rollout),
-            "lr_scale": lr_scale,
+            # read back from the optimizer: the step size its steps took, not the one asked for
+            "lr_scale": actor.lr_in_effect() / cfg.actor.optim.lr if cfg.actor.optim.lr else 1.0,
         }
 
     def _logprobs_of(self, rollout: Rollout):

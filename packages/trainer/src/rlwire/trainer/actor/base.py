@@ -77,6 +77,11 @@ class ActorEngine(abc.ABC):
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.actor.optim.lr * factor
 
+    def lr_in_effect(self) -> float:
+        """The learning rate the optimizer's next step uses (its first parameter group's),
+        read back from the optimizer: what the metrics report."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
     @contextlib.contextmanager
     def reference_policy(self) -> Iterator[torch.nn.Module | None]:
         """The frozen reference policy for the block (``reference``, or None without one);
