@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
@@ -626,6 +627,36 @@ def test_shm_refuses_segments_its_file_system_cannot_hold(monkeypatch):
     with pytest.raises(CheckpointEngineError, match=r"^shm: share_weights needs 2097152 bytes"):
         engine.share_weights([("w", torch.zeros(1 << 19))])
     engine.finalize()
+
+
+def test_shm_files_are_the_users_alone_and_never_someone_elses():
+    """Slots and arenas are created 0600 (other local users cannot read the weights) with
+    O_EXCL (a file planted under the name is refused, not written into)."""
+    import stat
+
+    from rlwire.ckpt_engine.backends import _shm
+
+    old = os.umask(0)  # whatever the umask, never more than 0600
+    try:
+        engine = registry.new("shm", is_master=True, bucket_size="1MiB")
+        metadata = engine.prepare()
+        engine.share_weights([("w", torch.zeros(1024))])
+        files = [*metadata["slots"], *(a[1] for a in engine._arenas)]
+        assert len(files) == 3
+        for path in files:
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+        engine.finalize()
+    finally:
+        os.umask(old)
+    planted = os.path.join(_shm.SHM_DIR, f"rlwire-test-planted-{os.getpid()}")
+    with open(planted, "wb"):
+        pass
+    try:
+        with pytest.raises(FileExistsError):
+            _shm._create(planted, 4096)
+        assert os.path.getsize(planted) == 0  # untouched
+    finally:
+        os.unlink(planted)
 
 
 def test_delta_mode_is_checked_and_offered_only_by_backends_that_can():

@@ -90,6 +90,43 @@ def test_trainer_state_round_trip_and_refusals(tmp_path):
         read_trainer_state(directory, config)
 
 
+class _RunsCode:
+    """What a checkpoint from elsewhere could hold: unpickling it calls ``_ran``."""
+
+    def __reduce__(self):
+        return (_ran, ())
+
+
+RAN: list[bool] = []
+
+
+def _ran():
+    RAN.append(True)
+    return {}
+
+
+def test_rng_states_are_read_without_running_code(tmp_path):
+    import random
+
+    import torch
+
+    from rlwire.trainer.checkpoint import load_rng
+
+    good = tmp_path / "actor_rank0.pt"
+    state = {"torch": torch.get_rng_state(), "cuda": [], "python": random.getstate()}
+    torch.save(state, good)
+    loaded = load_rng(good)
+    assert torch.equal(loaded["torch"], state["torch"]) and loaded["python"] == state["python"]
+    bad = tmp_path / "actor_rank1.pt"
+    torch.save({"torch": torch.get_rng_state(), "python": _RunsCode()}, bad)
+    with pytest.raises(RunError) as err:
+        load_rng(bad)
+    assert str(err.value).startswith(
+        f"{bad}: holds objects other than tensors and plain data; refused"
+    )
+    assert RAN == []  # nothing ran
+
+
 def test_a_checkpoint_from_before_this_format_is_refused_with_the_reason(tmp_path):
     old = tmp_path / "step_2"
     old.mkdir()

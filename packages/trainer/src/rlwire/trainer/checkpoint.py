@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import shutil
 import sys
@@ -112,6 +113,18 @@ def save_actor(engine, directory: Path, rank: int) -> None:
     )
 
 
+def load_rng(path: Path) -> dict[str, Any]:
+    """A rank's saved RNG states, read as tensors and plain data only (``weights_only``): a
+    file that holds anything else (a pickle that would run code) is refused, naming it."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise RunError(
+            f"{path}: holds objects other than tensors and plain data; refused (a checkpoint "
+            f"must not run code when it is loaded): {str(err).splitlines()[0]}"
+        ) from None
+
+
 def load_actor(engine, directory: Path, rank: int, *, same_world: bool, reseed: int) -> None:
     """Restore the engine's state from ``directory`` (resharded to this group: a collective)
     and this rank's RNG states if the world size is the one saved (``same_world``); at
@@ -125,7 +138,7 @@ def load_actor(engine, directory: Path, rank: int, *, same_world: bool, reseed: 
         random.seed(reseed)
         torch.manual_seed(reseed)
         return
-    saved = torch.load(directory / "rng" / f"actor_rank{rank}.pt", weights_only=False)
+    saved = load_rng(directory / "rng" / f"actor_rank{rank}.pt")
     torch.set_rng_state(saved["torch"])
     if saved["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(saved["cuda"])

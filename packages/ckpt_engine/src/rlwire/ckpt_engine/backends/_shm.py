@@ -27,6 +27,16 @@ def _map(path: str, size: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
 
+def _create(path: str, size: int) -> None:
+    """A new file of ``size`` bytes that only this user can read or write (0600), refused if
+    the name exists (``O_EXCL``: never someone else's file)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
 def _check_room(size: int, what: str) -> None:
     """Shared memory is a RAM-backed file system: writing past its free space kills the
     process (SIGBUS), so a segment that cannot fit is refused before it is made."""
@@ -67,8 +77,7 @@ class ShmEngine(StoreControlledEngine):
         self._paths = [os.path.join(SHM_DIR, f"{self._token}-slot{i}") for i in range(2)]
         _check_room(2 * self.bucket_size, "two bucket slots")
         for path in self._paths:
-            with open(path, "wb") as f:
-                f.truncate(self.bucket_size)
+            _create(path, self.bucket_size)
         self.slots = [_map(p, self.bucket_size) for p in self._paths]
         return {"slots": list(self._paths)}
 
@@ -131,8 +140,7 @@ class ShmEngine(StoreControlledEngine):
         _check_room(size, "share_weights")
         index = len(self._arenas)
         path = os.path.join(SHM_DIR, f"{self._token}-arena{index}")
-        with open(path, "wb") as f:
-            f.truncate(size)
+        _create(path, size)
         arena = _map(path, size)
         for t, off in zip(tensors.values(), offsets, strict=True):
             view = arena[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
