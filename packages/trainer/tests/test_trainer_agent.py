@@ -538,3 +538,23 @@ def test_single_turn_samples_are_written_in_the_same_format(tmp_path):
         "advantage": pytest.approx(0.7),
     }
     assert lines[1]["response_ids"] == [2] and lines[1]["versions"] == [2]
+
+
+def test_an_environment_whose_rewards_are_not_finite_stops_the_run_naming_it():
+    from rlwire.trainer.agent.trajectory import Trajectory
+    from rlwire.trainer.config import load_config
+    from rlwire.trainer.errors import RunError
+    from rlwire.trainer.scoring import score
+
+    config = load_config(overrides=["agent.enable=true", "agent.environment=agent_tools:Countdown"])
+    batch = types.SimpleNamespace(
+        trajectories=[Trajectory(rewards=[1.0, 0.5]), Trajectory(rewards=[float("nan")])]
+    )
+    with pytest.raises(RunError) as err:
+        score(config, None, batch)
+    assert str(err.value) == (
+        "agent.environment 'agent_tools:Countdown': the step rewards of conversation 1 sum to "
+        "nan; rewards must be finite numbers (1 of 2 were not)"
+    )
+    batch.trajectories[1].rewards = [2.0]
+    assert score(config, None, batch).rewards.tolist() == [1.5, 2.0]

@@ -91,6 +91,17 @@ def test_jsonl_data_and_a_malformed_line_named(tmp_path, tiny_dir):
         match=r"bad.jsonl line 2 lacks 'prompt' or 'answer' or 'reward_model.ground_truth'$",
     ):
         load_data(load_config(overrides=[f"data.source={bad}"]), tiny_dir)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(
+        '{"prompt": "a:", "answer": "a"}\n{"prompt": "caf\u00e9:", "answer": "b"}\n'.encode(
+            "latin-1"
+        )
+    )
+    with pytest.raises(RunError) as err:
+        load_data(load_config(overrides=[f"data.source={latin}"]), tiny_dir)
+    assert str(err.value) == (
+        f"data.source: {latin} line 2 is not UTF-8 text (byte 16: b'\\xe9'); save the file as UTF-8"
+    )
 
 
 def _verl_rows() -> list[dict]:
@@ -167,6 +178,20 @@ def test_reward_from_file_and_import_errors(tmp_path):
     broken = load_reward(load_config(overrides=[f"reward.function={f}:broken"]))
     with pytest.raises(RunError, match=r"returned \(1,\) values for 3 responses"):
         broken(examples, ["x"] * 3)
+    g = tmp_path / "odd_reward.py"
+    g.write_text(
+        "import math\n"
+        "def nan(prompts, responses, answers):\n    return [1.0, math.nan, math.nan]\n"
+        "def inf(prompts, responses, answers):\n    return [math.inf, 0.0, 0.0]\n"
+    )
+    for name, shown, count in (("nan", "nan for response 1", 2), ("inf", "inf for response 0", 1)):
+        odd = load_reward(load_config(overrides=[f"reward.function={g}:{name}"]))
+        with pytest.raises(RunError) as err:
+            odd(examples, ["x"] * 3)
+        assert str(err.value) == (
+            f"reward.function '{g}:{name}' returned {shown} (prompt 'p'); rewards must be "
+            f"finite numbers ({count} of 3 were not)"
+        )
 
 
 def test_verl_per_sample_reward_with_dict_results_through_verls_keys(tmp_path):

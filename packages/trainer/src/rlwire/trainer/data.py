@@ -40,7 +40,14 @@ def _reader(path: Path, key: str) -> list[tuple[str, Any]]:
     """``(where, row)`` for every row of the file (``where`` names it in errors)."""
     if path.suffix == ".jsonl":
         rows = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+        for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise RunError(
+                    f"{key}: {path} line {number} is not UTF-8 text (byte {err.start + 1}: "
+                    f"{raw[err.start : err.start + 1]!r}); save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

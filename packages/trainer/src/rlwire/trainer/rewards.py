@@ -96,6 +96,14 @@ class Reward:
                 f"reward.function returned {tuple(rewards.shape)} values for "
                 f"{len(texts)} responses; it must return one float per response"
             )
+        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+        if bad:  # NaN would train on nothing and end "reward nan" with exit 0
+            first = bad[0]
+            raise RunError(
+                f"reward.function {self.spec!r} returned {rewards[first].item()} for response "
+                f"{first} (prompt {examples[first].prompt[:60]!r}); rewards must be finite "
+                f"numbers ({len(bad)} of {len(texts)} were not)"
+            )
         return rewards, extras
 
     def _samples(self, examples, texts) -> tuple[list[float], dict[str, float]]:

@@ -41,6 +41,13 @@ def score(config, reward_fn, batch: Rollout) -> Scored:
     if config.agent.environment is not None:  # an environment class scores its trajectories
         rewards = torch.tensor([sum(t.rewards) for t in batch.trajectories], dtype=torch.float32)
         extra: dict[str, float] = {}
+        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+        if bad:
+            raise RunError(
+                f"agent.environment {config.agent.environment!r}: the step rewards of "
+                f"conversation {bad[0]} sum to {rewards[bad[0]].item()}; rewards must be finite "
+                f"numbers ({len(bad)} of {len(rewards)} were not)"
+            )
     else:
         rewards, extra = reward_fn(batch.examples, batch.texts)
     overlong = config.reward.overlong_buffer
