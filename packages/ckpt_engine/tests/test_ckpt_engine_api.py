@@ -659,6 +659,35 @@ def test_shm_files_are_the_users_alone_and_never_someone_elses():
         os.unlink(planted)
 
 
+def _listening_addresses(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) listening on ``port``."""
+    found = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                address, hex_port = fields[1].rsplit(":", 1)
+                if int(hex_port, 16) == port and fields[3] == "0A":  # LISTEN
+                    found.append(address)
+    return found
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_the_store_listens_on_the_hosts_address_only(backend):
+    """torch's TCPStore listens on every interface whatever host it is given; the engine's
+    listens on loopback when the host is (a stranger on the network cannot reach it)."""
+    if not os.path.exists("/proc/net/tcp"):
+        pytest.skip("reads the listening sockets from /proc/net/tcp (Linux)")
+    engine = registry.new(backend, is_master=True, bucket_size="1MiB", host="127.0.0.1")
+    metadata = engine.prepare()
+    try:
+        assert _listening_addresses(metadata["port"]) == ["0100007F"]  # 127.0.0.1 only
+    finally:
+        engine.finalize()
+    with pytest.raises(CheckpointEngineError, match=r"^host '203.0.113.7': cannot listen there"):
+        registry.new(backend, is_master=True, host="203.0.113.7").prepare()
+
+
 def test_delta_mode_is_checked_and_offered_only_by_backends_that_can():
     with pytest.raises(
         ValueError, match=r"^delta: 'sometimes' is not allowed; use 'off', 'auto', 'on'$"

@@ -110,8 +110,8 @@ class StoreControlledEngine(BucketedEngine):
     def prepare(self) -> dict:
         if not self.is_master:
             return {}
+        self._store = master_store(self.host, self.timeout)  # first: a bad host leaves no slot
         metadata = self._create_slots()
-        self._store = master_store(self.host, self.timeout)
         return {
             "host": self.host,
             "port": self._store.port,

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import datetime
 import queue
+import socket
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -18,14 +19,42 @@ __all__ = ["blocking", "connect_store", "master_store", "peer_errors"]
 T = TypeVar("T")
 
 
+def _listening_socket(host: str) -> socket.socket:
+    """A socket listening on a free port of ``host``'s address only (torch's own TCPStore
+    server listens on every interface whatever host it is given)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as err:
+        raise CheckpointEngineError(f"host {host!r}: cannot be resolved ({err})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as err:
+        sock.close()
+        raise CheckpointEngineError(
+            f"host {host!r}: cannot listen there ({err}); give an address of this machine "
+            "that the receivers can reach"
+        ) from None
+    return sock
+
+
 def master_store(host: str, timeout: float) -> dist.TCPStore:
-    """A TCPStore served by this process on a free port (``store.port``)."""
+    """A TCPStore served by this process on a free port (``store.port``) of ``host``'s
+    address only: loopback when ``host`` is (every member on this machine), the interface
+    named otherwise; ``0.0.0.0`` asks for every interface."""
+    sock = _listening_socket(host)
+    port = sock.getsockname()[1]
     return dist.TCPStore(
         host,
-        0,
+        port,
         is_master=True,
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout),
+        master_listen_fd=sock.detach(),  # the store owns the descriptor from here
         use_libuv=True,
     )
 
