@@ -91,6 +91,16 @@ def test_jsonl_data_and_a_malformed_line_named(tmp_path, tiny_dir):
         match=r"bad.jsonl line 2 lacks 'prompt' or 'answer' or 'reward_model.ground_truth'$",
     ):
         load_data(load_config(overrides=[f"data.source={bad}"]), tiny_dir)
+    for line, message in (
+        ('{"prompt": "  ", "answer": "a"}', "line 1: 'prompt' is empty"),
+        ('{"prompt": 7, "answer": "a"}', "line 1: 'prompt' is a int (7); use text or a list"),
+        ('{"prompt": null, "answer": "a"}', "line 1: 'prompt' is a NoneType (None); use text"),
+    ):
+        odd = tmp_path / "odd.jsonl"
+        odd.write_text(line + "\n")
+        with pytest.raises(RunError) as err:
+            load_data(load_config(overrides=[f"data.source={odd}"]), tiny_dir)
+        assert str(err.value).startswith(f"data.source: {odd} {message}")
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(
         '{"prompt": "a:", "answer": "a"}\n{"prompt": "caf\u00e9:", "answer": "b"}\n'.encode(
@@ -252,6 +262,12 @@ def test_parquet_data_and_a_row_missing_a_column_named(tmp_path, tiny_dir):
     with pytest.raises(RunError, match=r"bad.parquet row 1 lacks 'question' or 'answer' or"):
         load_data(
             load_config(overrides=[f"data.source={bad}", "data.prompt_key=question"]), tiny_dir
+        )
+    typed = tmp_path / "typed.parquet"  # a column of the wrong type
+    pq.write_table(pa.table({"question": [1, 2], "answer": ["a", "b"]}), typed)
+    with pytest.raises(RunError, match=r"typed.parquet row 1: 'question' is a int \(1\); use"):
+        load_data(
+            load_config(overrides=[f"data.source={typed}", "data.prompt_key=question"]), tiny_dir
         )
 
 

@@ -104,6 +104,13 @@ def _example(row: Any, where: str, config: TrainerConfig, render: _Renderer, pat
     if prompt is _MISSING or answer is _MISSING:
         wanted = " or ".join(repr(k) for k in answer_keys)
         raise RunError(f"{key}: {path} {where} lacks {prompt_key!r} or {wanted}")
+    if not isinstance(prompt, (str, list, tuple)):
+        raise RunError(
+            f"{key}: {path} {where}: {prompt_key!r} is a {type(prompt).__name__} "
+            f"({prompt!r:.40}); use text or a list of chat messages"
+        )
+    if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+        raise RunError(f"{key}: {path} {where}: {prompt_key!r} is empty")
     messages = None
     if isinstance(prompt, (list, tuple)):
         messages = [dict(m) for m in prompt]
