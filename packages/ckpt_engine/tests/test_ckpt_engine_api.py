@@ -649,8 +649,7 @@ def test_shm_files_are_the_users_alone_and_never_someone_elses():
     finally:
         os.umask(old)
     planted = os.path.join(_shm.SHM_DIR, f"rlwire-test-planted-{os.getpid()}")
-    with open(planted, "wb"):
-        pass
+    open(planted, "wb").close()  # an empty file someone else could have put there
     try:
         with pytest.raises(FileExistsError):
             _shm._create(planted, 4096)

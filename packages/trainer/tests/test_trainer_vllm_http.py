@@ -41,7 +41,7 @@ class _Server:
                 self._answer()
 
             def log_message(self, *args) -> None:
-                pass
+                """Quiet: the stand-in writes no access log to the test's output."""
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"

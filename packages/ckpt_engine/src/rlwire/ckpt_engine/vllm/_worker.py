@@ -228,7 +228,6 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
                 f"rlwire_{self.backend}: finish_weight_update without a received update; vLLM "
                 f"keeps version {self.version}"
             )
-        mirror_changed = isinstance(staged, StagedUpdate)
         if isinstance(staged, StagedUpdate):
             staged.commit()  # the deltas onto the mirror: it now holds the new version
             weights = self.mirror
@@ -239,7 +238,7 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         except Exception as err:
             raise CheckpointEngineError(
                 f"rlwire_{self.backend}: vLLM's loader failed on version {version} ({err}); "
-                + self._restore(mirror_changed)
+                + self._restore()
             ) from err
         self.layout = {name: (t.shape, t.dtype) for name, t in weights.items()}
         if self.deltas and weights is not self.mirror:  # a dense update becomes the mirror
@@ -257,20 +256,17 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
             self.model.load_weights(iter(weights.items()))
         finalize_layerwise_reload(self.model, self.model_config)
 
-    def _restore(self, mirror_changed: bool) -> str:
-        """After a failed load, the version held before where it can be had again: the
-        model's own files before the first update, the mirror after a dense one (deltas on).
-        Returns what the model holds now."""
+    def _restore(self) -> str:
+        """After a failed load: what the model holds now. Before the first update its own
+        files are loaded again; after one, the previous version is gone (the mirror took
+        the new one in place), so nothing is kept and the next update is sent whole."""
+        self.mirror, self.spare = {}, {}
         if self.version is None:
             from vllm.model_executor.model_loader.reload import reload_weights
 
             reload_weights(self.vllm_config, self.model, None, None, True)
-            self.mirror = {}
             return "the weights it started with were reloaded from the model's files"
-        if self.mirror and not mirror_changed:
-            self._load(self.mirror)
-            return f"version {self.version} was written back"
-        self.mirror, self.version = {}, None  # unknown now: the next update is dense
+        self.version = None  # unknown now: no delta may apply onto it
         return "the model may hold part of it: the next update is sent whole"
 
     def shutdown(self) -> None:

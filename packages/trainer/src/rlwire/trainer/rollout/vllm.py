@@ -46,7 +46,7 @@ from .base import PartialRolloutEngine, SleepingRolloutEngine, StagingRolloutEng
 from .common import Rollout, Sampling
 from .tokens import Row, continuation_rows, token_rollout
 
-__all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension"]
+__all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension", "transfer_init_info"]
 
 INSTALL_HINT = (
     "rollout.backend=vllm needs vLLM in the rollout workers' environment: "
@@ -54,6 +54,22 @@ INSTALL_HINT = (
     "PyTorch's CPU build torch==2.13.0 (https://download.pytorch.org/whl/cpu), without "
     "the CUDA torchvision/torchaudio/torchcodec/triton its resolver adds"
 )
+
+
+def transfer_init_info(
+    backend: str, *, rank: int, world_size: int, metadata: dict, timeout: float
+) -> dict:
+    """What vLLM's ``init_weight_transfer_engine`` gives its ``rlwire`` engine so that its
+    workers join the checkpoint engine's group from receiver ``rank`` on
+    (``rlwire.ckpt_engine.vllm.RlwireInitInfo``; named here, not imported: that module needs
+    vLLM, which a trainer driving ``vllm serve`` servers over HTTP may lack)."""
+    return {
+        "backend": f"rlwire_{backend}",
+        "master_metadata": metadata,
+        "world_size": world_size,
+        "rank_offset": rank,
+        "timeout": timeout,
+    }
 
 
 class WeightReloadExtension:
@@ -152,20 +168,11 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
         engine's in-process ``naive``: a receiver in this process)."""
         if self._adapters is not None or backend == "naive":
             return super().join(backend, rank=rank, world_size=world_size, metadata=metadata)
-        from rlwire.ckpt_engine.vllm import vllm_name
-
-        cfg = self.config.ckpt_engine
-        self.llm.init_weight_transfer_engine(
-            {
-                "init_info": {
-                    "backend": vllm_name(backend),
-                    "master_metadata": metadata,
-                    "world_size": world_size,
-                    "rank_offset": rank,
-                    "timeout": cfg.timeout,
-                }
-            }
-        )
+        info = transfer_init_info(
+            backend, rank=rank, world_size=world_size, metadata=metadata,
+            timeout=self.config.ckpt_engine.timeout,
+        )  # fmt: skip
+        self.llm.init_weight_transfer_engine({"init_info": info})
         # the uni executor runs the worker in this process: its engine, to receive into
         # from the staging thread while generation goes on (collective_rpc would not)
         (self._transfer,) = self.llm.collective_rpc(_weight_transfer_engine)

@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .vllm import CPU_KV_CACHE_BYTES, INSTALL_HINT
+from .vllm import CPU_KV_CACHE_BYTES, INSTALL_HINT, transfer_init_info
 
 __all__ = ["ServerProcess", "VLLMServer"]
 
@@ -79,12 +79,12 @@ class VLLMServer:
         """Refuse a server that serves another model than ``paths`` name, lacks the rlwire
         weight transfer, or holds weights an earlier run sent."""
         models = self._call("/v1/models")["data"]
-        served = {m.get("root") or m["id"] for m in models} | {m["id"] for m in models}
-        wanted = {str(Path(p).resolve()) for p in paths if p} | {p for p in paths if p}
-        if not served & wanted and not {str(Path(s).resolve()) for s in served} & wanted:
+        served = {name for m in models for name in (m["id"], m.get("root")) if name}
+        wanted = {p for p in paths if p}
+        if not {str(Path(s).resolve()) for s in served} & {str(Path(p).resolve()) for p in wanted}:
             raise RuntimeError(
                 f"vllm_server {self.url} serves {sorted(served)}, not the model this run trains "
-                f"({', '.join(sorted(p for p in paths if p))})"
+                f"({', '.join(sorted(wanted))})"
             )
         self.model_name = models[0]["id"]
         try:
@@ -105,13 +105,9 @@ class VLLMServer:
     def init_weight_transfer(
         self, backend: str, *, rank: int, world_size: int, metadata: dict, timeout: float
     ) -> None:
-        info = {
-            "backend": f"rlwire_{backend}",
-            "master_metadata": metadata,
-            "world_size": world_size,
-            "rank_offset": rank,
-            "timeout": timeout,
-        }
+        info = transfer_init_info(
+            backend, rank=rank, world_size=world_size, metadata=metadata, timeout=timeout
+        )
         self._call("/init_weight_transfer_engine", {"init_info": info}, timeout=timeout + 30)
 
     def receive_update(self) -> int:

@@ -64,7 +64,6 @@ class VLLMServerEngine(PartialRolloutEngine, StagingRolloutEngine):
         except BaseException:
             self.close()
             raise
-        self.model_name = self.server.model_name
         self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="vllm-http")
 
     def close(self) -> None:
@@ -100,7 +99,7 @@ class VLLMServerEngine(PartialRolloutEngine, StagingRolloutEngine):
         eos = self.tokenizer.eos_token_id
         # Every processor that could change the distribution, neutral (as the vllm engine)
         return {
-            "model": self.model_name,
+            "model": self.server.model_name,
             "prompt": prompt,
             "n": n,
             "max_tokens": max_tokens,
