@@ -138,9 +138,13 @@ def test_engine_kwargs_reach_the_rlwire_engine():
         checksum=True,
         timeout=7,
     )
-    adapter.prepare()
+    metadata = adapter.prepare()
     engine = adapter.engine
     assert (engine.bucket_size, engine.checksum, engine.timeout) == (3 << 20, True, 7.0)
+    # the group's secret rides in the metadata verl hands every rollout rank (never the store)
+    _, rollout = type(adapter).build_topology(2, 3, [metadata, {}])
+    assert len(metadata["secret"]) == 64
+    assert [m["secret"] for m in rollout["master_metadata"]] == [metadata["secret"]] * 3
     assert engine.is_master and not adapter.rebuild_group
     engine.finalize()
     plain = CheckpointEngineRegistry.new("rlwire_gloo", is_master=False, bucket_size=1 << 20)

@@ -110,14 +110,9 @@ class StoreControlledEngine(BucketedEngine):
     def prepare(self) -> dict:
         if not self.is_master:
             return {}
-        self._store = master_store(self.host, self.timeout)  # first: a bad host leaves no slot
-        metadata = self._create_slots()
-        return {
-            "host": self.host,
-            "port": self._store.port,
-            **self.metadata(),
-            **metadata,
-        }
+        self._store = master_store(self.host, self.timeout, self.name)  # first: a bad host
+        metadata = self._create_slots()  # leaves no slot
+        return {**self._store.metadata(self.host), **self.metadata(), **metadata}
 
     def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
         self._receivers = list(range(1, world_size))
@@ -125,11 +120,10 @@ class StoreControlledEngine(BucketedEngine):
             self._publish_slots(self._receivers)
             keys = [f"joined/{r}" for r in self._receivers]
             with peer_errors(f"{self.name}: waiting for every receiver to join", self.timeout):
-                if keys:
-                    self._store.wait(keys, datetime.timedelta(seconds=self.timeout))
+                self._store.wait_get(keys, datetime.timedelta(seconds=self.timeout))
             self._all_attached()
             return
-        self._store = connect_store(master_metadata, self.timeout)
+        self._store = connect_store(master_metadata, self.timeout, self.name)
         self._attach_slots(master_metadata)
         self._store.set(f"joined/{rank}", b"1")
 
@@ -152,8 +146,8 @@ class StoreControlledEngine(BucketedEngine):
         keys = [f"{prefix}/{r}" for r in self._receivers]
 
         def collect() -> list[int | None]:
-            self._store.wait(keys, datetime.timedelta(seconds=self.timeout))
-            answers = [json.loads(self._store.get(k)) for k in keys]
+            raw = self._store.wait_get(keys, datetime.timedelta(seconds=self.timeout))
+            answers = [json.loads(value) for value in raw]
             for k in keys:
                 self._store.delete_key(k)
             return answers
@@ -165,8 +159,8 @@ class StoreControlledEngine(BucketedEngine):
     async def _wait_acks(self, seq: int) -> None:
         keys = [f"ack/{seq}/{r}" for r in self._receivers]
         timeout = datetime.timedelta(seconds=self.timeout)
-        await blocking(
-            lambda: self._store.wait(keys, timeout),
+        await blocking(  # verified: a forged ack would let the slot be overwritten early
+            lambda: self._store.wait_get(keys, timeout),
             f"{self.name}: waiting for receivers to consume bucket {seq}",
             self.timeout,
         )
@@ -193,8 +187,7 @@ class StoreControlledEngine(BucketedEngine):
         timeout = datetime.timedelta(seconds=self.timeout)
 
         def fetch() -> bytes:
-            self._store.wait([key], timeout)
-            return self._store.get(key)
+            return self._store.wait_get([key], timeout)[0]
 
         raw = await blocking(fetch, f"{self.name}: waiting for bucket {seq}", self.timeout)
         meta = BucketMeta.from_bytes(raw)

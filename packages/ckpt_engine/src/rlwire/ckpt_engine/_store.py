@@ -1,11 +1,23 @@
-"""The engine's own rendezvous store, and mapping transport errors to engine errors."""
+"""The engine's own rendezvous store, its authenticated messages, and mapping transport
+errors to engine errors.
+
+Every value the engine acts on is written with an HMAC-SHA256 over its key and bytes under
+the group's secret: 32 random bytes the master draws in ``prepare()`` and hands to the
+receivers inside its metadata (the caller's own channel: Ray, verl, vLLM's init info). A
+process that can reach the store's port but was not given the metadata can neither forge
+nor replay a message (the key is signed with the value); a message that fails the check is
+refused, naming its key, and the update is aborted before anything is applied.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import datetime
+import hashlib
+import hmac
 import queue
+import secrets
 import socket
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -14,7 +26,13 @@ import torch.distributed as dist
 
 from ._errors import CheckpointEngineError, CheckpointEngineTimeout
 
-__all__ = ["blocking", "connect_store", "master_store", "peer_errors"]
+__all__ = [
+    "SignedStore",
+    "blocking",
+    "connect_store",
+    "master_store",
+    "peer_errors",
+]
 
 T = TypeVar("T")
 
@@ -42,13 +60,77 @@ def _listening_socket(host: str) -> socket.socket:
     return sock
 
 
-def master_store(host: str, timeout: float) -> dist.TCPStore:
-    """A TCPStore served by this process on a free port (``store.port``) of ``host``'s
+class SignedStore:
+    """A TCPStore whose values carry an HMAC-SHA256 of key and value under the group's secret.
+
+    ``set`` signs, ``get`` verifies (``CheckpointEngineError`` naming the key when the tag is
+    wrong); ``wait``, ``check`` and ``delete_key`` concern presence only, so a caller that acts
+    on a key's presence reads it with :meth:`get` (or :meth:`wait_get`) first. ``raw`` is the
+    unsigned store, for torch's own process-group rendezvous.
+    """
+
+    TAG = hashlib.sha256().digest_size
+
+    def __init__(self, store: dist.TCPStore, secret: bytes, name: str) -> None:
+        self.raw, self.secret, self.name = store, secret, name
+
+    @property
+    def port(self) -> int:
+        return self.raw.port
+
+    def metadata(self, host: str) -> dict:
+        """What receivers need to reach and trust this store (the master's ``prepare()``)."""
+        return {"host": host, "port": self.port, "secret": self.secret.hex()}
+
+    def tag(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def sign(self, key: str, value: bytes | str) -> bytes:
+        """``value`` with its tag in front (for messages sent outside the store too)."""
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        return self.tag(key, data) + data
+
+    def verify(self, key: str, signed: bytes) -> bytes:
+        """The value of a signed message, or an error naming ``key`` if it was not signed
+        with this group's secret."""
+        tag, value = signed[: self.TAG], signed[self.TAG :]
+        if len(signed) < self.TAG or not hmac.compare_digest(tag, self.tag(key, value)):
+            raise CheckpointEngineError(
+                f"{self.name}: message {key!r} fails authentication: it was not written by a "
+                "member of this group (wrong or no secret); the update is aborted and the "
+                "previous version kept"
+            )
+        return value
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self.raw.set(key, self.sign(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self.verify(key, self.raw.get(key))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        self.raw.wait(keys, timeout)
+
+    def wait_get(self, keys: list[str], timeout: datetime.timedelta) -> list[bytes]:
+        """Wait for ``keys`` and return their verified values."""
+        if keys:
+            self.raw.wait(keys, timeout)
+        return [self.get(key) for key in keys]
+
+    def check(self, keys: list[str]) -> bool:
+        return self.raw.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.raw.delete_key(key)
+
+
+def master_store(host: str, timeout: float, name: str) -> SignedStore:
+    """A store served by this process on a free port (``store.port``) of ``host``'s
     address only: loopback when ``host`` is (every member on this machine), the interface
-    named otherwise; ``0.0.0.0`` asks for every interface."""
+    named otherwise; ``0.0.0.0`` asks for every interface. A fresh secret signs its values."""
     sock = _listening_socket(host)
     port = sock.getsockname()[1]
-    return dist.TCPStore(
+    store = dist.TCPStore(
         host,
         port,
         is_master=True,
@@ -57,20 +139,29 @@ def master_store(host: str, timeout: float) -> dist.TCPStore:
         master_listen_fd=sock.detach(),  # the store owns the descriptor from here
         use_libuv=True,
     )
+    return SignedStore(store, secrets.token_bytes(32), name)
 
 
-def connect_store(meta: dict, timeout: float) -> dist.TCPStore:
+def connect_store(meta: dict, timeout: float, name: str) -> SignedStore:
     try:
         host, port = meta["host"], int(meta["port"])
     except (KeyError, TypeError, ValueError):
         raise CheckpointEngineError(
             f"master_metadata must hold 'host' and 'port' (from the master's prepare()); "
-            f"got {meta!r}"
+            f"got {sorted(meta) if isinstance(meta, dict) else meta!r}"
+        ) from None
+    try:
+        secret = bytes.fromhex(meta["secret"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointEngineError(
+            f"{name}: master_metadata has no valid 'secret' (the group's key, from the "
+            "master's prepare(): pass its metadata whole)"
         ) from None
     with peer_errors(f"connecting to the master's store at {host}:{port}", timeout):
-        return dist.TCPStore(
+        store = dist.TCPStore(
             host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
         )
+    return SignedStore(store, secret, name)
 
 
 @contextlib.contextmanager

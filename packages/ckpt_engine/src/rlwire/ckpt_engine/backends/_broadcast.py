@@ -131,7 +131,7 @@ class BroadcastEngine(StoreControlledEngine):
 
     def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
         super()._join(rank, world_size, master_metadata)
-        store = dist.PrefixStore(f"rlwire-ckpt/{self.name}", self._store)
+        store = dist.PrefixStore(f"rlwire-ckpt/{self.name}", self._store.raw)
         with peer_errors(f"{self.name}: forming the group", self.timeout):
             self._pg = _new_group(self.collective_backend, store, rank, world_size, self.timeout)
         self._connect()

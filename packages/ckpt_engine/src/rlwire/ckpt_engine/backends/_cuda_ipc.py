@@ -3,37 +3,69 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import datetime
 import json
 import os
-import pickle
 
 import torch
 
 from .._control import StoreControlledEngine, cuda_device
 from .._errors import CheckpointEngineError
 from .._store import peer_errors
-from .._wire import BucketMeta
+from .._wire import BucketMeta, dtype_from_name, dtype_name
 
 __all__ = ["CudaIpcEngine"]
 
 
-_DEVICE_ARG = 6  # rebuild_cuda_tensor's storage_device argument
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def _unb64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text, validate=True)
 
 
 def _export(tensor: torch.Tensor) -> str:
-    from torch.multiprocessing.reductions import reduce_tensor
+    """A slot's CUDA IPC handle as plain JSON (what torch's ``reduce_tensor`` would pickle:
+    its rebuild arguments, of which only numbers, byte strings and a dtype name vary)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-    return base64.b64encode(pickle.dumps(reduce_tensor(tensor))).decode()
+    rebuild, args = reduce_tensor(tensor)
+    if rebuild is not rebuild_cuda_tensor or args[0] is not torch.Tensor:
+        raise CheckpointEngineError(f"cuda_ipc: cannot export a {args[0].__name__} slot")
+    (_, size, stride, offset, storage_cls, dtype, device, handle, storage_bytes,
+     storage_offset, _, ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
+    if storage_cls is not torch.storage.TypedStorage:
+        raise CheckpointEngineError(f"cuda_ipc: cannot export {storage_cls.__name__} storage")
+    return json.dumps({
+        "size": list(size), "stride": list(stride), "offset": offset,
+        "dtype": dtype_name(dtype), "device": device, "handle": _b64(handle),
+        "storage_bytes": storage_bytes, "storage_offset": storage_offset,
+        "ref_handle": _b64(ref_handle), "ref_offset": ref_offset,
+        "event_handle": _b64(event_handle), "event_sync": bool(event_sync),
+    })  # fmt: skip
 
 
 def _import(handle: str, device_index: int) -> torch.Tensor:
     """Map an exported slot; ``device_index`` is this process's index of the master's GPU
-    (the master's own index means another GPU where CUDA_VISIBLE_DEVICES differ)."""
-    rebuild, args = pickle.loads(base64.b64decode(handle))
-    args = list(args)
-    args[_DEVICE_ARG] = device_index
-    return rebuild(*args)
+    (the master's own index means another GPU where CUDA_VISIBLE_DEVICES differ). Nothing
+    is unpickled: the handle is JSON of numbers and base64 byte strings."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    try:
+        h = json.loads(handle)
+        args = (
+            torch.Tensor, torch.Size([int(n) for n in h["size"]]),
+            tuple(int(n) for n in h["stride"]), int(h["offset"]),
+            torch.storage.TypedStorage, dtype_from_name(h["dtype"]), device_index,
+            _unb64(h["handle"]), int(h["storage_bytes"]), int(h["storage_offset"]), False,
+            _unb64(h["ref_handle"]), int(h["ref_offset"]), _unb64(h["event_handle"]),
+            bool(h["event_sync"]),
+        )  # fmt: skip
+    except (ValueError, KeyError, TypeError, binascii.Error) as err:
+        raise CheckpointEngineError(f"cuda_ipc: a slot handle is malformed ({err})") from None
+    return rebuild_cuda_tensor(*args)
 
 
 def _uuid(index: int) -> str:
@@ -98,8 +130,8 @@ class CudaIpcEngine(StoreControlledEngine):
         index = _local_index(master_metadata["device_uuid"])
         key = f"cuda_ipc/slots/{self.rank}"
         with peer_errors("cuda_ipc: waiting for the master's slots", self.timeout):
-            self._store.wait([key], datetime.timedelta(seconds=self.timeout))
-            handles = json.loads(self._store.get(key))
+            [raw] = self._store.wait_get([key], datetime.timedelta(seconds=self.timeout))
+            handles = json.loads(raw)
         try:
             self.slots = [_import(h, index) for h in handles]
         except RuntimeError as err:

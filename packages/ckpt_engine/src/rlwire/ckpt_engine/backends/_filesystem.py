@@ -68,7 +68,7 @@ class FilesystemEngine(CheckpointEngine):
         self.poll_interval = poll_interval
 
     def prepare(self) -> dict:
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.root, mode=0o700, exist_ok=True)  # the job's user alone
         return {"root": self.root} if self.is_master else {}
 
     def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:

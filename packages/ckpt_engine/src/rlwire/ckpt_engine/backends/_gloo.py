@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .._bucketed import BucketedEngine
-from .._store import blocking, connect_store, master_store, peer_errors
+from .._store import SignedStore, blocking, connect_store, master_store, peer_errors
 from .._wire import BucketMeta, to_bytes
 
 __all__ = ["GlooEngine"]
@@ -37,7 +37,7 @@ class GlooEngine(BucketedEngine):
         super().__init__(**kwargs)
         self.host = host
         self.slots = []
-        self._store: dist.TCPStore | None = None
+        self._store: SignedStore | None = None
         self._pg = None
         self._inflight: list = [None, None]
 
@@ -45,17 +45,17 @@ class GlooEngine(BucketedEngine):
         self.slots = [torch.empty(self.bucket_size, dtype=torch.uint8) for _ in range(2)]
         if not self.is_master:
             return {}
-        self._store = master_store(self.host, self.timeout)
-        return {"host": self.host, "port": self._store.port, **self.metadata()}
+        self._store = master_store(self.host, self.timeout, self.name)
+        return {**self._store.metadata(self.host), **self.metadata()}
 
     def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
         if not self.slots or self.slots[0].numel() != self.bucket_size:
             self.prepare()
         if self._store is None:
-            self._store = connect_store(master_metadata, self.timeout)
+            self._store = connect_store(master_metadata, self.timeout, self.name)
         with peer_errors("forming the gloo group", self.timeout):
             self._pg = dist.ProcessGroupGloo(
-                dist.PrefixStore("rlwire-ckpt/gloo", self._store),
+                dist.PrefixStore("rlwire-ckpt/gloo", self._store.raw),
                 rank,
                 world_size,
                 datetime.timedelta(seconds=self.timeout),
@@ -85,7 +85,7 @@ class GlooEngine(BucketedEngine):
             await blocking(lambda: self._wait(work), "gloo: sending a bucket", self.timeout)
 
     async def _emit(self, slot: int, meta: BucketMeta) -> None:
-        raw = meta.to_bytes()
+        raw = self._store.sign(f"meta/{meta.index}", meta.to_bytes())
         header = torch.tensor([len(raw), meta.nbytes], dtype=torch.int64)
         body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
@@ -117,7 +117,7 @@ class GlooEngine(BucketedEngine):
             self._wait(self._bcast(header))
             body = torch.empty(int(header[0]), dtype=torch.uint8)
             self._wait(self._bcast(body))
-            meta = BucketMeta.from_bytes(to_bytes(body))
+            meta = BucketMeta.from_bytes(self._store.verify(f"meta/{seq}", to_bytes(body)))
             self._wait(self._bcast(buf[: meta.nbytes]))
             return meta
 

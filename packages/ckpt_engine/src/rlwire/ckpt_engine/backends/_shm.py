@@ -176,6 +176,8 @@ class ShmEngine(StoreControlledEngine):
         for index, entry in enumerate(self._arenas):
             keys = [f"arena/{index}/mapped/{r}" for r in self._receivers]
             if entry[1] and self._store.check(keys):
+                for key in keys:  # verified: a forged one would unlink a file still needed
+                    self._store.get(key)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry[1])
                 entry[1] = ""

@@ -1,0 +1,202 @@
+"""The control channel only the group can use: signed store messages, a stranger's refused,
+and CUDA IPC handles as plain data (no pickle)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import inspect
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlwire.ckpt_engine import CheckpointEngineError, apply_to_module, registry
+from rlwire.ckpt_engine._store import SignedStore
+from rlwire.ckpt_engine._wire import BucketMeta
+
+
+def _stranger(metadata: dict) -> dist.TCPStore:
+    """A process that can reach the store's port but was never given the metadata's secret."""
+    return dist.TCPStore(
+        metadata["host"], metadata["port"], is_master=False, timeout=datetime.timedelta(seconds=10)
+    )
+
+
+def _joined(backend: str = "shm", **kw):
+    tx = registry.new(backend, is_master=True, bucket_size=4096, timeout=10, **kw)
+    rx = registry.new(backend, bucket_size=4096, timeout=10, **kw)
+    meta = tx.prepare()
+
+    async def join() -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            loop.run_in_executor(
+                None, lambda: tx.init_process_group(rank=0, world_size=2, master_metadata=meta)
+            ),
+            loop.run_in_executor(
+                None, lambda: rx.init_process_group(rank=1, world_size=2, master_metadata=meta)
+            ),
+        )
+
+    asyncio.run(join())
+    return tx, rx, meta
+
+
+def test_signed_messages_are_bound_to_the_secret_and_the_key():
+    engine = registry.new("shm", is_master=True, bucket_size=4096)
+    store = engine.prepare()
+    raw = _stranger(store)
+    ours = SignedStore(raw, bytes.fromhex(store["secret"]), "shm")
+    theirs = SignedStore(raw, b"\0" * 32, "shm")
+    assert len(store["secret"]) == 64  # 32 random bytes, hex
+    ours.set("meta/0", b"payload")
+    assert ours.get("meta/0") == b"payload"
+    assert raw.get("meta/0")[SignedStore.TAG :] == b"payload"  # the tag is in front
+    with pytest.raises(CheckpointEngineError, match=r"^shm: message 'meta/0' fails authentic"):
+        theirs.get("meta/0")
+    raw.set("meta/1", raw.get("meta/0"))  # replayed under another key
+    with pytest.raises(CheckpointEngineError, match="message 'meta/1' fails authentication"):
+        ours.get("meta/1")
+    raw.set("meta/2", b"short")  # shorter than a tag
+    with pytest.raises(CheckpointEngineError, match="message 'meta/2' fails authentication"):
+        ours.get("meta/2")
+    engine.finalize()
+
+
+def test_a_receiver_refuses_bucket_metadata_a_stranger_wrote_and_keeps_its_weights():
+    torch.manual_seed(0)
+    held = nn.Linear(8, 4)
+    before = {k: v.clone() for k, v in held.state_dict().items()}
+    tx, rx, meta = _joined()
+    try:
+        forged = BucketMeta(index=0, version=7, nbytes=0, entries=[], last=True, base=None)
+        _stranger(meta).set("meta/0", forged.to_bytes())  # before the master sends anything
+        with pytest.raises(
+            CheckpointEngineError,
+            match=r"^shm: message 'meta/0' fails authentication: it was not written by a member "
+            r"of this group \(wrong or no secret\); the update is aborted and the previous "
+            r"version kept$",
+        ):
+            asyncio.run(apply_to_module(held, rx))
+        assert rx.last_version is None
+        for name, value in held.state_dict().items():
+            assert torch.equal(value, before[name]), name
+    finally:
+        tx.finalize()
+        rx.finalize()
+
+
+def test_the_master_refuses_an_acknowledgement_a_stranger_wrote():
+    """A forged ack would let the master overwrite a slot a receiver is still reading."""
+    tx, rx, meta = _joined()
+    try:
+        _stranger(meta).set("ack/0/1", b"1")
+        with pytest.raises(CheckpointEngineError, match=r"^shm: message 'ack/0/1' fails auth"):
+            asyncio.run(tx.send_weights([("w", torch.ones(4))], version=1))
+    finally:
+        tx.finalize()
+        rx.finalize()
+
+
+@pytest.mark.parametrize("backend", ["shm", "gloo"])
+def test_a_receiver_needs_the_groups_secret_from_the_masters_metadata(backend):
+    tx = registry.new(backend, is_master=True, bucket_size=4096, timeout=5)
+    meta = tx.prepare()
+    rx = registry.new(backend, bucket_size=4096, timeout=5)
+    try:
+        without = {k: v for k, v in meta.items() if k != "secret"}
+        with pytest.raises(
+            CheckpointEngineError,
+            match=rf"^{backend}: master_metadata has no valid 'secret' \(the group's key, from "
+            r"the master's prepare\(\): pass its metadata whole\)$",
+        ):
+            rx.init_process_group(rank=1, world_size=2, master_metadata=without)
+        with pytest.raises(CheckpointEngineError, match="must hold 'host' and 'port'") as err:
+            rx.init_process_group(rank=1, world_size=2, master_metadata={"secret": meta["secret"]})
+        assert meta["secret"] not in str(err.value)  # errors never print the key
+    finally:
+        tx.finalize()
+        rx.finalize()
+
+
+def test_gloo_signs_the_bucket_metadata_it_sends_outside_the_store():
+    from rlwire.ckpt_engine.backends import _gloo
+
+    source = inspect.getsource(_gloo.GlooEngine)
+    assert 'self._store.sign(f"meta/{meta.index}"' in source  # what _emit broadcasts
+    assert 'self._store.verify(f"meta/{seq}"' in source  # what _next accepts
+    tx, rx, _ = _joined("gloo")
+    try:
+        weights = [("a", torch.arange(10.0)), ("b", torch.ones(3, dtype=torch.bfloat16))]
+
+        async def once():
+            async def take():
+                return [(n, t.clone()) async for n, t in rx.receive_weights()]
+
+            return await asyncio.gather(tx.send_weights(weights, version=1), take())
+
+        _, got = asyncio.run(once())
+        assert [n for n, _ in got] == ["a", "b"]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(weights, got, strict=True))
+    finally:
+        tx.finalize()
+        rx.finalize()
+
+
+# --- cuda_ipc handles as plain data --------------------------------------------------
+
+_REBUILD_ARGS = [
+    "tensor_cls",
+    "tensor_size",
+    "tensor_stride",
+    "tensor_offset",
+    "storage_cls",
+    "dtype",
+    "storage_device",
+    "storage_handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+]
+
+
+def test_cuda_ipc_handles_travel_as_json_and_rebuild_with_torchs_arguments(monkeypatch):
+    """The export is JSON of numbers and base64 strings (nothing a receiver unpickles); the
+    import hands torch's rebuild_cuda_tensor exactly what reduce_tensor produced, with this
+    process's index of the GPU. Run without CUDA: torch's reduction is stood in for by the
+    argument tuple its CUDA branch returns (its layout checked against torch's signature)."""
+    import torch.multiprocessing.reductions as reductions
+
+    from rlwire.ckpt_engine.backends import _cuda_ipc
+
+    assert list(inspect.signature(reductions.rebuild_cuda_tensor).parameters) == _REBUILD_ARGS
+    args = (
+        torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3,
+        b"\x01handle\xff", 4096, 512, False, b"refs\x00", 17, b"\x02event", True,
+    )  # fmt: skip
+    monkeypatch.setattr(
+        reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, args)
+    )
+    rebuilt = []
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: rebuilt.append(a) or "t")
+    handle = _cuda_ipc._export(torch.empty(0))
+    plain = json.loads(handle)
+    assert all(isinstance(v, int | str | bool | list) for v in plain.values()), plain
+    assert _cuda_ipc._import(handle, 5) == "t"
+    assert rebuilt == [args[:6] + (5,) + args[7:]]  # the device is this process's index
+    with pytest.raises(CheckpointEngineError, match=r"^cuda_ipc: a slot handle is malformed"):
+        _cuda_ipc._import(json.dumps({**plain, "handle": "not base64!"}), 0)
+    with pytest.raises(CheckpointEngineError, match=r"^unknown dtype 'Tensor' in bucket"):
+        _cuda_ipc._import(json.dumps({**plain, "dtype": "Tensor"}), 0)
+    monkeypatch.setattr(
+        reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, (nn.Parameter,))
+    )
+    with pytest.raises(CheckpointEngineError, match="cannot export a Parameter slot"):
+        _cuda_ipc._export(torch.empty(0))
