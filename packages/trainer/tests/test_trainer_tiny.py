@@ -74,6 +74,26 @@ def test_the_realistic_preset_and_the_built_in_task_it_names():
         load_config(preset="real")
 
 
+def test_the_command_line_takes_options_among_the_overrides(capsys):
+    import yaml
+
+    from rlwire.trainer.cli import main
+
+    argv = ["trainer.steps=10", "--preset", "realistic", "trainer.seed=1", "--print-config"]
+    assert main(argv) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["steps"] == 10 and printed["trainer"]["seed"] == 1
+    assert printed["data"]["source"] == "builtin:count"  # the preset, under the overrides
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "realistic: data.source=builtin:count rollout.max_new_tokens=32" in shown
+    assert "rlwire-train --help-config" in shown and "any order" in shown
+    assert main(["--help-config"]) == 0
+    reference = capsys.readouterr().out
+    assert reference.startswith("### `model`") and "### `algorithm.filter_groups`" in reference
+
+
 def test_the_paced_engine_samples_as_hf_and_takes_its_set_time_per_decoding_step(tmp_path):
     import time
 

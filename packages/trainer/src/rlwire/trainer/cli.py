@@ -1,6 +1,7 @@
 """``rlwire-train``: the command line.
 
-rlwire-train [--preset NAME] [--config FILE.yaml] [--print-config] [dotted.key=value ...]
+rlwire-train [--preset NAME] [--config FILE.yaml] [--print-config] [--help-config]
+             [dotted.key=value ...]   (options and overrides in any order)
 rlwire-train plot RUN_DIR
 """
 
@@ -32,19 +33,30 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as err:
             return _fail(str(err))
         return 0
+    from .config import PRESETS, ConfigError, describe_config, load_config, to_dict
+
+    presets = "; ".join(f"{name}: {' '.join(items)}" for name, items in PRESETS.items())
     parser = argparse.ArgumentParser(
         prog="rlwire-train",
         description="GRPO training with the rlwire packages (Ray orchestrated). With no "
         "arguments: the embedded job (tiny local model, built-in task) on this machine.",
+        epilog="Options and key=value overrides may come in any order; later overrides win. "
+        "Every key with its type, default and meaning: rlwire-train --help-config (the "
+        "'Configuration reference' of the trainer's README); verl's key names are accepted.",
     )
     parser.add_argument("--config", help="a YAML file merged over the defaults")
     parser.add_argument(
         "--preset",
-        help="a named job applied before --config and the overrides: 'realistic' (the count "
-        "task, response lengths with a long tail, lr 5e-4, 400 steps, runs/realistic)",
+        choices=sorted(PRESETS),
+        help=f"a named job applied before --config and the overrides ({presets})",
     )
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved configuration and exit"
+    )
+    parser.add_argument(
+        "--help-config",
+        action="store_true",
+        help="print the configuration reference (every key) and exit",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -53,9 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="key=value",
         help="dotted overrides, e.g. actor.world_size=2",
     )
-    args = parser.parse_args(argv)
-
-    from .config import ConfigError, load_config, to_dict
+    # intermixed: "trainer.steps=10 --preset realistic trainer.seed=1" is one command
+    args = parser.parse_intermixed_args(argv)
+    if args.help_config:
+        print(describe_config(), end="")
+        return 0
 
     try:
         config = load_config(args.config, args.overrides, preset=args.preset)
