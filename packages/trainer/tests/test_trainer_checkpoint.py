@@ -127,6 +127,68 @@ def test_rng_states_are_read_without_running_code(tmp_path):
     assert RAN == []  # nothing ran
 
 
+def test_dcp_metadata_is_read_without_running_code(fsdp_checkpoints, tmp_path):
+    """Every checkpoint the engines wrote reads the same through the safe reader (and the
+    loads above went through it); a .metadata naming anything else is refused, unrun."""
+    import pickle
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from rlwire.trainer.checkpoint_reader import SafeReader
+
+    for case in ("fsdp2", "fsdp", "fsdp2_lora"):
+        actor = fsdp_checkpoints / case / "actor"
+        safe, plain = SafeReader(actor).read_metadata(), FileSystemReader(actor).read_metadata()
+        assert safe.state_dict_metadata == plain.state_dict_metadata
+        assert safe.storage_data == plain.storage_data and safe.storage_data
+    bad = tmp_path / "actor"
+    shutil.copytree(fsdp_checkpoints / "fsdp2" / "actor", bad)
+    metadata = FileSystemReader(bad).read_metadata()
+    metadata.planner_data = _RunsCode()  # what a .metadata from elsewhere could hold
+    (bad / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(RunError) as err:
+        SafeReader(bad).read_metadata()
+    assert str(err.value) == (
+        f"{bad / '.metadata'}: names {__name__}._ran, which DCP's metadata never holds; "
+        "refused (a checkpoint must not run code when it is loaded)"
+    )
+    assert RAN == []  # nothing ran
+
+
+def test_dcp_values_other_than_tensors_are_read_as_plain_data_only(tmp_path):
+    """DCP's default planner torch.loads non-tensor entries with weights_only=False."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from rlwire.trainer.checkpoint_reader import SafeLoadPlanner, SafeReader, load
+
+    plain = {"step": 7, "betas": (0.9, 0.99), "foreach": None}  # as in param_groups
+    with warnings.catch_warnings():  # "no process group: saving as one rank"
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4.0), **plain}, checkpoint_id=tmp_path / "good")
+        dcp.save({"w": torch.arange(4.0), "hook": _RunsCode()}, checkpoint_id=tmp_path / "bad")
+        state = {"w": torch.zeros(4), "step": 0, "betas": (0.0, 0.0), "foreach": False}
+        dcp.load(state, storage_reader=SafeReader(tmp_path / "good"), planner=SafeLoadPlanner())
+        assert torch.equal(state.pop("w"), torch.arange(4.0)) and state == plain
+        with pytest.raises(RunError) as err:
+            load({"w": torch.zeros(4), "hook": None}, tmp_path / "bad")
+        assert str(err.value) == (
+            "checkpoint entry 'hook': holds objects other than tensors and plain data; refused "
+            "(a checkpoint must not run code when it is loaded): Unsupported global: GLOBAL "
+            f"{__name__}._ran was not an allowed global by default. Please use "
+            f"`torch.serialization.add_safe_globals([{__name__}._ran])` or the "
+            f"`torch.serialization.safe_globals([{__name__}._ran])` context manager to allowlist "
+            "this global if you trust this class/function."
+        )
+        (tmp_path / "good" / "__0_0.distcp").write_bytes(b"damaged")
+        with pytest.raises(RunError, match=r"cannot be read \(.*\); is the file damaged\?$"):
+            load({"w": torch.zeros(4), "step": 0}, tmp_path / "good")
+    assert RAN == []  # nothing ran
+
+
 def test_a_checkpoint_from_before_this_format_is_refused_with_the_reason(tmp_path):
     old = tmp_path / "step_2"
     old.mkdir()

@@ -119,20 +119,19 @@ def load_rng(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise RunError(
-            f"{path}: holds objects other than tensors and plain data; refused (a checkpoint "
-            f"must not run code when it is loaded): {str(err).splitlines()[0]}"
-        ) from None
+        from .checkpoint_reader import refusal  # imports DCP: only when a file is refused
+
+        raise RunError(f"{path}: {refusal(err)}") from None
 
 
 def load_actor(engine, directory: Path, rank: int, *, same_world: bool, reseed: int) -> None:
     """Restore the engine's state from ``directory`` (resharded to this group: a collective)
     and this rank's RNG states if the world size is the one saved (``same_world``); at
     another, every RNG is seeded with ``reseed`` (the same on every rank, as at start)."""
-    import torch.distributed.checkpoint as dcp
+    from . import checkpoint_reader
 
     state = engine.state()  # the layout to fill: DCP reads each rank's share into it
-    dcp.load(state, checkpoint_id=directory / "actor")
+    checkpoint_reader.load(state, directory / "actor")
     engine.load_state(state)
     if not same_world:
         random.seed(reseed)
