@@ -271,14 +271,14 @@ def test_verl_keys_for_missing_features_are_refused_together(tmp_path):
             path,
             overrides=[
                 "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-                "data.max_prompt_length=512",
+                "data.shuffle=true",
                 "algorithm.adv_estimator=grpo",
             ],
         )
     assert str(err.value) == (
         "verl keys for features rlwire-train does not have: "
         "critic.ppo_epochs=1, actor_rollout_ref.actor.ulysses_sequence_parallel_size=2, "
-        "data.max_prompt_length=512; remove them (or set them off: false, null or 0). The "
+        "data.shuffle=True; remove them (or set them off: false, null or 0). The "
         "mapped keys are listed in the trainer README (verl's keys)"
     )
     with pytest.raises(ConfigError) as err:  # no critic here: GAE needs one

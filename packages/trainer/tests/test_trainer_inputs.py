@@ -220,7 +220,8 @@ def test_verl_per_sample_reward_with_dict_results_through_verls_keys(tmp_path):
     examples = [Example("q", "7", "src", {"index": i}) for i in range(4)]
     rewards, extra = reward(examples, ["7", " 7 ", "8", ""])
     assert rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
-    assert extra == {"acc": 0.5, "index": 1.5}  # numbers only, averaged
+    assert sorted(extra) == ["acc", "index"]  # numbers only, one per response
+    assert extra["acc"].tolist() == [1.0, 1.0, 0.0, 0.0] and extra["index"].tolist() == [0, 1, 2, 3]
     named = load_config(
         overrides=[f"custom_reward_function.path={f}", "custom_reward_function.name=plain"]
     )

@@ -4,7 +4,12 @@ signature, scored into one float per response plus numeric extras for the metric
 - a *batch* function ``f(prompts, responses, answers) -> list[float]``;
 - verl's *per-sample* ``compute_score(data_source, solution_str, ground_truth,
   extra_info=None)`` returning a float or a dict with ``"score"`` (its other numeric entries
-  are averaged over the batch into the metrics). It is told apart by its parameter names.
+  are kept per response: the metrics log their batch means, dynamic sampling may group by
+  one). It is told apart by its parameter names.
+
+A value is a number when ``float()`` takes it without parsing text (``int``, ``float``,
+``bool``, NumPy and one-element torch scalars); anything else, a string ``"1.0"`` included,
+stops the run naming the response.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import importlib
 import importlib.util
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +74,31 @@ def _per_sample(fn: Callable[..., Any]) -> bool:
     return "solution_str" in names or names[:1] == ["data_source"]
 
 
+def _as_float(value: Any) -> float | None:
+    """``float(value)`` for a number (not parsed from text), else None."""
+    if not hasattr(type(value), "__float__"):  # str, None, list, dict: refused
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):  # an array of several values, a complex number
+        return None
+
+
+def _listed(values: Any) -> list | None:
+    """A batch function's values as a list (from a list, tuple, 1-d tensor or array, or a
+    generator); None for text, a mapping or a single value."""
+    if isinstance(values, (str, bytes, Mapping)) or not hasattr(values, "__iter__"):
+        return None
+    try:
+        return list(values)
+    except TypeError:  # a 0-d array or tensor
+        return None
+
+
+def _shown(value: Any) -> str:
+    return f"{value!r:.40} (a {type(value).__name__})"
+
+
 class Reward:
     """A reward function of either signature, called on a batch of examples and responses."""
 
@@ -78,24 +108,15 @@ class Reward:
 
     def __call__(
         self, examples: list[Example], texts: list[str]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """``(B,)`` float32 rewards and the batch means of a per-sample function's extras."""
-        try:
-            if self.per_sample:
-                values, extras = self._samples(examples, texts)
-            else:
-                prompts, answers = [e.prompt for e in examples], [e.answer for e in examples]
-                values, extras = self.fn(prompts, texts, answers), {}
-            rewards = torch.as_tensor([float(v) for v in values], dtype=torch.float32)
-        except RunError:
-            raise
-        except Exception as err:  # a user function: report it as a run error
-            raise RunError(f"reward.function raised {type(err).__name__}: {err}") from None
-        if rewards.shape != (len(texts),):
-            raise RunError(
-                f"reward.function returned {tuple(rewards.shape)} values for "
-                f"{len(texts)} responses; it must return one float per response"
-            )
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(B,)`` float32 rewards and a per-sample function's numeric extras, ``(B,)``
+        float32 each (a key must be a number for every response, or for none: then it is
+        left out); a batch function has none."""
+        if self.per_sample:
+            values, extras = self._samples(examples, texts)
+        else:
+            values, extras = self._batch(examples, texts), {}
+        rewards = torch.tensor(values, dtype=torch.float32)
         bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
         if bad:  # NaN would train on nothing and end "reward nan" with exit 0
             first = bad[0]
@@ -106,28 +127,89 @@ class Reward:
             )
         return rewards, extras
 
-    def _samples(self, examples, texts) -> tuple[list[float], dict[str, float]]:
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.fn(*args, **kwargs)
+        except RunError:  # a built-in's own (math-verify missing)
+            raise
+        except Exception as err:  # a user function: report it as a run error
+            raise RunError(
+                f"reward.function {self.spec!r} raised {type(err).__name__}: {err}"
+            ) from None
+
+    def _refuse(self, shown: str, index: int, examples: list[Example], allowed: str):
+        return RunError(
+            f"reward.function {self.spec!r} returned {shown} for response {index} (prompt "
+            f"{examples[index].prompt[:60]!r}); {allowed}"
+        )
+
+    def _batch(self, examples: list[Example], texts: list[str]) -> list[float]:
+        prompts, answers = [e.prompt for e in examples], [e.answer for e in examples]
+        out = self._call(prompts, texts, answers)
+        allowed = "a batch function returns a list of one number (a float) per response"
+        listed = _listed(out)
+        if listed is None:
+            raise RunError(
+                f"reward.function {self.spec!r} returned {_shown(out)} for {len(texts)} "
+                f"responses; {allowed}"
+            )
+        if len(listed) != len(texts):
+            raise RunError(
+                f"reward.function {self.spec!r} returned ({len(listed)},) values for "
+                f"{len(texts)} responses; {allowed}"
+            )
+        values = []
+        for index, value in enumerate(listed):
+            number = _as_float(value)
+            if number is None:
+                raise self._refuse(_shown(value), index, examples, allowed)
+            values.append(number)
+        return values
+
+    def _samples(self, examples, texts) -> tuple[list[float], dict[str, torch.Tensor]]:
+        allowed = "return a number (a float) or a dict with 'score' holding one"
         values: list[float] = []
-        sums: dict[str, float] = {}
-        for example, text in zip(examples, texts, strict=True):
-            out = self.fn(
+        extras: list[dict[str, float]] = []
+        for index, (example, text) in enumerate(zip(examples, texts, strict=True)):
+            out = self._call(
                 data_source=example.data_source,
                 solution_str=text,
                 ground_truth=example.answer,
                 extra_info=example.extra_info,
             )
+            shown, numbers = _shown(out), {}
             if isinstance(out, dict):
                 if "score" not in out:
                     raise RunError(
                         f"reward.function {self.spec!r} returned a dict without 'score' "
                         f"(keys: {sorted(out)}); return a float or a dict with 'score'"
                     )
-                for key, value in out.items():
-                    if key != "score" and isinstance(value, (int, float, bool)):
-                        sums[key] = sums.get(key, 0.0) + float(value)
-                out = out["score"]
-            values.append(out)
-        return values, {key: total / len(texts) for key, total in sums.items()}
+                numbers = {k: f for k, v in out.items() if (f := _as_float(v)) is not None}
+                shown, out = f"a dict whose 'score' is {_shown(out['score'])}", out["score"]
+            number = _as_float(out)
+            if number is None:
+                raise self._refuse(shown, index, examples, allowed)
+            values.append(number)
+            extras.append({k: v for k, v in numbers.items() if k != "score"})
+        return values, self._columns(extras, examples)
+
+    def _columns(self, extras: list[dict[str, float]], examples) -> dict[str, torch.Tensor]:
+        """The extras as ``(B,)`` float32 columns; a key given by some responses only stops
+        the run (a column with holes could neither be averaged nor grouped by)."""
+        keys = sorted({key for sample in extras for key in sample})
+        for key in keys:
+            has = [key in sample for sample in extras]
+            if not all(has):
+                raise self._refuse(
+                    f"no number for {key!r} (response {has.index(True)} gave one)",
+                    has.index(False),
+                    examples,
+                    "an extra must be a number for every response or for none",
+                )
+        return {
+            key: torch.tensor([sample[key] for sample in extras], dtype=torch.float32)
+            for key in keys
+        }
 
 
 def load_reward(config: TrainerConfig) -> Reward:

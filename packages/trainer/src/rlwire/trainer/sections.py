@@ -2,9 +2,9 @@
 validating its own values (``ConfigError`` names the key, the value and what is allowed).
 :mod:`rlwire.trainer.config` assembles them and reads files and overrides. Sections owned
 by one part of the trainer live beside it and are re-exported here: ``actor``
-(:mod:`rlwire.trainer.actor.config`), ``algorithm`` (:mod:`rlwire.trainer.algorithm`) and its
-``rollout_correction`` (:mod:`rlwire.trainer.correction`), ``actor.lora``
-(:mod:`rlwire.trainer.lora`)."""
+(:mod:`rlwire.trainer.actor.config`), ``data`` (:mod:`rlwire.trainer.data`), ``algorithm``
+(:mod:`rlwire.trainer.algorithm`) and its ``rollout_correction``
+(:mod:`rlwire.trainer.correction`), ``actor.lora`` (:mod:`rlwire.trainer.lora`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, DELTA_MODES, parse_bucket_size
 from .actor.config import ActorConfig, MegatronSection, OptimConfig
 from .algorithm import AlgorithmConfig
 from .checks import ConfigError, check, check_choice, check_engine
+from .data import DataConfig
 from .loggers import LOGGERS
 from .rollout.base import ROLLOUT_ENGINES, rollout_engine_class
 from .shaping import OverlongBufferConfig
@@ -53,34 +54,6 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class DataConfig:
-    source: str = "builtin:repeat"
-    """``builtin:repeat`` (the built-in verifiable task: answer a letter with that
-    letter, partial credit per character), ``builtin:count`` (answer a letter and a count,
-    ``c3:``, with the letter that many times and stop: response lengths with a long tail;
-    the ``realistic`` preset's), ``builtin:lookup`` (multi-turn: call a tool and answer with
-    what it returned; with its own ``agent`` settings and primed model) or a JSONL/Parquet
-    file."""
-    prompt_key: str = "prompt"
-    """Field holding the prompt in a user file: text, or a list of chat messages (verl's
-    layout) rendered with the tokenizer's chat template. Dots address nested fields."""
-    answer_key: str | None = None
-    """Field holding the ground truth (dots address nested fields, e.g.
-    ``reward_model.ground_truth``). None: ``answer``, else verl's
-    ``reward_model.ground_truth``."""
-    train_batch_size: int = 8
-    """Prompts per step (each sampled ``rollout.n`` times)."""
-
-    def __post_init__(self) -> None:
-        check(
-            self.train_batch_size >= 1,
-            "data.train_batch_size",
-            self.train_batch_size,
-            "use an int >= 1",
-        )
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
 class RewardConfig:
     function: str = "builtin"
     """``builtin`` (the built-in task's partial-credit reward), ``gsm8k`` (the ``#### answer``
@@ -88,7 +61,8 @@ class RewardConfig:
     ``rlwire-trainer[math]``), or ``module.path:function`` / ``file.py:function``: either
     ``f(prompts, responses, answers) -> list[float]`` for a batch, or verl's per-sample
     ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` returning a
-    float or a dict with ``"score"`` (its other numbers become metrics). verl's
+    float or a dict with ``"score"`` (its other numbers become metrics, and
+    ``algorithm.filter_groups.metric`` may name one). verl's
     ``custom_reward_function.path`` and ``.name`` are accepted."""
     overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
 
