@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessContext, start_processes
 
 __all__ = ["exit_without_finalizing", "free_port", "spawn"]
 
@@ -26,7 +26,8 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _entry(
@@ -38,7 +39,7 @@ def _entry(
     out_dir: str,
     threads: int,
     device: str,
-    args: tuple,
+    args: tuple[Any, ...],
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -103,7 +104,8 @@ def spawn(
             message carries its traceback.
     """
     with tempfile.TemporaryDirectory(prefix="rlwire-spawn-") as out_dir:
-        context = mp.start_processes(
+        # With join=False, start_processes returns the ProcessContext to poll.
+        ctx: ProcessContext = start_processes(  # type: ignore[no-untyped-call]  # torch: untyped
             _entry,
             args=(fn, world_size, free_port(), timeout, out_dir, threads, device, args),
             nprocs=world_size,
@@ -112,14 +114,14 @@ def spawn(
         )
         deadline = time.monotonic() + timeout
         try:
-            while not context.join(timeout=0.2):
+            while not ctx.join(timeout=0.2):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks did not "
                         f"finish within {timeout:g} s"
                     )
         finally:
-            for process in context.processes:
+            for process in ctx.processes:
                 if process.is_alive():
                     process.kill()
                     process.join(5)

@@ -4,15 +4,25 @@ All knowledge of FSDP2 and FSDP1 internals lives here. FSDP2 exposes a public
 switch (``set_requires_gradient_sync``) but no getter and no view of the
 gradients it holds, so both are read from its parameter groups; the attribute
 names are checked and a missing one raises instead of under-reporting.
+
+FSDP's private objects (parameter groups, ``FSDPParam``, FSDP1's flat-parameter
+handles) differ across the torch versions supported (CI's floor 2.11 to the
+newest), so they are typed ``Any`` here rather than as one version's classes.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 __all__ = [
     "data_parallel_groups",
@@ -24,18 +34,18 @@ __all__ = [
 ]
 
 
-def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+def fsdp2_modules(model: nn.Module) -> list[FSDPModule]:
     """Every ``fully_shard``-ed module in ``model`` (including ``model``)."""
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def fsdp1_roots(model: nn.Module) -> list[nn.Module]:
+def fsdp1_roots(model: nn.Module) -> list[FSDP]:
     """The outermost ``FullyShardedDataParallel`` instances in ``model``."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    roots: list[nn.Module] = []
+    roots: list[FSDP] = []
     inner: set[int] = set()
     for module in model.modules():
         if isinstance(module, FSDP) and id(module) not in inner:
@@ -44,7 +54,7 @@ def fsdp1_roots(model: nn.Module) -> list[nn.Module]:
     return roots
 
 
-def data_parallel_groups(model: nn.Module) -> list:
+def data_parallel_groups(model: nn.Module) -> list[ProcessGroup]:
     """The process groups whose ranks reduce ``model``'s gradients together.
 
     FSDP2: one group per dimension of each parameter group's mesh (HSDP has two);
@@ -55,7 +65,7 @@ def data_parallel_groups(model: nn.Module) -> list:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    groups: list = []
+    groups: list[ProcessGroup | None] = []
     for group in _fsdp2_groups(model):
         mesh = group.mesh_info.mesh
         groups += [mesh.get_group(dim) for dim in range(mesh.ndim)]
@@ -64,14 +74,14 @@ def data_parallel_groups(model: nn.Module) -> list:
             groups += [module.process_group, getattr(module, "_inter_node_pg", None)]
         elif isinstance(module, DDP):
             groups.append(module.process_group)
-    unique: list = []
+    unique: list[ProcessGroup] = []
     for group in groups:
         if group is not None and all(group is not g for g in unique):
             unique.append(group)
     return unique
 
 
-def _param_groups(module: nn.Module) -> list:
+def _param_groups(module: FSDPModule) -> list[Any]:
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch 2.11 (CI's floor) and older: at most one group per module
@@ -80,12 +90,12 @@ def _param_groups(module: nn.Module) -> list:
     return list(groups)
 
 
-def _fsdp2_groups(model: nn.Module) -> list:
+def _fsdp2_groups(model: nn.Module) -> list[Any]:
     return [g for m in fsdp2_modules(model) for g in _param_groups(m)]
 
 
 @contextlib.contextmanager
-def _fsdp2_no_sync(modules: list[nn.Module]) -> Iterator[None]:
+def _fsdp2_no_sync(modules: list[FSDPModule]) -> Iterator[None]:
     groups = [g for m in modules for g in _param_groups(m)]
     saved = [(g, g.reduce_grads, getattr(g, "all_reduce_grads", None)) for g in groups]
     for module in modules:
@@ -101,6 +111,14 @@ def _fsdp2_no_sync(modules: list[nn.Module]) -> Iterator[None]:
                 group.all_reduce_grads = all_reduce_grads
 
 
+@contextlib.contextmanager
+def _fsdp1_no_sync(roots: list[FSDP]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for root in roots:
+            stack.enter_context(root.no_sync())
+        yield
+
+
 def no_sync_context(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """A context in which ``model``'s backward passes do not synchronise gradients.
 
@@ -114,13 +132,11 @@ def no_sync_context(model: nn.Module) -> contextlib.AbstractContextManager[None]
         return _fsdp2_no_sync(modules)
     no_sync = getattr(model, "no_sync", None)
     if callable(no_sync):
-        return no_sync()
+        context: contextlib.AbstractContextManager[None] = no_sync()
+        return context
     roots = fsdp1_roots(model)
     if roots:
-        stack = contextlib.ExitStack()
-        for root in roots:
-            stack.enter_context(root.no_sync())
-        return stack
+        return _fsdp1_no_sync(roots)
     return contextlib.nullcontext()
 
 
@@ -135,7 +151,7 @@ def _unique_bytes(tensors: list[torch.Tensor | None]) -> int:
     return total
 
 
-def _fsdp2_held_grads(fsdp_param) -> list[torch.Tensor | None]:
+def _fsdp2_held_grads(fsdp_param: Any) -> list[torch.Tensor | None]:
     unsharded = getattr(fsdp_param, "_unsharded_param", None)
     held = [unsharded.grad if unsharded is not None else None]
     # Older torch accumulates in a separate reduce-dtype tensor; newer torch
@@ -144,10 +160,10 @@ def _fsdp2_held_grads(fsdp_param) -> list[torch.Tensor | None]:
     return held
 
 
-def _fsdp1_handles(model: nn.Module) -> list:
+def _fsdp1_handles(model: nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    handles = []
+    handles: list[Any] = []
     for module in model.modules():
         if isinstance(module, FSDP):
             handle = getattr(module, "_handle", None)
@@ -156,10 +172,10 @@ def _fsdp1_handles(model: nn.Module) -> list:
     return handles
 
 
-def _fsdp1_unsharded_grad(handle) -> torch.Tensor | None:
+def _fsdp1_unsharded_grad(handle: Any) -> torch.Tensor | None:
     if not handle.uses_sharded_strategy:
         return None  # NO_SHARD (also FSDP1's choice at world size 1): grads are never sharded
-    grad = handle.flat_param.grad
+    grad: torch.Tensor | None = handle.flat_param.grad
     if grad is not None and grad.size() == handle.flat_param._unpadded_unsharded_size:
         return grad
     return None
@@ -178,7 +194,7 @@ def measure_retained_bytes(model: nn.Module) -> int:
     return 0  # DDP and plain modules: deferral keeps the same .grad tensors
 
 
-def _fsdp2_held_dtype(fsdp_param) -> torch.dtype:
+def _fsdp2_held_dtype(fsdp_param: Any) -> torch.dtype:
     """The dtype of the unsharded gradient FSDP2 keeps while sync is off.
 
     Derived from the parameter's ``MixedPrecisionPolicy`` and original dtype,
@@ -186,8 +202,8 @@ def _fsdp2_held_dtype(fsdp_param) -> torch.dtype:
     attributes lazily, at the first forward), with the same clamping rules.
     """
     policy = fsdp_param.mp_policy
-    orig = fsdp_param.sharded_param.dtype
-    param_dtype = policy.param_dtype
+    orig: torch.dtype = fsdp_param.sharded_param.dtype
+    param_dtype: torch.dtype | None = policy.param_dtype
     if param_dtype == orig or not orig.is_floating_point:
         param_dtype = None
     compute = param_dtype or orig
@@ -195,7 +211,7 @@ def _fsdp2_held_dtype(fsdp_param) -> torch.dtype:
         # Newer torch: autograd accumulates straight into the unsharded .grad,
         # upcast to the reduce dtype (else the original dtype) when that is
         # wider than the compute dtype.
-        grad_dtype = policy.reduce_dtype or orig
+        grad_dtype: torch.dtype = policy.reduce_dtype or orig
         if getattr(fsdp_param, "_has_sharded_grad_dtype_override", False):
             grad_dtype = policy.reduce_dtype or fsdp_param.sharded_grad_dtype
         if grad_dtype.is_floating_point and grad_dtype.itemsize > compute.itemsize:
@@ -203,15 +219,16 @@ def _fsdp2_held_dtype(fsdp_param) -> torch.dtype:
         return compute
     # Older torch: `to_accumulated_grad_if_needed` casts into reduce_dtype,
     # which FSDP clamps to None when it equals param_dtype.
-    reduce_dtype = policy.reduce_dtype
+    reduce_dtype: torch.dtype | None = policy.reduce_dtype
     if reduce_dtype == policy.param_dtype:
         reduce_dtype = None
     return reduce_dtype or compute
 
 
-def _fsdp2_full_numel(fsdp_param) -> int:
+def _fsdp2_full_numel(fsdp_param: Any) -> int:
     # The sharded parameter is a DTensor whose numel() is the global (unsharded) size.
-    return fsdp_param.sharded_param.numel()
+    numel: int = fsdp_param.sharded_param.numel()
+    return numel
 
 
 def predict_deferred_bytes(model: nn.Module) -> int:

@@ -39,7 +39,8 @@ def _build(hidden: int, layers: int, wrapper: str, device: torch.device) -> nn.M
         for block in model:
             if isinstance(block, nn.Linear):
                 fully_shard(block, mp_policy=mp)
-        return fully_shard(model, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)  # makes model itself an FSDPModule
+        return model
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
     return FullyShardedDataParallel(
@@ -57,7 +58,9 @@ def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def _one_step(model: nn.Module, optim, batch: torch.Tensor, accum: int, policy: str) -> tuple:
+def _one_step(
+    model: nn.Module, optim: torch.optim.Optimizer, batch: torch.Tensor, accum: int, policy: str
+) -> tuple[float, int, int]:
     """One optimizer step of ``accum`` micro-batches: (seconds, max retained bytes, max bytes
     allocated on the device between micro-batches above the step's start)."""
     held: list[int] = []
@@ -85,14 +88,14 @@ def _sharded_grad_bytes(model: nn.Module) -> int:
     )
 
 
-def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
+def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, float]]:
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model = _build(args.hidden, args.layers, args.wrapper, device)
     optim = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
     batch = torch.randn(args.micro_batch_size, args.hidden, generator=gen).to(device)
-    rows = []
+    rows: list[dict[str, float]] = []
     for accum in args.accum:
         times: dict[str, list[float]] = {"every": [], "defer": []}
         held: dict[str, int] = {"every": 0, "defer": 0}
@@ -106,7 +109,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
                 allocated[policy] = max(allocated[policy], live)
                 if i >= args.warmup:
                     times[policy].append(seconds)
-        row: dict = {"accum": accum}
+        row: dict[str, float] = {"accum": accum}
         for policy in ("every", "defer"):
             row[f"{policy}_s"] = statistics.median(times[policy])
             row[f"{policy}_retained"] = held[policy]
@@ -121,7 +124,7 @@ def _worker(rank: int, world_size: int, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _mib(n: int) -> str:
+def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         )
 
 
-def _print_table(header: list[str], rows: list[list]) -> None:
+def _print_table(header: list[str], rows: list[list[object]]) -> None:
     """A Markdown table, every column right-aligned."""
     print("| " + " | ".join(header) + " |")
     print("|---:" * len(header) + "|")

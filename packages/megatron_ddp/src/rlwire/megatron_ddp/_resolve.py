@@ -14,9 +14,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    # megatron-core ships no type information: to the checker this name is Any.
+    from megatron.core.distributed import DistributedDataParallelConfig
 
 __all__ = [
     "OPTIMIZER_DEFAULTS",
@@ -209,7 +213,7 @@ def build_ddp_config(
     *,
     optimizer_overrides: Mapping[str, Any] | None = None,
     **base: Any,
-):
+) -> DistributedDataParallelConfig:
     """A real ``megatron.core.distributed.DistributedDataParallelConfig``, resolved.
 
     ``base`` holds the caller's own DDP fields (e.g. ``use_distributed_optimizer``),
@@ -247,7 +251,7 @@ def build_ddp_config(
     return DistributedDataParallelConfig(**resolved)
 
 
-def _import_ddp_config():
+def _import_ddp_config() -> Any:  # the class; megatron-core ships no type information
     try:
         from megatron.core.distributed import DistributedDataParallelConfig
     except ImportError as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from ._memory import grad_memory_bytes_per_param
 from ._resolve import resolve_ddp_overrides
@@ -12,7 +13,7 @@ __all__ = ["COMMON_MODES", "memory_table"]
 # (label, optimizer fields, DDP fields the trainer sets itself). The gradient
 # dtype is filled in by resolve_ddp_overrides, except in the row that shows
 # Megatron's own default (grad_reduce_in_fp32=False) for contrast.
-COMMON_MODES: list[tuple[str, dict, dict]] = [
+COMMON_MODES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     (
         "conventional Adam, dist. optimizer, resolved (fp32 buffer)",
         {},

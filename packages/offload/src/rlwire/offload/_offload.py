@@ -44,7 +44,7 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for all offload copies (so they overlap compute)."""
     with _streams_lock:
         if device not in _streams:
-            _streams[device] = torch.cuda.Stream(device=device)
+            _streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # torch: untyped
         return _streams[device]
 
 
@@ -56,7 +56,9 @@ def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _host_views(slab: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: list[int]):
+def _host_views(
+    slab: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: list[int]
+) -> list[torch.Tensor]:
     return [
         slab[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         for t, off in zip(tensors, offsets, strict=True)
@@ -81,7 +83,8 @@ def _side_stream_copies(
     stream's work; return the timing events recorded around them."""
     stream = _copy_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: untyped
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: untyped
     with torch.cuda.stream(stream), torch.no_grad():
         start.record(stream)
         for dst, src in zip(dests, sources, strict=True):
@@ -134,13 +137,13 @@ def _offload(
     nbytes = sum(t.numel() * t.element_size() for t in sources)
     _offloaded[owner] = _Offloaded(slab, pool, device)
     if device.type != "cuda":
-        start = time.perf_counter()
+        began = time.perf_counter()
         with torch.no_grad():
             for host, src in zip(hosts, sources, strict=True):
                 host.copy_(src)
         for slot, host in zip(moving, hosts, strict=True):
             slot.install(host)
-        return Transfer.completed(what, nbytes, time.perf_counter() - start)
+        return Transfer.completed(what, nbytes, time.perf_counter() - began)
     # The model lets go of the device memory right below, before the copy ran:
     # record_sources keeps the allocator from reusing it until the copy is done,
     # so the memory is free for the caller's next allocations at once.
@@ -175,11 +178,11 @@ def _load(
     sources = [s.tensor.detach() for s in moving]
     nbytes = sum(t.numel() * t.element_size() for t in sources)
     if target.type != "cuda":
-        start = time.perf_counter()
+        began = time.perf_counter()
         for slot, src in zip(moving, sources, strict=True):
             slot.install(src.to(target, copy=True))
         record.pool.free(record.slab)
-        return Transfer.completed(what, nbytes, time.perf_counter() - start)
+        return Transfer.completed(what, nbytes, time.perf_counter() - began)
     dests = [torch.empty(t.shape, dtype=t.dtype, device=target) for t in sources]
     start, end = _side_stream_copies(target, dests, sources, non_blocking, record_sources=False)
     # Work queued on the current stream from now on sees the loaded values.

@@ -36,7 +36,7 @@ def _empty_host_cache() -> None:
     """Give torch's caching host allocator's free pinned blocks back to the system."""
     empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
     empty = empty or getattr(torch._C, "_host_emptyCache", None)
-    if empty is not None and torch.cuda.is_initialized():
+    if empty is not None and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # torch: untyped
         empty()
 
 

@@ -6,6 +6,10 @@ the same shape and dtype without changing any object a caller may hold:
 ``DTensor``, FSDP2's padded sharded storage (with the ``DTensor`` view into
 it), and FSDP1's flat parameter (with its ``_local_shard`` alias and, with
 ``use_orig_params``, the original parameters' views).
+
+FSDP's private objects (``FSDPParam``, FSDP1's flat-parameter handles) differ across
+the torch versions supported (CI's floor 2.11 to the newest), so they are typed
+``Any`` here rather than as one version's classes.
 """
 
 from __future__ import annotations
@@ -13,9 +17,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["Slot", "drop_grads", "module_slots", "optimizer_slots"]
 
@@ -28,7 +36,7 @@ class Slot:
     install: Callable[[torch.Tensor], None]
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     return hasattr(t, "_local_tensor") and hasattr(t, "_spec")
 
 
@@ -36,7 +44,7 @@ def tensor_slot(t: torch.Tensor) -> Slot:
     """A slot for a plain tensor or a ``DTensor`` (its local tensor)."""
     if _is_dtensor(t):
 
-        def install_local(new: torch.Tensor, owner: torch.Tensor = t) -> None:
+        def install_local(new: torch.Tensor, owner: DTensor = t) -> None:
             owner._local_tensor = new
 
         return Slot(t._local_tensor, install_local)
@@ -53,10 +61,11 @@ def _reviewed(view: torch.Tensor, base: torch.Tensor, new_base: torch.Tensor) ->
     return new_base.as_strided(view.size(), view.stride(), new_base.storage_offset() + offset)
 
 
-def _fsdp2_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list, list]:
+def _fsdp2_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list[Slot], list[Slot]]:
     from torch.distributed.fsdp import FSDPModule
 
-    params, grad_slots = [], []
+    params: list[Slot] = []
+    grad_slots: list[Slot] = []
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -64,7 +73,7 @@ def _fsdp2_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list
         # registered; offload the sharded storage only, which a reshard puts back.
         module.reshard()
         state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
+        groups: list[Any] | None = getattr(state, "_fsdp_param_groups", None)
         if groups is None:  # torch 2.11 (CI's floor) and older: one group per module
             groups = [g for g in [state._fsdp_param_group] if g is not None]
         for group in groups:
@@ -78,7 +87,7 @@ def _fsdp2_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list
                     )
                     continue
 
-                def install(new: torch.Tensor, fp=fp) -> None:
+                def install(new: torch.Tensor, fp: Any = fp) -> None:
                     old_flat, old_local = fp._sharded_param_data, fp.sharded_param._local_tensor
                     fp._sharded_param_data = new
                     fp.sharded_param._local_tensor = _reviewed(old_local, old_flat, new)
@@ -90,14 +99,15 @@ def _fsdp2_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list
     return params, grad_slots
 
 
-def _fsdp1_handles(model: nn.Module) -> list:
+def _fsdp1_handles(model: nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return [m._handle for m in model.modules() if isinstance(m, FSDP) and m._handle is not None]
 
 
-def _fsdp1_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list, list]:
-    params, grad_slots = [], []
+def _fsdp1_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list[Slot], list[Slot]]:
+    params: list[Slot] = []
+    grad_slots: list[Slot] = []
     for handle in _fsdp1_handles(model):
         flat = handle.flat_param
         managed.add(id(flat))
@@ -110,7 +120,7 @@ def _fsdp1_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list
             )
             continue
 
-        def install(new: torch.Tensor, handle=handle, flat=flat) -> None:
+        def install(new: torch.Tensor, handle: Any = handle, flat: Any = flat) -> None:
             flat.data = new
             # Every reshard sets flat.data = _local_shard, NO_SHARD (one rank) included:
             # a stale alias would keep the old device memory and revert later writes.
@@ -126,7 +136,9 @@ def _fsdp1_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list
         if grads and flat.grad is not None:
             grad = flat.grad
 
-            def install_grad(new: torch.Tensor, handle=handle, grad=grad) -> None:
+            def install_grad(
+                new: torch.Tensor, handle: Any = handle, grad: torch.Tensor = grad
+            ) -> None:
                 grad.data = new
                 if handle._use_orig_params:  # the original parameters' .grad views follow
                     if handle.uses_sharded_strategy:

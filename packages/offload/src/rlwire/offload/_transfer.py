@@ -21,7 +21,7 @@ def wait_event(event: torch.cuda.Event, timeout: float | None, what: str) -> Non
         TimeoutError: not complete within ``timeout`` seconds (``None``: no limit).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    while not event.query():
+    while not event.query():  # type: ignore[no-untyped-call]  # torch: untyped
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not complete within {timeout:g} s")
         time.sleep(0.0002)
@@ -81,7 +81,9 @@ class Transfer:
 
     def done(self) -> bool:
         """Whether the copy has completed (non-blocking)."""
-        if not self._completed and self._end is not None and self._end.query():
+        if self._completed or self._end is None:
+            return self._completed
+        if self._end.query():  # type: ignore[no-untyped-call]  # torch: untyped
             self._finished()
         return self._completed
 
@@ -92,6 +94,7 @@ class Transfer:
             TimeoutError: not complete within ``timeout`` seconds (``None``: no limit).
         """
         if not self.done():
+            assert self._end is not None  # a handle without an end event is born done
             wait_event(self._end, timeout, f"{self._what} ({self.nbytes} bytes)")
             self._finished()
         return self
@@ -111,7 +114,8 @@ class Transfer:
         if not self.done():
             raise RuntimeError(f"{self._what}: seconds is known only after wait()")
         if self._start is not None and self._end is not None:
-            return self._start.elapsed_time(self._end) / 1000.0
+            milliseconds: float = self._start.elapsed_time(self._end)
+            return milliseconds / 1000.0
         return self._host_seconds or 0.0
 
     @property
