@@ -97,7 +97,14 @@ async def apply_to_module(
                 target.copy_(tensor)
             received.add(name)
     _check_names(unknown, set(targets) - received)
-    return updates.last_version
+    return _received_version(updates)
+
+
+def _received_version(updates: CheckpointEngine) -> int:
+    """The version of the update just consumed whole (``receive_weights`` sets it last)."""
+    version = updates.last_version
+    assert version is not None, "the engine took part in no update (an inactive rank -1?)"
+    return version
 
 
 class StagedUpdate:
@@ -196,7 +203,8 @@ async def stage_update(
                 tensor = kept
             received[name] = tensor
     _check_names(unknown, set(targets) - set(received))
-    return StagedUpdate(targets, received, deltas, updates.last_version, staging=staging, swap=swap)
+    version = _received_version(updates)
+    return StagedUpdate(targets, received, deltas, version, staging=staging, swap=swap)
 
 
 def _check_names(unknown: list[str], missing: set[str]) -> None:

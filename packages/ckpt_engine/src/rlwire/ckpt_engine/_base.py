@@ -6,7 +6,7 @@ import abc
 import dataclasses
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
 
@@ -96,9 +96,9 @@ class CheckpointEngine(abc.ABC):
 
     name: ClassVar[str] = ""
     # Capabilities, read by callers without building an engine (registry.capabilities):
-    device_type: ClassVar[str] = "cpu"
+    device_type: str = "cpu"
     """Where buckets live, so where ``send_weights`` wants its tensors: ``cpu``, ``cuda``
-    or ``npu``."""
+    or ``npu``. Not a ClassVar: the broadcast backends take ``device_type=`` per instance."""
     uses_store: ClassVar[bool] = False
     """Receivers connect to a TCP store on the master: pass a ``host`` they can reach."""
     zero_copy: ClassVar[bool] = False
@@ -141,10 +141,12 @@ class CheckpointEngine(abc.ABC):
         return torch.device("cpu")
 
     @abc.abstractmethod
-    def prepare(self) -> dict:
+    def prepare(self) -> dict[str, Any]:
         """Allocate buffers; return this member's JSON-serialisable metadata."""
 
-    def init_process_group(self, *, rank: int, world_size: int, master_metadata: dict) -> None:
+    def init_process_group(
+        self, *, rank: int, world_size: int, master_metadata: dict[str, Any]
+    ) -> None:
         """Join the engine's own group (rank 0 sends, 1..world_size-1 receive; -1: inactive)."""
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size: {world_size!r} is not allowed; use an int >= 1")
@@ -166,7 +168,7 @@ class CheckpointEngine(abc.ABC):
             self._join(rank, world_size, master_metadata)
 
     @abc.abstractmethod
-    def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
+    def _join(self, rank: int, world_size: int, master_metadata: dict[str, Any]) -> None:
         """Backend-specific: connect to the group."""
 
     def finalize(self) -> None:
@@ -176,6 +178,18 @@ class CheckpointEngine(abc.ABC):
     @property
     def active(self) -> bool:
         return self.rank is not None and self.rank >= 0
+
+    @property
+    def _joined_rank(self) -> int:
+        """``rank`` where the engine is joined (the backends' steps run only then)."""
+        assert self.rank is not None, f"{self.name}: used before init_process_group()"
+        return self.rank
+
+    @property
+    def _joined_world_size(self) -> int:
+        """``world_size`` where the engine is joined (the backends' steps run only then)."""
+        assert self.world_size is not None, f"{self.name}: used before init_process_group()"
+        return self.world_size
 
     def _check_joined(self, what: str) -> None:
         if self.rank is None:
@@ -212,9 +226,19 @@ class CheckpointEngine(abc.ABC):
         self.last_version = version
         return dataclasses.replace(stats, seconds=time.perf_counter() - start)
 
-    def metadata(self) -> dict:
+    def metadata(self) -> dict[str, Any]:
         """What every member's metadata carries from the master's choices."""
         return {"bucket_size": self.bucket_size, "delta": self.delta.mode}
+
+    @overload
+    def receive_weights(
+        self, *, copy: bool = True, base_version: None = None
+    ) -> AsyncIterator[tuple[str, torch.Tensor]]: ...
+
+    @overload
+    def receive_weights(
+        self, *, copy: bool = True, base_version: int | None
+    ) -> AsyncIterator[tuple[str, torch.Tensor | Delta]]: ...
 
     def receive_weights(
         self, *, copy: bool = True, base_version: int | None = None

@@ -6,7 +6,7 @@ import abc
 import dataclasses
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,10 @@ class BucketedEngine(CheckpointEngine):
     """
 
     slots: list[torch.Tensor]
+
+    if TYPE_CHECKING:  # for the checker only: __init_subclass__ must not find it on the class
+
+        async def _exchange_held(self, held: int | None) -> list[int | None]: ...
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -93,6 +97,7 @@ class BucketedEngine(CheckpointEngine):
             self.delta.invalidate()
             raise
         if self.delta.enabled:
+            assert stats.wire_bytes is not None  # TransferStats.__post_init__ fills it in
             self.delta.finish(
                 version,
                 wire=stats.wire_bytes,
@@ -102,7 +107,9 @@ class BucketedEngine(CheckpointEngine):
             )
         return stats
 
-    async def _pack_and_send(self, weights: Weights, version: int, base: int | None):
+    async def _pack_and_send(
+        self, weights: Weights, version: int, base: int | None
+    ) -> TransferStats:
         entries: list[Entry] = []
         used = 0
         slot = self._seq % 2  # bucket seq always lives in slot seq % 2, on every member
@@ -188,7 +195,10 @@ class BucketedEngine(CheckpointEngine):
             ):
                 yield name, item
                 if is_view:  # a retained view becomes empty, never silently stale
-                    item._release() if isinstance(item, Delta) else item.set_()
+                    if isinstance(item, Delta):
+                        item._release()
+                    else:
+                        item.set_()  # type: ignore[call-overload]  # stub lacks set_() (empties)
             await self._release(meta)
             if meta.last:
                 break

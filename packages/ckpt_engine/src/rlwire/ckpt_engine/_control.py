@@ -14,12 +14,13 @@ from __future__ import annotations
 import abc
 import datetime
 import json
+from typing import Any
 
 import torch
 
 from ._bucketed import BucketedEngine
 from ._errors import CheckpointEngineError
-from ._store import blocking, connect_store, master_store, peer_errors
+from ._store import SignedStore, blocking, connect_store, master_store, peer_errors
 from ._wire import BucketMeta
 
 __all__ = ["StoreControlledEngine", "accelerator_device", "cuda_device"]
@@ -66,21 +67,28 @@ class StoreControlledEngine(BucketedEngine):
     uses_store = True
     supports_delta = True
 
-    def __init__(self, *, host: str = "127.0.0.1", **kwargs) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.host = host
         self.slots = []
-        self._store = None
+        self._store: SignedStore | None = None
         self._receivers: list[int] = []
         self._pending: set[int] = set()
 
+    @property
+    def _joined_store(self) -> SignedStore:
+        """The master's store: made by ``prepare()`` on the master, reached in
+        ``init_process_group()`` on receivers; every use comes after those."""
+        assert self._store is not None, f"{self.name}: the store is used before it exists"
+        return self._store
+
     # --- slots (subclass hooks) ---------------------------------------------------------
     @abc.abstractmethod
-    def _create_slots(self) -> dict:
+    def _create_slots(self) -> dict[str, Any]:
         """Master: allocate ``self.slots``; return what receivers need to attach."""
 
     @abc.abstractmethod
-    def _attach_slots(self, master_metadata: dict) -> None:
+    def _attach_slots(self, master_metadata: dict[str, Any]) -> None:
         """Receiver: make ``self.slots`` usable from ``master_metadata``."""
 
     def _publish_slots(self, receivers: list[int]) -> None:
@@ -107,20 +115,20 @@ class StoreControlledEngine(BucketedEngine):
         """Receiver: the consumer's reads of the bucket must be complete before the ack."""
 
     # --- lifecycle ----------------------------------------------------------------------
-    def prepare(self) -> dict:
+    def prepare(self) -> dict[str, Any]:
         if not self.is_master:
             return {}
         self._store = master_store(self.host, self.timeout, self.name)  # first: a bad host
         metadata = self._create_slots()  # leaves no slot
         return {**self._store.metadata(self.host), **self.metadata(), **metadata}
 
-    def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
+    def _join(self, rank: int, world_size: int, master_metadata: dict[str, Any]) -> None:
         self._receivers = list(range(1, world_size))
         if rank == 0:
             self._publish_slots(self._receivers)
             keys = [f"joined/{r}" for r in self._receivers]
             with peer_errors(f"{self.name}: waiting for every receiver to join", self.timeout):
-                self._store.wait_get(keys, datetime.timedelta(seconds=self.timeout))
+                self._joined_store.wait_get(keys, datetime.timedelta(seconds=self.timeout))
             self._all_attached()
             return
         self._store = connect_store(master_metadata, self.timeout, self.name)
@@ -138,7 +146,7 @@ class StoreControlledEngine(BucketedEngine):
         prefix = f"held/{self._seq}"
         if self.rank != 0:
             await blocking(
-                lambda: self._store.set(f"{prefix}/{self.rank}", json.dumps(held)),
+                lambda: self._joined_store.set(f"{prefix}/{self.rank}", json.dumps(held)),
                 f"{self.name}: saying which version this receiver holds",
                 self.timeout,
             )
@@ -146,10 +154,10 @@ class StoreControlledEngine(BucketedEngine):
         keys = [f"{prefix}/{r}" for r in self._receivers]
 
         def collect() -> list[int | None]:
-            raw = self._store.wait_get(keys, datetime.timedelta(seconds=self.timeout))
-            answers = [json.loads(value) for value in raw]
+            raw = self._joined_store.wait_get(keys, datetime.timedelta(seconds=self.timeout))
+            answers: list[int | None] = [json.loads(value) for value in raw]
             for k in keys:
-                self._store.delete_key(k)
+                self._joined_store.delete_key(k)
             return answers
 
         return await blocking(
@@ -160,12 +168,12 @@ class StoreControlledEngine(BucketedEngine):
         keys = [f"ack/{seq}/{r}" for r in self._receivers]
         timeout = datetime.timedelta(seconds=self.timeout)
         await blocking(  # verified: a forged ack would let the slot be overwritten early
-            lambda: self._store.wait_get(keys, timeout),
+            lambda: self._joined_store.wait_get(keys, timeout),
             f"{self.name}: waiting for receivers to consume bucket {seq}",
             self.timeout,
         )
         for key in [*keys, f"meta/{seq}"]:
-            self._store.delete_key(key)
+            self._joined_store.delete_key(key)
         self._pending.discard(seq)
 
     async def _acquire(self, slot: int, seq: int) -> None:
@@ -174,7 +182,7 @@ class StoreControlledEngine(BucketedEngine):
 
     async def _emit(self, slot: int, meta: BucketMeta) -> None:
         await self._before_publish(slot, meta)
-        self._store.set(f"meta/{meta.index}", meta.to_bytes())
+        self._joined_store.set(f"meta/{meta.index}", meta.to_bytes())
         self._pending.add(meta.index)
         await self._after_publish(slot, meta)
 
@@ -187,7 +195,7 @@ class StoreControlledEngine(BucketedEngine):
         timeout = datetime.timedelta(seconds=self.timeout)
 
         def fetch() -> bytes:
-            return self._store.wait_get([key], timeout)[0]
+            return self._joined_store.wait_get([key], timeout)[0]
 
         raw = await blocking(fetch, f"{self.name}: waiting for bucket {seq}", self.timeout)
         meta = BucketMeta.from_bytes(raw)
@@ -196,7 +204,7 @@ class StoreControlledEngine(BucketedEngine):
     async def _release(self, meta: BucketMeta) -> None:
         await self._before_ack(meta)
         await blocking(
-            lambda: self._store.set(f"ack/{meta.index}/{self.rank}", b"1"),
+            lambda: self._joined_store.set(f"ack/{meta.index}/{self.rank}", b"1"),
             f"{self.name}: acknowledging bucket {meta.index}",
             self.timeout,
         )

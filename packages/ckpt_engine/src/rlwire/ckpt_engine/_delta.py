@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 
@@ -45,10 +46,10 @@ def check_delta_mode(mode: object) -> str:
         raise ValueError(f"delta: {mode!r} is not allowed; use {allowed}")
     if mode != "off":
         _numpy()  # needed on the CPU by every member: say so when the engine is built
-    return mode  # type: ignore[return-value]
+    return mode
 
 
-def _numpy():
+def _numpy() -> ModuleType:
     try:
         import numpy
     except ImportError as err:
@@ -144,6 +145,7 @@ def encode(cur: torch.Tensor, prev: torch.Tensor) -> tuple[str | None, int, torc
     if cw is None:  # a width we do not compare: count it as changed everywhere
         prev.copy_(cur)
         return None, cur.numel(), cur
+    assert pw is not None  # prev has cur's dtype, so a width we compare
     if cw.numel() == 0:
         return None, 0, cur
     diff = _diff_cpu if cur.device.type == "cpu" else _diff_torch
@@ -197,6 +199,7 @@ class Delta:
         if not target.is_contiguous():
             raise CheckpointEngineError("a delta applies onto a contiguous tensor only")
         words = _words(target)
+        assert words is not None  # deltas exist only for the widths we compare (decode)
         words.index_copy_(
             0, self.positions.to(words.device), self.values.to(words.device).view(words.dtype)
         )
@@ -209,8 +212,8 @@ class Delta:
 
     def _release(self) -> None:
         # A retained view of the bucket becomes empty, never stale.
-        self.positions.set_()
-        self.values.set_()
+        self.positions.set_()  # type: ignore[call-overload]  # stub lacks set_() (empties)
+        self.values.set_()  # type: ignore[call-overload]  # stub lacks set_() (empties)
 
 
 def decode(

@@ -9,7 +9,7 @@ import importlib.util
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from ._base import CheckpointEngine
 
@@ -79,18 +79,23 @@ class BackendCapabilities:
     """It sends lossless delta updates (``delta="on"`` or ``"auto"``)."""
 
 
-class _ClassOrInstance:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class _ClassOrInstance(Generic[_P, _R]):
     """A method that also works on the class, where it acts on the default registry.
 
     Code written against verl calls ``CheckpointEngineRegistry.new(name, **kw)`` (its
     registry is class-level); ours calls ``registry.new(...)``. Both reach one object.
     """
 
-    def __init__(self, method: Callable) -> None:
+    def __init__(self, method: Callable[Concatenate[CheckpointEngineRegistry, _P], _R]) -> None:
         self._method = method
-        functools.update_wrapper(self, method)
+        # The descriptor takes the method's name and docstring (for help() and the docs).
+        functools.update_wrapper(self, method)  # type: ignore[arg-type]  # typeshed: callables
 
-    def __get__(self, instance: Any, owner: type) -> Callable:
+    def __get__(self, instance: CheckpointEngineRegistry | None, owner: type) -> Callable[_P, _R]:
         return functools.partial(self._method, instance if instance is not None else registry)
 
 
@@ -224,7 +229,7 @@ class CheckpointEngineRegistry:
         )
 
     @_ClassOrInstance
-    def new(self, name: str, **kwargs: Any) -> CheckpointEngine:
+    def new(self, /, name: str, **kwargs: Any) -> CheckpointEngine:
         """Construct backend ``name`` with ``kwargs`` (common options plus backend ones)."""
         return self.get(name)(**kwargs)
 

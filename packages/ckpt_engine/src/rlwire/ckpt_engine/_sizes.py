@@ -52,9 +52,9 @@ def parse_bucket_size(value: int | str | None, *, device: torch.device | None = 
     if value is None:
         return DEFAULT_BUCKET_SIZE
     if isinstance(value, str) and value.strip().lower() == "auto":
-        size = int(_free_bytes(device) * _AUTO_FRACTION)
-        return max(_AUTO_MIN, min(_AUTO_MAX, size)) // 256 * 256
-    size = None
+        share = int(_free_bytes(device) * _AUTO_FRACTION)
+        return max(_AUTO_MIN, min(_AUTO_MAX, share)) // 256 * 256
+    size: int | None = None
     if isinstance(value, int) and not isinstance(value, bool):
         size = value
     elif isinstance(value, str) and (m := _PATTERN.match(value)) and m[2].lower() in _UNITS:

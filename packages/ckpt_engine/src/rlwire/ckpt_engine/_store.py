@@ -20,9 +20,11 @@ import queue
 import secrets
 import socket
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import torch.distributed as dist
+# torch.distributed.TCPStore itself, imported from where it is declared with its types
+# (torch.distributed re-exports it without listing it in __all__).
+from torch._C._distributed_c10d import TCPStore
 
 from ._errors import CheckpointEngineError, CheckpointEngineTimeout
 
@@ -71,14 +73,14 @@ class SignedStore:
 
     TAG = hashlib.sha256().digest_size
 
-    def __init__(self, store: dist.TCPStore, secret: bytes, name: str) -> None:
+    def __init__(self, store: TCPStore, secret: bytes, name: str) -> None:
         self.raw, self.secret, self.name = store, secret, name
 
     @property
     def port(self) -> int:
         return self.raw.port
 
-    def metadata(self, host: str) -> dict:
+    def metadata(self, host: str) -> dict[str, Any]:
         """What receivers need to reach and trust this store (the master's ``prepare()``)."""
         return {"host": host, "port": self.port, "secret": self.secret.hex()}
 
@@ -103,7 +105,7 @@ class SignedStore:
         return value
 
     def set(self, key: str, value: bytes | str) -> None:
-        self.raw.set(key, self.sign(key, value))
+        self.raw.set(key, self.sign(key, value))  # type: ignore[arg-type]  # stub: str only
 
     def get(self, key: str) -> bytes:
         return self.verify(key, self.raw.get(key))
@@ -130,7 +132,7 @@ def master_store(host: str, timeout: float, name: str) -> SignedStore:
     named otherwise; ``0.0.0.0`` asks for every interface. A fresh secret signs its values."""
     sock = _listening_socket(host)
     port = sock.getsockname()[1]
-    store = dist.TCPStore(
+    store = TCPStore(
         host,
         port,
         is_master=True,
@@ -142,7 +144,7 @@ def master_store(host: str, timeout: float, name: str) -> SignedStore:
     return SignedStore(store, secrets.token_bytes(32), name)
 
 
-def connect_store(meta: dict, timeout: float, name: str) -> SignedStore:
+def connect_store(meta: dict[str, Any], timeout: float, name: str) -> SignedStore:
     try:
         host, port = meta["host"], int(meta["port"])
     except (KeyError, TypeError, ValueError):
@@ -158,9 +160,7 @@ def connect_store(meta: dict, timeout: float, name: str) -> SignedStore:
             "master's prepare(): pass its metadata whole)"
         ) from None
     with peer_errors(f"connecting to the master's store at {host}:{port}", timeout):
-        store = dist.TCPStore(
-            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout)
-        )
+        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
     return SignedStore(store, secret, name)
 
 

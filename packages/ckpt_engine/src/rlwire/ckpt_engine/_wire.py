@@ -266,10 +266,10 @@ async def aiter_weights(
 ) -> AsyncIterator[tuple[str, torch.Tensor]]:
     """Iterate a sync or async iterable of ``(name, tensor)`` asynchronously, checking items."""
     if hasattr(weights, "__aiter__"):
-        async for item in weights:  # type: ignore[union-attr]
+        async for item in weights:
             yield _checked(item)
     else:
-        for item in weights:  # type: ignore[union-attr]
+        for item in weights:
             yield _checked(item)
 
 

@@ -42,19 +42,23 @@ import asyncio
 import contextlib
 import json
 import multiprocessing as mp
-import os
 import shutil
 import tempfile
 import threading
 import time
+from multiprocessing.queues import Queue
+from typing import Any
 
 import torch
 
+from ._base import TransferStats
+from ._bench_table import print_adapter_ratios, print_table
 from ._delta import Delta, _words
 from ._registry import registry
 from ._shapes import Layout, lora_layout, nbytes, scaled, shapes_by_name
 from ._sizes import parse_bucket_size
 from ._wire import as_bytes, checksum
+from .backends._shm import ShmEngine
 
 _CUDA_BACKENDS = ("cuda_ipc", "nccl")
 
@@ -108,13 +112,15 @@ class _PeakSampler:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, _private_bytes())
 
 
-def _options(args, backend: str, delta: bool, master: bool, root: str) -> dict:
+def _options(
+    args: argparse.Namespace, backend: str, delta: bool, master: bool, root: str
+) -> dict[str, Any]:
     options = {"bucket_size": args.bucket_size, "timeout": args.timeout, "is_master": master}
     if delta:
         options["delta"] = "on"
@@ -123,7 +129,16 @@ def _options(args, backend: str, delta: bool, master: bool, root: str) -> dict:
     return options
 
 
-def _receiver(rank: int, args, row: dict, layout: Layout, root: str, meta_q, cmd_q, done_q):
+def _receiver(
+    rank: int,
+    args: argparse.Namespace,
+    row: dict[str, Any],
+    layout: Layout,
+    root: str,
+    meta_q: Queue[dict[str, Any]],
+    cmd_q: Queue[str | None],
+    done_q: Queue[tuple[Any, ...]],
+) -> None:
     torch.set_num_threads(args.threads)
     device = _device(row["backend"], rank)
     dest = _allocate(layout, device)  # touched (zeroed): part of the baseline
@@ -134,7 +149,7 @@ def _receiver(rank: int, args, row: dict, layout: Layout, root: str, meta_q, cmd
     engine.prepare()
     meta = meta_q.get(timeout=args.timeout)
     engine.init_process_group(rank=rank, world_size=args.receivers + 1, master_metadata=meta)
-    held = None
+    held: int | None = None
 
     async def update(write: bool) -> float:
         nonlocal held
@@ -184,20 +199,24 @@ def _change(weights: dict[str, torch.Tensor], share: float, gen: torch.Generator
     """Flip the lowest bit of ``share`` of every tensor's elements, at random positions."""
     for t in weights.values():
         words = _words(t)
+        assert words is not None  # the layouts' dtypes are 1 to 8 bytes wide
         k = round(words.numel() * share)
         if k:
             where = torch.randint(0, words.numel(), (k,), generator=gen)
             words[where] = words[where] ^ 1
 
 
-def _run_row(args, row: dict, layout: Layout, weights: dict[str, torch.Tensor]) -> dict:
+def _run_row(
+    args: argparse.Namespace, row: dict[str, Any], layout: Layout, weights: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     """One group: warm-up, ``args.updates`` timed updates, one memory update, one transfer-only
     update, and the CRC check."""
     torch.set_num_threads(args.sender_threads or args.threads)
     root = tempfile.mkdtemp(prefix="rlwire-ckpt-bench-")
     ctx = mp.get_context("spawn")
-    meta_q, done_q = ctx.Queue(), ctx.Queue()
-    cmd_qs = [ctx.Queue() for _ in range(args.receivers)]
+    meta_q: Queue[dict[str, Any]] = ctx.Queue()
+    done_q: Queue[tuple[Any, ...]] = ctx.Queue()
+    cmd_qs: list[Queue[str | None]] = [ctx.Queue() for _ in range(args.receivers)]
     procs = [
         ctx.Process(
             target=_receiver,
@@ -216,11 +235,12 @@ def _run_row(args, row: dict, layout: Layout, weights: dict[str, torch.Tensor]) 
         meta_q.put(meta)
     engine.init_process_group(rank=0, world_size=args.receivers + 1, master_metadata=meta)
     if row["share"]:
+        assert isinstance(engine, ShmEngine), "--share: shm's zero-copy (share_weights)"
         engine.share_weights(weights.items())  # once, before the timed updates
     gen = torch.Generator().manual_seed(0)
     items = list(weights.items())
 
-    async def update(version: int, command: str) -> tuple[float, object, list]:
+    async def update(version: int, command: str) -> tuple[float, TransferStats, list[Any]]:
         if row["delta"] and version > 0:
             _change(weights, row["changed"], gen)  # between updates, not timed
         for q in cmd_qs:
@@ -230,7 +250,7 @@ def _run_row(args, row: dict, layout: Layout, weights: dict[str, torch.Tensor]) 
         answers = [done_q.get(timeout=args.timeout) for _ in procs]
         return max(a[1] for a in answers) - start, stats, answers
 
-    async def run() -> dict:
+    async def run() -> dict[str, Any]:
         await update(0, "apply")  # warm-up (and the dense first update of a delta row)
         timed = [await update(v, "apply") for v in range(1, args.updates + 1)]
         _, _, memory = await update(args.updates + 1, "memory")
@@ -268,7 +288,7 @@ def _run_row(args, row: dict, layout: Layout, weights: dict[str, torch.Tensor]) 
     return result
 
 
-def _layouts(args) -> list[tuple[str, Layout]]:
+def _layouts(args: argparse.Namespace) -> list[tuple[str, Layout]]:
     if args.shapes:
         dense = [(args.shapes, shapes_by_name(args.shapes))]
     else:
@@ -359,46 +379,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(json.dumps(row), flush=True)
         del weights
     if not args.json:
-        _table(rows, args)
-        _adapter_ratios(rows)
-
-
-def _table(rows: list[dict], args) -> None:
-    print(
-        f"{args.receivers} receivers, bucket {args.bucket_size}, torch threads: "
-        f"{args.sender_threads or args.threads} sender, {args.threads} per receiver; "
-        f"{os.cpu_count()} CPUs, torch {torch.__version__}"
-    )
-    print(
-        "| backend | shapes | GiB | changed | wire MB | end-to-end s | GB/s | plain copy s | "
-        "ratio to copy | vs dense | overlap | peak extra (buckets) | bit-identical |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for r in rows:
-        changed = f"{r['changed']:g}" if "changed" in r else "dense"
-        versus = f"{r['speedup_vs_dense']:.2f}x" if "changed" in r else ""
-        print(
-            f"| {r['backend']} | {r['shapes']} | {r['bytes'] / 2**30:.2f} | {changed} "
-            f"| {r['wire_bytes'] / 1e6:.1f} | {r['seconds']:.3f} | {r['gbps']:.2f} "
-            f"| {r['copy_seconds']:.3f} | {r['ratio_to_copy']:.2f} | {versus} "
-            f"| {r['overlap']:.2f} | {r['peak_extra_buckets']:.2f} "
-            f"| {'yes' if r['bit_identical'] else 'NO'} |"
-        )
-
-
-def _adapter_ratios(rows: list[dict]) -> None:
-    """Each adapter row's bytes and seconds over its dense layout's, per backend."""
-    dense = {(r["backend"], r["shapes"]): r for r in rows if "changed" not in r}
-    for r in rows:
-        base = r["shapes"].split(" LoRA r")[0]
-        if base == r["shapes"] or "changed" in r or (r["backend"], base) not in dense:
-            continue
-        d = dense[(r["backend"], base)]
-        print(
-            f"{r['backend']}: {r['shapes']} adapter {r['bytes'] / 1e6:.1f} MB = "
-            f"{r['bytes'] / d['bytes']:.2%} of the dense weights' bytes; one sync "
-            f"{r['seconds'] * 1e3:.1f} ms = {r['seconds'] / d['seconds']:.3f}x the dense sync"
-        )
+        print_table(rows, args)
+        print_adapter_ratios(rows)
 
 
 if __name__ == "__main__":

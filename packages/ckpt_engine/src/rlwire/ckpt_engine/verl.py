@@ -41,7 +41,7 @@ except ImportError as err:  # pragma: no cover - the module's whole point
         f"rlwire.ckpt_engine.verl needs verl: pip install 'verl>=0.9.1' ({err})"
     ) from None
 
-from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
+from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats, Weights
 from ._errors import CheckpointEngineError
 from ._registry import registry
 
@@ -80,7 +80,7 @@ class VerlAdapter(VerlCheckpointEngine):
             **engine_kwargs,
         }
         self.engine: CheckpointEngine | None = None
-        self.metadata: dict | None = None
+        self.metadata: dict[str, Any] | None = None
         self.joined: tuple[int, int] | None = None
         self.steps = 0
 
@@ -103,25 +103,27 @@ class VerlAdapter(VerlCheckpointEngine):
 
     @classmethod
     def build_topology(
-        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]
+        cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
     ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         """Actor rank 0 sends (rank 0), other actor ranks are inactive (-1), rollout rank i
         receives as 1 + i; everyone gets actor rank 0's metadata."""
         world = 1 + rollout_world_size
         master = metadata[0]
-        actor = {
+        actor: dict[str, list[Any]] = {
             "rank": [0] + [-1] * (actor_wg_world_size - 1),
             "world_size": [world] * actor_wg_world_size,
             "master_metadata": [master] * actor_wg_world_size,
         }
-        rollout = {
+        rollout: dict[str, list[Any]] = {
             "rank": list(range(1, world)),
             "world_size": [world] * rollout_world_size,
             "master_metadata": [master] * rollout_world_size,
         }
         return actor, rollout
 
-    def init_process_group(self, *, rank: int, world_size: int, master_metadata: dict) -> None:
+    def init_process_group(
+        self, *, rank: int, world_size: int, master_metadata: dict[str, Any]
+    ) -> None:
         if self.joined is not None:  # kept from an earlier update (rebuild_group false)
             if self.joined != (rank, world_size):
                 raise CheckpointEngineError(
@@ -141,7 +143,9 @@ class VerlAdapter(VerlCheckpointEngine):
             self.engine.finalize()
             self.engine, self.metadata, self.joined = None, None, None
 
-    async def send_weights(self, weights, global_steps: int | None = None) -> dict[str, float]:
+    async def send_weights(
+        self, weights: Weights, global_steps: int | None = None
+    ) -> dict[str, float]:
         """Send ``weights`` as version ``global_steps``; verl's metrics dict (actor rank 0
         only: the others return nothing, so verl's merge keeps rank 0's numbers)."""
         engine = self._engine()

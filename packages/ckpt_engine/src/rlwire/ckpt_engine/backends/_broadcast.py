@@ -12,11 +12,17 @@ import contextlib
 import datetime
 import threading
 import time
+from collections.abc import AsyncIterator
+from types import ModuleType
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore, Store
 
+from .._base import TransferStats, Weights
 from .._control import StoreControlledEngine, accelerator_device
+from .._delta import Delta
 from .._errors import CheckpointEngineError, CheckpointEngineTimeout
 from .._store import peer_errors
 from .._wire import BucketMeta
@@ -27,6 +33,17 @@ __all__ = ["BroadcastEngine", "HcclEngine", "NcclEngine"]
 _COLLECTIVES = ("nccl", "hccl", "gloo")
 
 
+class _Group(Protocol):
+    """What is used here of a collective backend's process group: torch's stubs declare
+    ``ProcessGroupNCCL`` and ``ProcessGroupGloo`` as bare ``Backend``s without it."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+
+class _Marker(Protocol):
+    def query(self) -> bool: ...
+
+
 class _CpuMarker:
     """A completion marker on the CPU: a CPU collective's ``wait()`` returns when it is done."""
 
@@ -34,20 +51,23 @@ class _CpuMarker:
         return True
 
 
-def _new_group(backend: str, store, rank: int, world_size: int, timeout: float):
+def _new_group(backend: str, store: Store, rank: int, world_size: int, timeout: float) -> _Group:
     """The collective backend's own process group over ``store``."""
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         # NCCL's watchdog tears the process down when a collective outlives this; our own
         # waits (``timeout``) must fire first, raise, and abort the group instead.
         options._timeout = datetime.timedelta(seconds=2 * timeout + 60)
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    if backend == "hccl":  # registered on torch.distributed by torch_npu
-        return dist.ProcessGroupHCCL(
+        nccl = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        return nccl  # type: ignore[return-value]  # stub: no collectives (see _Group)
+    if backend == "hccl":
+        hccl: _Group = dist.ProcessGroupHCCL(  # type: ignore[attr-defined]  # torch_npu adds it
             store, rank, world_size, datetime.timedelta(seconds=2 * timeout + 60)
         )
+        return hccl
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout))
+        gloo = dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout))
+        return gloo  # type: ignore[return-value]  # stub: no collectives (see _Group)
     raise AssertionError(backend)  # checked when the engine is built
 
 
@@ -80,7 +100,7 @@ class BroadcastEngine(StoreControlledEngine):
         device: torch.device | str | None = None,
         device_type: str | None = None,
         collective_backend: str | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         self.device_type = device_type or type(self).device_type
         self.collective_backend = collective_backend or type(self).collective_backend
@@ -91,28 +111,30 @@ class BroadcastEngine(StoreControlledEngine):
             )
         self.device = accelerator_device(device, self.device_type, self.name)
         super().__init__(**kwargs)
-        self._pg = None
-        self._inflight: list = [None, None]
+        self._pg: _Group | None = None
+        self._inflight: list[dist.Work | None] = [None, None]
         self._failed = False
 
     @property
-    def _module(self):
+    def _module(self) -> ModuleType:
         """``torch.cuda``, ``torch.npu`` or ``torch.cpu``."""
         return torch.get_device_module(self.device_type)
 
-    def _on_device(self):
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """A context that makes ``self.device`` current (nothing to do on the CPU)."""
         if self.device_type == "cpu":
             return contextlib.nullcontext()
-        return self._module.device(self.device)
+        context: contextlib.AbstractContextManager[Any] = self._module.device(self.device)
+        return context
 
-    def _marker(self):
+    def _marker(self) -> _Marker:
         """An event recorded on the current stream, behind the work queued so far."""
         if self.device_type == "cpu":
             return _CpuMarker()
         event = self._module.Event()
         event.record(self._module.current_stream(self.device))
-        return event
+        marker: _Marker = event  # a torch.cuda.Event or torch.npu.Event
+        return marker
 
     def _buffer_device(self) -> torch.device:
         return self.device
@@ -122,16 +144,16 @@ class BroadcastEngine(StoreControlledEngine):
             torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device) for _ in range(2)
         ]
 
-    def _create_slots(self) -> dict:
+    def _create_slots(self) -> dict[str, Any]:
         self._allocate()
         return {}
 
-    def _attach_slots(self, master_metadata: dict) -> None:
+    def _attach_slots(self, master_metadata: dict[str, Any]) -> None:
         self._allocate()
 
-    def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
+    def _join(self, rank: int, world_size: int, master_metadata: dict[str, Any]) -> None:
         super()._join(rank, world_size, master_metadata)
-        store = dist.PrefixStore(f"rlwire-ckpt/{self.name}", self._store.raw)
+        store = PrefixStore(f"rlwire-ckpt/{self.name}", self._joined_store.raw)
         with peer_errors(f"{self.name}: forming the group", self.timeout):
             self._pg = _new_group(self.collective_backend, store, rank, world_size, self.timeout)
         self._connect()
@@ -178,14 +200,16 @@ class BroadcastEngine(StoreControlledEngine):
             with contextlib.suppress(Exception):  # already torn down by NCCL itself
                 self._pg.abort()
 
-    async def _send(self, weights, version: int):
+    async def _send(self, weights: Weights, version: int) -> TransferStats:
         try:
             return await super()._send(weights, version)
         except Exception:
             self._abort()
             raise
 
-    async def _receive(self, copy: bool, base_version: int | None):
+    async def _receive(
+        self, copy: bool, base_version: int | None
+    ) -> AsyncIterator[tuple[str, torch.Tensor | Delta]]:
         try:
             async for item in super()._receive(copy, base_version):
                 yield item
@@ -193,13 +217,14 @@ class BroadcastEngine(StoreControlledEngine):
             self._abort()
             raise
 
-    def _broadcast(self, tensor: torch.Tensor):
+    def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        assert self._pg is not None, f"{self.name}: used before init_process_group()"
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         with self._on_device():
             return self._pg.broadcast([tensor], opts)
 
-    async def _until_done(self, event, what: str) -> None:
+    async def _until_done(self, event: _Marker, what: str) -> None:
         deadline = time.monotonic() + self.timeout
         while not event.query():
             if time.monotonic() > deadline:
@@ -258,7 +283,7 @@ class HcclEngine(BroadcastEngine):
     device_type = "npu"
     collective_backend = "hccl"
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         _require_torch_npu()
         super().__init__(**kwargs)
 

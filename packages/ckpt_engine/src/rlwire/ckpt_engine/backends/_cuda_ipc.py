@@ -7,6 +7,7 @@ import binascii
 import datetime
 import json
 import os
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ def _export(tensor: torch.Tensor) -> str:
     its rebuild arguments, of which only numbers, byte strings and a dtype name vary)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-    rebuild, args = reduce_tensor(tensor)
+    rebuild, args = reduce_tensor(tensor)  # type: ignore[no-untyped-call]  # torch: untyped
     if rebuild is not rebuild_cuda_tensor or args[0] is not torch.Tensor:
         raise CheckpointEngineError(f"cuda_ipc: cannot export a {args[0].__name__} slot")
     (_, size, stride, offset, storage_cls, dtype, device, handle, storage_bytes,
@@ -65,7 +66,8 @@ def _import(handle: str, device_index: int) -> torch.Tensor:
         )  # fmt: skip
     except (ValueError, KeyError, TypeError, binascii.Error) as err:
         raise CheckpointEngineError(f"cuda_ipc: a slot handle is malformed ({err})") from None
-    return rebuild_cuda_tensor(*args)
+    mapped: torch.Tensor = rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call]  # torch: untyped
+    return mapped
 
 
 def _uuid(index: int) -> str:
@@ -105,14 +107,14 @@ class CudaIpcEngine(StoreControlledEngine):
     name = "cuda_ipc"
     device_type = "cuda"
 
-    def __init__(self, *, device: torch.device | str | None = None, **kwargs) -> None:
+    def __init__(self, *, device: torch.device | str | None = None, **kwargs: Any) -> None:
         self.device = cuda_device(device, "cuda_ipc")
         super().__init__(**kwargs)
 
     def _buffer_device(self) -> torch.device:
         return self.device
 
-    def _create_slots(self) -> dict:
+    def _create_slots(self) -> dict[str, Any]:
         self.slots = [
             torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device) for _ in range(2)
         ]
@@ -120,9 +122,10 @@ class CudaIpcEngine(StoreControlledEngine):
 
     def _publish_slots(self, receivers: list[int]) -> None:
         for rank in receivers:  # one export per receiver
-            self._store.set(f"cuda_ipc/slots/{rank}", json.dumps([_export(s) for s in self.slots]))
+            handles = json.dumps([_export(s) for s in self.slots])
+            self._joined_store.set(f"cuda_ipc/slots/{rank}", handles)
 
-    def _attach_slots(self, master_metadata: dict) -> None:
+    def _attach_slots(self, master_metadata: dict[str, Any]) -> None:
         if "device_uuid" not in master_metadata:
             raise CheckpointEngineError(
                 "cuda_ipc: master_metadata has no 'device_uuid' (pass the master's prepare())"
@@ -130,7 +133,7 @@ class CudaIpcEngine(StoreControlledEngine):
         index = _local_index(master_metadata["device_uuid"])
         key = f"cuda_ipc/slots/{self.rank}"
         with peer_errors("cuda_ipc: waiting for the master's slots", self.timeout):
-            [raw] = self._store.wait_get([key], datetime.timedelta(seconds=self.timeout))
+            [raw] = self._joined_store.wait_get([key], datetime.timedelta(seconds=self.timeout))
             handles = json.loads(raw)
         try:
             self.slots = [_import(h, index) for h in handles]

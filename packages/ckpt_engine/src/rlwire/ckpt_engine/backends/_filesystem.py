@@ -8,7 +8,9 @@ import os
 import re
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from types import ModuleType
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,9 +23,10 @@ __all__ = ["FilesystemEngine"]
 MANIFEST = "manifest.json"
 MARKER = "COMPLETE"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+_T = TypeVar("_T")
 
 
-def _safetensors():
+def _safetensors() -> ModuleType:
     try:
         import numpy  # noqa: F401  (safetensors.torch needs it to write files)
         import safetensors.torch
@@ -57,7 +60,12 @@ class FilesystemEngine(CheckpointEngine):
     name = "filesystem"
 
     def __init__(
-        self, *, root: str | os.PathLike, keep: int = 2, poll_interval: float = 0.01, **kwargs
+        self,
+        *,
+        root: str | os.PathLike[str],
+        keep: int = 2,
+        poll_interval: float = 0.01,
+        **kwargs: Any,
     ) -> None:
         _safetensors()
         super().__init__(**kwargs)
@@ -67,11 +75,11 @@ class FilesystemEngine(CheckpointEngine):
         self.keep = keep
         self.poll_interval = poll_interval
 
-    def prepare(self) -> dict:
+    def prepare(self) -> dict[str, Any]:
         os.makedirs(self.root, mode=0o700, exist_ok=True)  # the job's user alone
         return {"root": self.root} if self.is_master else {}
 
-    def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
+    def _join(self, rank: int, world_size: int, master_metadata: dict[str, Any]) -> None:
         if rank > 0 and "root" in master_metadata:
             self.root = master_metadata["root"]
 
@@ -83,7 +91,7 @@ class FilesystemEngine(CheckpointEngine):
         found = [int(m[1]) for n in names if (m := _VERSION_DIR.match(n))]
         return sorted(v for v in found if os.path.exists(os.path.join(self.root, f"v{v}", MARKER)))
 
-    async def _wait_for(self, predicate, what: str):
+    async def _wait_for(self, predicate: Callable[[], _T | None], what: str) -> _T:
         deadline = time.monotonic() + self.timeout
         while (result := predicate()) is None:
             if time.monotonic() > deadline:
@@ -97,7 +105,7 @@ class FilesystemEngine(CheckpointEngine):
         tmp = os.path.join(self.root, f".v{version}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        entries: list[dict] = []
+        entries: list[dict[str, Any]] = []
         shard: dict[str, torch.Tensor] = {}
         shard_bytes, shards, nbytes, tensors = 0, 0, 0, 0
 
@@ -115,7 +123,7 @@ class FilesystemEngine(CheckpointEngine):
         async for name, tensor in aiter_weights(weights):
             t = tensor.detach().to("cpu").contiguous()
             raw = as_bytes(t)
-            entry = {
+            entry: dict[str, Any] = {
                 "name": name,
                 "dtype": dtype_name(t.dtype),
                 "shape": list(t.shape),
@@ -147,7 +155,7 @@ class FilesystemEngine(CheckpointEngine):
         with open(os.path.join(final, f".{MARKER}.tmp"), "w") as f:
             f.write(str(version))
         os.replace(os.path.join(final, f".{MARKER}.tmp"), os.path.join(final, MARKER))
-        receivers = range(1, self.world_size)
+        receivers = range(1, self._joined_world_size)
         await self._wait_for(
             lambda: (
                 True
@@ -174,9 +182,9 @@ class FilesystemEngine(CheckpointEngine):
         folder = os.path.join(self.root, f"v{version}")
         with open(os.path.join(folder, MANIFEST)) as f:
             manifest = json.load(f)
-        opened: dict[int, dict] = {}
+        opened: dict[int, dict[str, torch.Tensor]] = {}
 
-        def shard(i: int) -> dict:
+        def shard(i: int) -> dict[str, torch.Tensor]:
             if i not in opened:
                 opened[i] = st.load_file(os.path.join(folder, f"shard-{i:05d}.safetensors"))
             return opened[i]

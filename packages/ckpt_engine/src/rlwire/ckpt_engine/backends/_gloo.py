@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 
 from .._bucketed import BucketedEngine
 from .._store import SignedStore, blocking, connect_store, master_store, peer_errors
@@ -14,6 +16,19 @@ from .._wire import BucketMeta, to_bytes
 __all__ = ["GlooEngine"]
 
 _NONE = -(2**63)  # "holds no usable version" in the version exchange
+
+
+class _GlooGroup(Protocol):
+    """The collectives used here of ``dist.ProcessGroupGloo``, which torch's stub declares
+    as a bare ``Backend`` without them."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor]
+    ) -> dist.Work: ...
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
 
 
 class GlooEngine(BucketedEngine):
@@ -33,47 +48,52 @@ class GlooEngine(BucketedEngine):
     uses_store = True
     supports_delta = True
 
-    def __init__(self, *, host: str = "127.0.0.1", **kwargs) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.host = host
         self.slots = []
         self._store: SignedStore | None = None
-        self._pg = None
-        self._inflight: list = [None, None]
+        self._pg: _GlooGroup | None = None
+        self._inflight: list[dist.Work | None] = [None, None]
 
-    def prepare(self) -> dict:
+    def prepare(self) -> dict[str, Any]:
         self.slots = [torch.empty(self.bucket_size, dtype=torch.uint8) for _ in range(2)]
         if not self.is_master:
             return {}
         self._store = master_store(self.host, self.timeout, self.name)
         return {**self._store.metadata(self.host), **self.metadata()}
 
-    def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
+    def _join(self, rank: int, world_size: int, master_metadata: dict[str, Any]) -> None:
         if not self.slots or self.slots[0].numel() != self.bucket_size:
             self.prepare()
         if self._store is None:
             self._store = connect_store(master_metadata, self.timeout, self.name)
         with peer_errors("forming the gloo group", self.timeout):
-            self._pg = dist.ProcessGroupGloo(
-                dist.PrefixStore("rlwire-ckpt/gloo", self._store.raw),
+            self._pg = dist.ProcessGroupGloo(  # type: ignore[assignment]  # stub lacks collectives
+                PrefixStore("rlwire-ckpt/gloo", self._store.raw),
                 rank,
                 world_size,
                 datetime.timedelta(seconds=self.timeout),
             )
 
-    def _bcast(self, tensor: torch.Tensor):
+    @property
+    def _group(self) -> _GlooGroup:
+        assert self._pg is not None, "gloo: used before init_process_group()"
+        return self._pg
+
+    def _bcast(self, tensor: torch.Tensor) -> dist.Work:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        return self._pg.broadcast([tensor], opts)
+        return self._group.broadcast([tensor], opts)
 
-    def _wait(self, work) -> None:
+    def _wait(self, work: dist.Work) -> None:
         work.wait(datetime.timedelta(seconds=self.timeout))
 
     async def _exchange_held(self, held: int | None) -> list[int | None]:
         mine = torch.tensor([_NONE if held is None else held], dtype=torch.int64)
-        every = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
+        every = [torch.empty(1, dtype=torch.int64) for _ in range(self._joined_world_size)]
         await blocking(
-            lambda: self._wait(self._pg.allgather([every], [mine])),
+            lambda: self._wait(self._group.allgather([every], [mine])),
             "gloo: asking every receiver which version it holds",
             self.timeout,
         )
@@ -85,6 +105,7 @@ class GlooEngine(BucketedEngine):
             await blocking(lambda: self._wait(work), "gloo: sending a bucket", self.timeout)
 
     async def _emit(self, slot: int, meta: BucketMeta) -> None:
+        assert self._store is not None  # made or reached in init_process_group()
         raw = self._store.sign(f"meta/{meta.index}", meta.to_bytes())
         header = torch.tensor([len(raw), meta.nbytes], dtype=torch.int64)
         body = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -104,7 +125,7 @@ class GlooEngine(BucketedEngine):
     async def _ack(self) -> None:
         done = torch.ones(1)
         await blocking(
-            lambda: self._wait(self._pg.allreduce([done])),
+            lambda: self._wait(self._group.allreduce([done])),
             "gloo: waiting for every receiver to finish the update",
             self.timeout,
         )
@@ -117,6 +138,7 @@ class GlooEngine(BucketedEngine):
             self._wait(self._bcast(header))
             body = torch.empty(int(header[0]), dtype=torch.uint8)
             self._wait(self._bcast(body))
+            assert self._store is not None  # made or reached in init_process_group()
             meta = BucketMeta.from_bytes(self._store.verify(f"meta/{seq}", to_bytes(body)))
             self._wait(self._bcast(buf[: meta.nbytes]))
             return meta

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import secrets
 import threading
 from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -20,13 +22,16 @@ __all__ = ["NaiveEngine"]
 _END = object()
 _TURNS = 4  # yields to this event loop's other tasks before waiting in a thread
 
+_Item = tuple[Any, Any]  # (name, tensor), or (_END, version) closing an update
+_T = TypeVar("_T")
+
 
 class _Channel:
     def __init__(self, maxsize: int) -> None:
         self.maxsize = maxsize
         self.lock = threading.Lock()
-        self.queues: dict[int, queue.Queue] = {}
-        self.done: dict[int, queue.Queue] = {}
+        self.queues: dict[int, queue.Queue[_Item]] = {}
+        self.done: dict[int, queue.Queue[bool]] = {}
 
     def join(self, rank: int) -> None:
         with self.lock:
@@ -49,13 +54,13 @@ class NaiveEngine(CheckpointEngine):
 
     name = "naive"
 
-    def __init__(self, *, max_pending: int = 1024, **kwargs) -> None:
+    def __init__(self, *, max_pending: int = 1024, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.max_pending = max_pending
         self._channel: _Channel | None = None
         self._id: str | None = None
 
-    def prepare(self) -> dict:
+    def prepare(self) -> dict[str, Any]:
         if not self.is_master:
             return {}
         self._id = secrets.token_hex(8)
@@ -63,7 +68,7 @@ class NaiveEngine(CheckpointEngine):
             _channels[self._id] = _Channel(self.max_pending)
         return {"channel": self._id}
 
-    def _join(self, rank: int, world_size: int, master_metadata: dict) -> None:
+    def _join(self, rank: int, world_size: int, master_metadata: dict[str, Any]) -> None:
         with _channels_lock:
             channel = _channels.get(master_metadata.get("channel", ""))
         if channel is None:
@@ -75,16 +80,21 @@ class NaiveEngine(CheckpointEngine):
         if rank > 0:
             channel.join(rank)
 
-    async def _wait_receivers(self) -> dict[int, queue.Queue]:
-        channel, expected = self._channel, set(range(1, self.world_size))
+    @property
+    def _joined_channel(self) -> _Channel:
+        assert self._channel is not None, "naive: used before init_process_group()"
+        return self._channel
 
-        def joined_now() -> dict[int, queue.Queue] | None:
+    async def _wait_receivers(self) -> dict[int, queue.Queue[_Item]]:
+        channel, expected = self._joined_channel, set(range(1, self._joined_world_size))
+
+        def joined_now() -> dict[int, queue.Queue[_Item]] | None:
             with channel.lock:
                 if expected <= channel.queues.keys():
                     return {r: channel.queues[r] for r in sorted(expected)}
             return None
 
-        def joined() -> dict[int, queue.Queue]:
+        def joined() -> dict[int, queue.Queue[_Item]]:
             import time
 
             deadline = time.monotonic() + self.timeout
@@ -104,13 +114,13 @@ class NaiveEngine(CheckpointEngine):
         queues = await self._wait_receivers()
         nbytes = tensors = 0
 
-        async def put_all(item) -> None:
+        async def put_all(item: _Item) -> None:
             for rank, q in queues.items():
                 try:
                     q.put_nowait(item)
                 except queue.Full:
                     await blocking(
-                        lambda q=q: q.put(item, timeout=self.timeout),
+                        functools.partial(q.put, item, timeout=self.timeout),
                         f"naive: receiver {rank} is not consuming",
                         self.timeout,
                     )
@@ -122,23 +132,23 @@ class NaiveEngine(CheckpointEngine):
         await put_all((_END, version))
         for rank in queues:
             await self._next(
-                self._channel.done[rank], f"naive: waiting for receiver {rank} to finish"
+                self._joined_channel.done[rank], f"naive: waiting for receiver {rank} to finish"
             )
         return TransferStats(nbytes, tensors, 1, 0.0)
 
     async def _receive(
         self, copy: bool, base_version: int | None
     ) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        q = self._channel.queues[self.rank]
+        q = self._joined_channel.queues[self._joined_rank]
         while True:
             name, tensor = await self._next(q, "naive: waiting for the sender")
             if name is _END:
                 self.last_version = tensor
-                self._channel.done[self.rank].put(True)
+                self._joined_channel.done[self._joined_rank].put(True)
                 return
             yield name, (tensor.detach().clone() if copy else tensor.detach())
 
-    async def _next(self, q: queue.Queue, what: str):
+    async def _next(self, q: queue.Queue[_T], what: str) -> _T:
         """The next item of ``q``. A peer in this event loop (sender and receiver awaited
         together in one thread) gets a few turns first, so that it needs no thread; a peer
         in another thread is waited for in one, bounded by ``timeout``."""

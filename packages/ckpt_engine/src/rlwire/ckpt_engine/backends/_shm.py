@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -64,15 +65,15 @@ class ShmEngine(StoreControlledEngine):
     name = "shm"
     zero_copy = True
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._paths: list[str] = []
         self._token = ""
         # master: [arena tensor, file path or "" once unlinked]; receivers: mapped arenas
-        self._arenas: list[list] = []
+        self._arenas: list[list[Any]] = []
         self._mapped: dict[int, torch.Tensor] = {}
 
-    def _create_slots(self) -> dict:
+    def _create_slots(self) -> dict[str, Any]:
         self._token = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         self._paths = [os.path.join(SHM_DIR, f"{self._token}-slot{i}") for i in range(2)]
         _check_room(2 * self.bucket_size, "two bucket slots")
@@ -81,7 +82,7 @@ class ShmEngine(StoreControlledEngine):
         self.slots = [_map(p, self.bucket_size) for p in self._paths]
         return {"slots": list(self._paths)}
 
-    def _attach_slots(self, master_metadata: dict) -> None:
+    def _attach_slots(self, master_metadata: dict[str, Any]) -> None:
         try:
             self.slots = [_map(p, self.bucket_size) for p in master_metadata["slots"]]
         except (KeyError, RuntimeError) as err:
@@ -162,12 +163,12 @@ class ShmEngine(StoreControlledEngine):
 
     def _arena(self, arena: int) -> torch.Tensor:
         if arena not in self._mapped:
-            path, size = json.loads(self._store.get(f"arena/{arena}"))
+            path, size = json.loads(self._joined_store.get(f"arena/{arena}"))
             try:
                 self._mapped[arena] = _map(path, size)
             except RuntimeError as err:
                 raise CheckpointEngineError(f"shm: cannot map shared arena {path}: {err}") from err
-            self._store.set(f"arena/{arena}/mapped/{self.rank}", b"1")
+            self._joined_store.set(f"arena/{arena}/mapped/{self.rank}", b"1")
         return self._mapped[arena]
 
     async def _drain(self, last_seq: int) -> None:
@@ -175,9 +176,9 @@ class ShmEngine(StoreControlledEngine):
         # Unlink arena files every receiver has mapped (their mappings stay valid).
         for index, entry in enumerate(self._arenas):
             keys = [f"arena/{index}/mapped/{r}" for r in self._receivers]
-            if entry[1] and self._store.check(keys):
+            if entry[1] and self._joined_store.check(keys):
                 for key in keys:  # verified: a forged one would unlink a file still needed
-                    self._store.get(key)
+                    self._joined_store.get(key)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry[1])
                 entry[1] = ""

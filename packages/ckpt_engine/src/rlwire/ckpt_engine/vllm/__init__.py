@@ -21,6 +21,7 @@ in-process ``LLM`` (``_trainer``), the names (``_names``). Imports vLLM and the 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 try:
     from vllm.distributed.weight_transfer import (
@@ -70,7 +71,9 @@ def register() -> list[str]:
     """Register :func:`offered` in both of vLLM's factories, and :data:`ANY` (``rlwire``:
     the trainer side chooses) in the inference-side one (again: no-op); the names."""
     names = offered()
-    pairs = [(WeightTransferEngineFactory, ANY, RlwireWeightTransferEngine)]
+    pairs: list[tuple[Any, str, type]] = [
+        (WeightTransferEngineFactory, ANY, RlwireWeightTransferEngine)
+    ]
     for name in names:
         pairs.append((WeightTransferEngineFactory, name, RlwireWeightTransferEngine))
         pairs.append((WeightTransferTrainerFactory, name, RlwireTrainerEngine))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
@@ -47,7 +47,7 @@ class RlwireTrainerInitInfo(TrainerInitInfo):
     of the backend's own (``root`` for ``filesystem``).
     """
 
-    backend: str = "rlwire_shm"  # type: ignore[misc]  # a field here: one class, any rlwire backend
+    backend: str = "rlwire_shm"  # a field here: one class, any rlwire backend
     receivers: int = 1
     bucket_size: int | str | None = None
     timeout: float = DEFAULT_TIMEOUT_S
@@ -74,7 +74,7 @@ class RlwireTrainerEngine(TrainerWeightTransferEngine[RlwireTrainerInitInfo]):
 
     init_info_cls: ClassVar[type] = RlwireTrainerInitInfo
 
-    def __init__(self, *, client, source=None, is_sender: bool = True) -> None:
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.engine: CheckpointEngine | None = None
         self.info: RlwireTrainerInitInfo | None = None
@@ -83,7 +83,9 @@ class RlwireTrainerEngine(TrainerWeightTransferEngine[RlwireTrainerInitInfo]):
         self._broken = False  # the last update failed: rejoin before the next
 
     @classmethod
-    def trainer_init(cls, init_info: RlwireTrainerInitInfo, *, client, source=None):
+    def trainer_init(
+        cls, init_info: RlwireTrainerInitInfo, *, client: Any, source: Any = None
+    ) -> Self:
         self = cls(client=client, source=source, is_sender=init_info.is_sender)
         self.info = init_info
         self._join()
@@ -230,7 +232,7 @@ class LLMClient:
     """vLLM's weight-sync client protocol over an in-process ``vllm.LLM`` (whose own
     methods take request objects rather than the protocol's plain dicts)."""
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm: Any) -> None:  # a vllm.LLM
         self.llm = llm
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:

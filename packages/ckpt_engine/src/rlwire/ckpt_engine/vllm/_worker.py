@@ -79,20 +79,21 @@ def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
-    box: dict[str, Any] = {}
+    value: list[T] = []
+    error: list[BaseException] = []
 
     def target() -> None:
         try:
-            box["value"] = asyncio.run(coro)
+            value.append(asyncio.run(coro))
         except BaseException as err:  # re-raised in the caller
-            box["error"] = err
+            error.append(err)
 
     thread = threading.Thread(target=target, name="rlwire-vllm-receive", daemon=True)
     thread.start()
     thread.join()  # the engine bounds every wait inside by its own timeout
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    if error:
+        raise error[0]
+    return value[0]
 
 
 class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpdateInfo]):
@@ -111,7 +112,9 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
     update_info_cls = RlwireUpdateInfo
     supports_draft_weight_update = False  # one group per model: a draft model needs its own
 
-    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+    def __init__(
+        self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module
+    ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.fixed = None if config.backend == ANY else backend_of(config.backend)
         self.backend = self.fixed or "?"

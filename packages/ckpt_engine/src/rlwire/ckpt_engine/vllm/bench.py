@@ -33,6 +33,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 PREFIX = "ROW "
 
@@ -56,11 +60,11 @@ def build_model(directory: Path, *, layers: int, hidden: int, vocab: int) -> Pat
     return directory
 
 
-def _sparse(weights: dict, changed: float, seed: int) -> dict:
+def _sparse(weights: dict[str, torch.Tensor], changed: float, seed: int) -> dict[str, torch.Tensor]:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
         t = t.clone()
         flat = t.view(-1)
@@ -95,7 +99,13 @@ def child(model_dir: str, backend: str, changed: float, updates: int) -> None:
     sender = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm))
     weights = load_file(os.path.join(model_dir, "model.safetensors"))
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    rows: dict[str, list] = {"dense": [], "delta": [], "vLLM reload": [], "copy": []}
+    # (seconds end to end, bytes that travelled, seconds of the transfer)
+    rows: dict[str, list[tuple[float, float, float]]] = {
+        "dense": [],
+        "delta": [],
+        "vLLM reload": [],
+        "copy": [],
+    }
     for i in range(updates + 1):  # the first round warms up
         dense = {name: t * (1.0 + 1e-3 * (i + 1)) for name, t in weights.items()}
         start = time.perf_counter()
