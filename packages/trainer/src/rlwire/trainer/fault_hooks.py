@@ -30,6 +30,7 @@ import builtins
 import errno
 import functools
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import io
 import json
@@ -37,6 +38,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType, ModuleType
+from typing import Any
 
 PHASES = {
     "rlwire.trainer.workers": (
@@ -55,7 +59,7 @@ _lines: dict[tuple[str, str, int], int] = {}
 _lock = threading.Lock()
 
 
-def emit(**fields) -> None:
+def emit(**fields: Any) -> None:
     """One event line (a single ``write`` on an ``O_APPEND`` file: lines never interleave)."""
     path = os.environ.get("RLWIRE_FAULT_EVENTS")
     if not path:
@@ -68,10 +72,9 @@ def emit(**fields) -> None:
         os.close(fd)
 
 
-def _role(obj) -> str:
-    if hasattr(obj, "rank"):
-        return f"actor{obj.rank}"
-    return f"rollout{getattr(obj, 'index', '?')}"
+def _role(obj: object) -> str:
+    rank = getattr(obj, "rank", None)
+    return f"rollout{getattr(obj, 'index', '?')}" if rank is None else f"actor{rank}"
 
 
 def _stretch_plan(role: str, phase: str, n: int) -> tuple[bool, float | None]:
@@ -92,7 +95,7 @@ class _Tracer:
     def __init__(self, pause: float) -> None:
         self.pause, self.lines, self.owed = pause, 0, 0.0
 
-    def __call__(self, frame, event, arg):
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> _Tracer:
         if event == "line":
             self.lines += 1
             self.owed += self.pause
@@ -103,9 +106,9 @@ class _Tracer:
         return self
 
 
-def _wrap(method, phase: str):
+def _wrap(method: Callable[..., Any], phase: str) -> Callable[..., Any]:
     @functools.wraps(method)
-    def call(self, *args, **kwargs):
+    def call(self: object, *args: Any, **kwargs: Any) -> Any:
         role = _role(self)
         with _lock:
             n = _counts[role, phase] = _counts.get((role, phase), 0) + 1
@@ -129,18 +132,18 @@ def _wrap(method, phase: str):
     return call
 
 
-def _wrap_init(method):
+def _wrap_init(method: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(method)
-    def init(self, *args, **kwargs):
+    def init(self: object, *args: Any, **kwargs: Any) -> None:
         method(self, *args, **kwargs)
         emit(role=_role(self), ev="init")
 
     return init
 
 
-def _patch(module) -> None:
+def _patch(module: ModuleType) -> None:
     cls_name, methods = PHASES[module.__name__]
-    cls = getattr(module, cls_name)
+    cls: Any = getattr(module, cls_name)
     for name, phase in methods.items():
         setattr(cls, name, _wrap(getattr(cls, name), phase))
     cls.__init__ = _wrap_init(cls.__init__)
@@ -149,7 +152,9 @@ def _patch(module) -> None:
 class _Finder(importlib.abc.MetaPathFinder):
     """Patches the worker modules right after they execute, wherever they are imported."""
 
-    def find_spec(self, name, path=None, target=None):
+    def find_spec(
+        self, name: str, path: Any = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if name not in PHASES:
             return None
         sys.meta_path.remove(self)
@@ -161,11 +166,11 @@ class _Finder(importlib.abc.MetaPathFinder):
             return spec
         run = spec.loader.exec_module
 
-        def exec_module(module) -> None:
+        def exec_module(module: ModuleType) -> None:
             run(module)
             _patch(module)
 
-        spec.loader.exec_module = exec_module
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this one only
         return spec
 
 
@@ -173,30 +178,30 @@ class _Full:
     """A file on a full disk: created, and every write fails with ENOSPC; everything else
     (``tell``, ``flush``, ``fileno``, closing) is the real file's."""
 
-    def __init__(self, real, path: str) -> None:
+    def __init__(self, real: Any, path: str) -> None:
         self.real, self.path = real, path
 
-    def write(self, data) -> int:
+    def write(self, data: Any) -> int:
         emit(ev="enospc", path=self.path)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
 
     def __enter__(self) -> _Full:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.real.close()
 
 
-def _full_disk(fragment: str):
+def _full_disk(fragment: str) -> None:
     real_open = io.open
 
-    def guarded(file, mode="r", *args, **kwargs):
+    def guarded(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         handle = real_open(file, mode, *args, **kwargs)
-        if isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+"):
-            path = os.fspath(file)
+        if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+"):
+            path = os.fsdecode(file)
             if fragment in path:
                 return _Full(handle, path)
         return handle

@@ -23,8 +23,9 @@ __all__ = ["Trial", "Watched", "final_checks", "kill", "overrides", "stop_line",
 
 STEPS, SAVE_EVERY, KEEP = 8, 2, 2
 """The job: steps, a checkpoint every this many, complete checkpoints kept."""
-GRACE_S, HANG_S, RUN_S = 20.0, 120.0, 300.0
-"""Seconds a run's processes may outlive it; a run may go on after its kill; a run may take."""
+GRACE_S, LINGER_S, HANG_S, RUN_S = 20.0, 120.0, 120.0, 300.0
+"""Seconds a run's processes may outlive it (those of a SIGKILLed driver: ``LINGER_S``); a
+run may go on after its fault; a run may take."""
 MARKER_ENV = "RLWIRE_FAULT_RUN"
 
 
@@ -139,7 +140,8 @@ class Watched:
         segments its processes made (removed). The processes are killed, unless they may
         linger (``lingering``: Ray's agents outlive a SIGKILLed driver by about a minute;
         :meth:`outlived` checks them later)."""
-        deadline = time.monotonic() + GRACE_S
+        self.ended = time.monotonic()
+        deadline = self.ended + GRACE_S
         while (alive := self.processes()) and time.monotonic() < deadline:
             time.sleep(0.5)
         if not lingering:
@@ -151,8 +153,15 @@ class Watched:
         return alive, shm
 
     def outlived(self, lingering: dict[int, str]) -> dict[int, str]:
-        """Those of ``lingering`` still alive (then killed)."""
-        alive = {pid: args for pid, args in self.processes().items() if pid in lingering}
+        """Those of ``lingering`` still alive :data:`LINGER_S` after the run ended (then
+        killed). Ray's dashboard and runtime-env agents notice their raylet's death at once
+        but then wait on the dead GCS to flush their logs: about 60 s here."""
+        deadline = self.ended + LINGER_S
+        while True:
+            alive = {pid: args for pid, args in self.processes().items() if pid in lingering}
+            if not alive or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
         for pid in alive:
             kill(pid)
         return alive

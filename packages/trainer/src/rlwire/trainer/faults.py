@@ -29,7 +29,8 @@ the data's at its index; one-step off-policy records no indices: each step's pro
 from ``trainer.rollout_data_dir``, matched to the data's batches); ``weight_version``
 never goes back; after each run, no shm segment of the ckpt engine made by one of its
 processes is in ``/dev/shm`` and none of its processes is alive 20 s on (found by a marker
-in their environment or their Ray temp dir; then killed by pid, and the segments removed);
+in their environment or their Ray temp dir; then killed by pid, and the segments removed;
+after a SIGKILLed driver, whose own shutdown never runs, Ray's agents may take 120 s);
 every file of every checkpoint seen complete is byte-identical after each run, unless the
 retention policy removed the checkpoint; a killed worker stops the first run with one
 ``rlwire-train: error:`` line and no traceback.
@@ -276,7 +277,7 @@ def run_trial(trial: Trial, out: Path, hooks: Path) -> dict[str, Any]:
     second.start()
     two = watch(second, digests)
     procs2, shm2 = second.leftovers()
-    procs1 = first.outlived(lingering)  # a minute or more after the first run ended
+    procs1 = first.outlived(lingering)
     damaged2, gone = checks.damaged_files(digests, second.run_dir / "checkpoints")
     log = (second.run_dir / "train.log").read_text().splitlines()
     resumed = [
@@ -303,7 +304,12 @@ def run_trial(trial: Trial, out: Path, hooks: Path) -> dict[str, Any]:
         r.update(special.verdict(r))
     r["seconds"] = round(time.monotonic() - started, 1)
     r["failed"] = failures(r)
-    for run in (first, second):
+    for number, run in enumerate((first, second), 1):
+        logs = Path(run.ray_tmp, "ray", "session_latest", "logs")
+        if r["failed"] and logs.is_dir():  # the workers' own errors, for the report
+            shutil.copytree(
+                logs, base / f"ray_logs{number}", ignore=shutil.ignore_patterns("events")
+            )
         shutil.rmtree(run.ray_tmp, ignore_errors=True)
     return r
 
