@@ -237,3 +237,54 @@ def test_the_stretch_sleeps_its_share_at_each_line(lines):
         tracer(None, "line", None)
     assert tracer.lines == (lines or 10)
     assert abs(tracer.owed) < 0.003  # paid as it went (in sleeps of 2 ms or more)
+
+
+@pytest.mark.parametrize(
+    ("rc2", "resumed", "line", "traceback", "outcome", "ok"),
+    [
+        (2, None, "rlwire-train: error: /r/checkpoints/step_4/actor/.metadata: damaged", False,
+         "refused, naming the file", True),
+        # a line that names only a sibling (DCP's per-rank __0.metadata) does not name it
+        (2, None, "rlwire-train: error: /r/checkpoints/step_4/actor/__0.metadata: missing", False,
+         "refused", False),
+        (1, None, "UnicodeDecodeError: 'utf-8' codec can't decode byte", True, "traceback", False),
+        (0, "step_4", "", False, "loaded it, completed", False),
+        (2, "step_4", "rlwire-train: error: rollout worker 0 stopped", False,
+         "loaded it, then failed", False),
+        (0, "step_2", "", False, "resumed from step_2, completed", True),
+    ],
+)  # fmt: skip
+def test_a_corrupted_checkpoint_passes_only_refused_by_name_or_skipped(
+    rc2, resumed, line, traceback, outcome, ok
+):
+    from rlwire.trainer.faults import _corrupt_verdict
+
+    record = {
+        "corrupted": "step_4/actor/.metadata",
+        "rc2": rc2,
+        "resumed_from": resumed,
+        "second_line": line,
+        "second_traceback": traceback,
+    }
+    verdict = _corrupt_verdict(record)
+    assert verdict["outcome"] == outcome
+    assert any(verdict["special_failures"].values()) is not ok
+
+
+def test_a_full_disk_must_be_named_by_the_stop_line():
+    from rlwire.trainer.faults import _enospc_verdict
+
+    record = {
+        "landed": True,
+        "rc1": 2,
+        "saved_anyway": False,
+        "stop_line": "rlwire-train: error: saving: CheckpointException: ranks:dict_keys([0, 1])",
+    }
+    failed = _enospc_verdict(record)["special_failures"]
+    assert [name for name, bad in failed.items() if bad] == [
+        "ENOSPC: the stop line does not name it"
+    ]
+    record["stop_line"] = (
+        "rlwire-train: error: saving: actor rank 0: [Errno 28] No space left on device"
+    )
+    assert not any(_enospc_verdict(record)["special_failures"].values())

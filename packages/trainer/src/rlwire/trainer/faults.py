@@ -193,7 +193,7 @@ def _step_of(path: Path) -> int:
 
 
 def _corrupt_verdict(r: dict[str, Any]) -> dict[str, Any]:
-    step, file = r["corrupted"].split("/")[0], r["corrupted"].rsplit("/", 1)[-1]
+    step = r["corrupted"].split("/")[0]
     if r["resumed_from"] == step:
         outcome = "loaded it, " + ("completed" if r["rc2"] == 0 else "then failed")
     elif r["rc2"] == 0:
@@ -201,7 +201,8 @@ def _corrupt_verdict(r: dict[str, Any]) -> dict[str, Any]:
     elif r["second_traceback"]:
         outcome = "traceback"
     else:
-        outcome = "refused" + (", naming the file" if file in r["second_line"] else "")
+        named = r["corrupted"] in r["second_line"]  # step_N/actor/.metadata, not __0.metadata
+        outcome = "refused" + (", naming the file" if named else "")
     ok = ("refused, naming the file", f"resumed from {r['resumed_from'] or 'nothing'}, completed")
     return {
         "outcome": outcome,
