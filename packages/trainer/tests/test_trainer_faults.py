@@ -147,6 +147,7 @@ def test_the_plan_walks_every_combination_once_per_round():
 def test_failures_name_each_failed_check():
     sound = {
         "completed": True,
+        "hf_model": True,
         "hang": False,
         "lost": 0,
         "repeated": 0,
@@ -165,6 +166,7 @@ def test_failures_name_each_failed_check():
     bad = {**sound, "repeated": 8, "process_leftovers": 1, "damaged": ["step_4/COMPLETE"]}
     assert failures(bad) == ["groups repeated", "leftovers", "checkpoint damaged"]
     assert failures({**sound, "fault_at_s": None}) == ["fault never happened"]
+    assert failures({**sound, "hf_model": False}) == ["completed without hf_model/"]
 
 
 def test_summary_table_has_a_row_per_mode_fault_and_phase():

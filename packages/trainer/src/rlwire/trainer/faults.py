@@ -23,14 +23,15 @@ not stretched, so it is under-sampled). ``landed``: the process existed and the 
 not ended when it was killed.
 
 **Checks** (:mod:`rlwire.trainer.fault_checks`): the second run exits 0 with steps 1..8 in
-``metrics.jsonl``; no prompt group lost or trained twice (fully async: the steps'
-``group_indices`` with the final checkpoint's pending groups, and each trained prompt is
-the data's at its index; one-step off-policy records no indices: each step's prompts,
-from ``trainer.rollout_data_dir``, matched to the data's batches); ``weight_version``
-never goes back; after each run, no shm segment of the ckpt engine made by one of its
-processes is in ``/dev/shm`` and none of its processes is alive 20 s on (found by a marker
-in their environment or their Ray temp dir; then killed by pid, and the segments removed;
-after a SIGKILLed driver, whose own shutdown never runs, Ray's agents may take 120 s);
+``metrics.jsonl`` and ``hf_model/`` exported; no prompt group lost or trained twice (fully
+async: the steps' ``group_indices`` with the final checkpoint's pending groups, and each
+trained prompt is the data's at its index; one-step off-policy records no indices: each
+step's prompts, from ``trainer.rollout_data_dir``, matched to the data's batches);
+``weight_version`` never goes back; after each run, no shm segment of the ckpt engine made
+by one of its processes is in ``/dev/shm`` and none of its processes is alive 20 s on (found
+by a marker in their environment or their Ray temp dir; then killed by pid, and the
+segments removed; after a SIGKILLed driver, whose own shutdown never runs, Ray's agents
+may take 120 s);
 every file of every checkpoint seen complete is byte-identical after each run, unless the
 retention policy removed the checkpoint; a killed worker stops the first run with one
 ``rlwire-train: error:`` line and no traceback.
@@ -300,6 +301,7 @@ def run_trial(trial: Trial, out: Path, hooks: Path) -> dict[str, Any]:
         pruned=gone,
         **final_checks(trial, second.run_dir),
     )
+    r["hf_model"] = (second.run_dir / "hf_model" / "config.json").exists()
     r["completed"] = r["rc2"] == 0 and r["steps"] == list(range(1, STEPS + 1))
     if special:
         r.update(special.verdict(r))
@@ -322,6 +324,7 @@ def failures(r: dict[str, Any]) -> list[str]:
         "fault never happened": r["fault_at_s"] is None and not r["landed"],
         "not completed": not done and not r.get("refused_ok"),
         "hang": r["hang"],
+        "completed without hf_model/": done and not r["hf_model"],
         "groups lost": done and r["lost"] != 0,
         "groups repeated": done and r["repeated"] != 0,
         "steps missing or repeated": done and bool(r["missing_steps"] or r["extra_steps"]),
