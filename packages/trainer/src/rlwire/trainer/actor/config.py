@@ -9,7 +9,7 @@ from typing import Any
 from rlwire.grad_sync import GradSyncConfig
 
 from ..checks import check, check_engine
-from ..lora import LoraSection
+from ..models.lora import LoraSection
 from .base import ACTOR_ENGINES, actor_engine_class
 
 __all__ = ["ActorConfig", "MegatronSection", "OptimConfig"]

@@ -1,0 +1,445 @@
+"""The Ray actor of a training rank (with its rollout engine inside:
+:mod:`rlwire.trainer.runtime.hybrid`; the rollout worker of its own:
+:mod:`rlwire.trainer.runtime.rollout_worker`).
+
+These are plain classes; the driver wraps them with ``ray.remote`` and
+declared resources. Actor ranks form their own ``torch.distributed`` group
+(gloo on CPU, NCCL on CUDA) of ``actor.world_size``; rank 0 also joins the
+checkpoint engine as its sender and the rollout workers as its receivers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import datetime
+import functools
+import os
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..actor import ActorEngine, actor_engine_class
+from ..algorithms.correction import correction_weights
+from ..algorithms.losses import LossScale
+from ..algorithms.reward_kl import kl_estimate
+from ..algorithms.step import compute_old_logprobs, grpo_update, ppo_update
+from ..config.root import TrainerConfig
+from ..data.inputs import build_tiny
+from ..models.lora import save_adapter
+from ..outputs.checkpoint import load_actor, save_actor
+from ..rollout import Rollout, WeightsDigest, rollout_engine_class
+from .background import Background
+from .worker_process import WorkerProcess, free_port, host, seed_everything, set_threads
+
+__all__ = ["ActorWorker"]
+
+_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+class ActorWorker(WorkerProcess):
+    """One training rank: an actor engine (``actor.strategy``: FSDP2, FSDP1, Megatron DDP or
+    a third party's) behind :class:`rlwire.trainer.actor.ActorEngine`, GRPO updates, weight
+    export through the checkpoint engine, and checkpoints."""
+
+    def __init__(self, config: TrainerConfig, model_path: str, rank: int) -> None:
+        super().__init__(config)
+        self.model_path = model_path
+        self.rank = rank
+        self.actor: ActorEngine | None = None
+        self.engine = None
+        self.shared: dict[str, torch.Tensor] | None = None  # zero-copy: the arena's tensors
+        self._sending = Background("weight push")  # fully async: the send in flight
+        self.lr_scale = 1.0  # the staleness-aware step size in effect
+        # Where a sync's tensors go for an engine without a device of its own: the host
+        # for a receiver in another process; the hybrid engine's in-process receiver reads
+        # them on this device (HybridWorker).
+        self.sync_device = torch.device("cpu")
+
+    # --- setup ---------------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        """rank 0: where the group's store listens."""
+        address = host()
+        return address, free_port(address)
+
+    def build_model(self) -> None:
+        """Build the built-in tiny model at ``model_path`` (``model.path=tiny``) unless it is
+        there: in a worker, which imports transformers anyway."""
+        build_tiny(self.config, Path(self.model_path))
+
+    def setup(self, master: tuple[str, int]) -> None:
+        import torch.distributed as dist
+
+        cfg = self.config
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, rank=self.rank, world_size=cfg.actor.world_size, timeout=_TIMEOUT
+        )
+        seed_everything(cfg.trainer.seed)
+        engine_class = actor_engine_class(cfg.actor.strategy)
+        self.actor = engine_class(cfg, self.model_path, self.device)
+        set_threads(cfg, self.actor.model)
+
+    def describe(self) -> dict[str, list[str]]:
+        """What the actor engine wants logged once at start (info lines and warnings)."""
+        return self.actor.describe()
+
+    # --- a training step -----------------------------------------------------------------
+    def train(self, batch: Rollout, lag: float = 0.0) -> dict[str, float]:
+        """Proximal log-probs (a forward pass, unless ``bypass_mode``, or the update is
+        exactly on-policy and they are the training forward's own), the off-policy
+        correction against the behaviour log-probs, the staleness-aware step size for a
+        batch ``lag`` versions old on average (``actor.optim.stale_lr_kl``; every rank
+        takes the same), then PPO mini-batches and epochs over this rank's shard of the
+        batch (with its ``advantages``). Times its phases."""
+        began = time.perf_counter()
+        cfg, actor = self.config, self.actor
+        correction = cfg.algorithm.rollout_correction
+        if cfg.actor.offload:
+            actor.reload()
+        rollout = batch.to(self.device)
+        temperature = cfg.rollout.temperature
+        actor.model.train()
+        forward = self._logprobs_of(rollout)
+        start = time.perf_counter()
+        reuse = cfg.reuses_training_logprobs()
+        if correction.bypass_mode:
+            proximal = rollout.logprobs
+        elif reuse:  # exactly on-policy: the training forward's own, recorded during it
+            proximal = torch.zeros_like(rollout.logprobs)
+        else:  # in eval mode, as the rollout engine samples (dropout would separate them)
+            proximal = _evaluated(actor.model, forward)
+        old_logprob_s = time.perf_counter() - start
+        with actor.reference_policy() as reference:  # for the KL loss (not the KL in reward)
+            loss_kl = reference is not None and cfg.algorithm.kl_coef > 0
+            ref = _evaluated(reference, forward) if loss_kl else None
+        ref_s = time.perf_counter() - start - old_logprob_s
+        correct = functools.partial(
+            correction_weights,
+            behaviour=rollout.logprobs,
+            mask=rollout.response_mask,
+            config=correction,
+            off_policy=cfg.trainer.off_policy,
+        )
+        weights = None if reuse else correct(proximal)
+        lr_scale = 1.0
+        if lag > 0 and weights is not None:  # the batch's KL per response, on every rank
+            tokens = float(rollout.response_mask.sum())
+            kl = weights.metrics["kl_behaviour_proximal"] * tokens / len(rollout)
+            lr_scale = cfg.actor.optim.lr_scale(lag, self._mean_over_ranks(kl, len(rollout)))
+        if lr_scale != self.lr_scale:
+            actor.scale_lr(lr_scale)
+            self.lr_scale = lr_scale
+        algorithm = cfg.algorithm
+        update = functools.partial(
+            grpo_update,
+            actor.model,
+            None,
+            micro_batch_size=cfg.micro_batch_rows(),
+            max_tokens=cfg.actor.update_token_budget(),
+            remove_padding=cfg.actor.use_remove_padding,
+            temperature=temperature,
+            clip_ratio=algorithm.clip_low,
+            clip_ratio_high=algorithm.clip_high,
+            clip_ratio_c=algorithm.clip_ratio_c,
+            loss_mode=algorithm.loss_mode,
+            loss_agg=algorithm.loss_agg,
+            entropy_coeff=algorithm.entropy_coeff,
+            grad_sync=cfg.actor.grad_sync,
+            kl_coef=algorithm.kl_coef,
+            optimizer_step=actor.optimizer_step,
+            record=proximal if reuse else None,
+        )
+        metrics = ppo_update(
+            rollout,
+            None if reuse else proximal,
+            mini_batch_size=cfg.mini_batch_rows(),
+            epochs=cfg.actor.ppo_epochs,
+            update=update,
+            scale_of=self._loss_scale,
+            advantages=rollout.advantages,
+            ref_logprobs=ref,
+            weights=None if weights is None else weights.weights,
+            loss_mask=None if weights is None else weights.mask,
+        )
+        if weights is None:  # the correction is off: its metrics, from the recorded ones
+            weights = correct(proximal)
+        metrics |= {"time_old_logprob_s": old_logprob_s, "time_ref_s": ref_s}
+        mask = rollout.response_mask.float()
+        kl_rollout = ((rollout.logprobs - proximal) * mask).sum() / mask.sum()
+        if cfg.actor.offload:
+            actor.offload()
+        metrics["time_actor_s"] = time.perf_counter() - began
+        return {
+            **metrics,
+            **weights.metrics,
+            "kl_rollout": float(kl_rollout),
+            # read back from the optimizer: the step size its steps took, not the one asked for
+            "lr_scale": actor.lr_in_effect() / cfg.actor.optim.lr if cfg.actor.optim.lr else 1.0,
+        }
+
+    def _logprobs_of(self, rollout: Rollout):
+        """``model -> (B, T)`` log-probs of ``rollout``'s responses (forward only)."""
+        return functools.partial(
+            compute_old_logprobs,
+            rollout=rollout,
+            micro_batch_size=self.config.micro_batch_rows(),
+            max_tokens=self.config.actor.log_prob_token_budget(),
+            remove_padding=self.config.actor.use_remove_padding,
+            temperature=self.config.rollout.temperature,
+        )
+
+    def reward_kl(self, batch: Rollout) -> torch.Tensor:
+        """``(B, 2)`` for this rank's shard: each response's summed and mean
+        ``algorithm.kl_penalty`` estimate between the actor before the update and the
+        reference policy (``algorithm.use_kl_in_reward``; forward passes only)."""
+        cfg, actor = self.config, self.actor
+        if cfg.actor.offload:
+            actor.reload(optimizer=False)
+        rollout = batch.to(self.device)
+        forward = self._logprobs_of(rollout)
+        proximal = _evaluated(actor.model, forward)
+        with actor.reference_policy() as reference:
+            ref = _evaluated(reference, forward)
+        if cfg.actor.offload:
+            actor.offload()
+        mask = rollout.response_mask.float()
+        kl = kl_estimate(proximal, ref, cfg.algorithm.kl_penalty) * mask
+        per_response = kl.sum(dim=1)
+        return torch.stack([per_response, per_response / mask.sum(dim=1).clamp(min=1)], 1).cpu()
+
+    def _loss_scale(self, mask: torch.Tensor) -> LossScale:
+        """A mini-batch's counts over every actor rank, from this rank's loss ``mask`` (a
+        collective): what each micro-batch's loss is normalised by."""
+        import torch.distributed as dist
+
+        local = LossScale.of(mask)
+        counts = torch.tensor(
+            [local.tokens, local.sequences], dtype=torch.float64, device=self.device
+        )
+        dist.all_reduce(counts)
+        return LossScale(
+            tokens=float(counts[0]),
+            sequences=float(counts[1]),
+            world=self.config.actor.world_size,
+            horizon=self.config.rollout.max_new_tokens,
+        )
+
+    def _mean_over_ranks(self, value: float, weight: float) -> float:
+        """The ``weight``-weighted mean of every actor rank's ``value`` (a collective)."""
+        import torch.distributed as dist
+
+        both = torch.tensor([value * weight, weight], dtype=torch.float64, device=self.device)
+        dist.all_reduce(both)
+        return float(both[0] / both[1].clamp(min=1))
+
+    @contextlib.contextmanager
+    def _resident(self, *, optimizer: bool):
+        """The model (and the optimizer state) on the device for the block, when offloaded
+        between phases: exporting weights and saving gather shards with device collectives."""
+        if not self.config.actor.offload:
+            yield
+            return
+        self.actor.reload(optimizer=optimizer, reference=False)
+        try:
+            yield
+        finally:
+            self.actor.offload()
+
+    # --- weights to the rollout worker -----------------------------------------------------
+    def engine_prepare(self, backend: str) -> dict:
+        from rlwire.ckpt_engine import registry
+
+        if self.rank != 0:
+            return {}
+        # Receivers of a store-controlled backend reach the master's store at this node.
+        capabilities = registry.capabilities(backend)
+        where = {"host": host()} if capabilities.uses_store else {}
+        delta = self.config.ckpt_engine.delta
+        takes = rollout_engine_class(self.config.rollout.backend).takes_deltas
+        if delta == "auto" and not (capabilities.delta and takes):
+            delta = "off"  # no mirror to keep when no delta can be sent
+        self.engine = registry.new(
+            backend,
+            is_master=True,
+            bucket_size=self.config.ckpt_engine.bucket_size,
+            timeout=self.config.ckpt_engine.timeout,
+            delta=delta,
+            **where,
+        )
+        return self.engine.prepare()
+
+    def engine_init(self, backend: str, world_size: int, metadata: dict) -> None:
+        from rlwire.ckpt_engine import registry
+
+        if self.rank != 0:  # trainer ranks other than 0 take part in gathers only
+            self.engine = registry.new(
+                backend,
+                is_master=False,
+                bucket_size=self.config.ckpt_engine.bucket_size,
+                timeout=self.config.ckpt_engine.timeout,
+            )
+            self.engine.init_process_group(rank=-1, world_size=world_size, master_metadata=metadata)
+            return
+        self.engine.init_process_group(rank=0, world_size=world_size, master_metadata=metadata)
+
+    def _full_weights(self):
+        """(name, full tensor) for what a sync sends: every parameter and buffer, or with
+        LoRA the adapter (:meth:`ActorEngine.named_sync_weights`); a collective on every rank.
+
+        Tensors go where the engine's buckets live: the device for the CUDA backends
+        (``nccl``, ``cuda_ipc``), else :attr:`sync_device` (the host, or this device for
+        the hybrid engine's in-process hand-over)."""
+        target = getattr(self.engine, "device", None) or self.sync_device
+        for name, value in self.actor.named_sync_weights():
+            yield name, value.to(target)
+
+    def push_weights(self, version: int) -> dict[str, Any]:
+        """Send the full weights as ``version`` (see :meth:`_push`)."""
+        return asyncio.run(self._push(version))
+
+    def _push(self, version: int) -> Coroutine[Any, Any, dict[str, Any]]:
+        """Send the full weights as ``version`` (rank 0; the others join the gathers): a
+        coroutine, to run alone or beside a receiver in this process (a method declared
+        ``async`` would make Ray run the whole class as an async actor).
+
+        With a zero-copy backend (``shm``) rank 0 keeps one persistent copy of the full
+        weights in the engine's shared arena, laid out on the first sync: each sync copies
+        every gathered tensor into its place there and sends without packing; the receivers
+        read it in place."""
+        digest = self._digest()
+
+        async def send() -> dict[str, Any]:
+            start = time.perf_counter()
+            with self._resident(optimizer=False):
+                items = self._gathered(digest)
+                if self._zero_copy():
+                    items = self._into_arena(items)
+                stats = await self.engine.send_weights(items, version=version)
+            # gathering the full weights (and copying them into the arena) beyond the engine
+            return _report(stats, time.perf_counter() - start - stats.seconds, digest)
+
+        return send()
+
+    def start_push(self, version: int) -> None:
+        """Send the full weights as ``version`` without holding this rank (fully-async mode):
+        every rank gathers them now; rank 0 keeps them as a snapshot (the ``shm`` arena, or a
+        copy: one copy of the weights more on rank 0) and sends it from a thread of its own
+        while the next calls (updates) run; the rollout workers take it at their next
+        boundary. One send in flight: the previous one ends before the snapshot is taken
+        (the arena is its source until then; the driver finishes every push first)."""
+        timeout = self.config.ckpt_engine.timeout + 30
+        if self.rank != 0:  # the gathers only
+            self.push_weights(version)
+            return
+        self._sending.finish(timeout=timeout)
+        digest = self._digest()
+        start = time.perf_counter()
+        with self._resident(optimizer=False):
+            items = self._gathered(digest)
+            if self._zero_copy():
+                snapshot = self._into_arena(items)
+            else:
+                snapshot = [(name, value.detach().clone()) for name, value in items]
+        gathered_s = time.perf_counter() - start
+
+        async def send() -> dict[str, Any]:
+            stats = await self.engine.send_weights(snapshot, version=version)
+            return _report(stats, gathered_s, digest)
+
+        self._sending.start(send, timeout=timeout)
+
+    def finish_push(self) -> dict[str, Any]:
+        """Wait for the send :meth:`start_push` began (bounded by ``ckpt_engine.timeout``
+        per wait in the engine); what :meth:`push_weights` reports (``{}`` on ranks but 0)."""
+        return self._sending.finish(timeout=self.config.ckpt_engine.timeout + 30) or {}
+
+    def _digest(self) -> WeightsDigest | None:
+        """A digest to fill while gathering, with ``ckpt_engine.digest`` (rank 0 reports)."""
+        return WeightsDigest() if self.config.ckpt_engine.digest and self.rank == 0 else None
+
+    def _gathered(self, digest: WeightsDigest | None):
+        """:meth:`_full_weights`, added to ``digest`` on the way."""
+        for name, value in self._full_weights():
+            if digest is not None:
+                digest.add(name, value)
+            yield name, value
+
+    def _zero_copy(self) -> bool:
+        from rlwire.ckpt_engine import registry
+
+        return self.rank == 0 and registry.capabilities(self.engine.name).zero_copy
+
+    def _into_arena(self, gathered) -> list[tuple[str, torch.Tensor]]:
+        """Copy the gathered weights into the shared arena (laid out on first use); the
+        arena's tensors, to send."""
+        if self.shared is None:
+            self.shared = {name: value.detach().contiguous().clone() for name, value in gathered}
+            self.engine.share_weights(self.shared.items())
+        else:
+            for name, value in gathered:
+                self.shared[name].copy_(value)
+        return list(self.shared.items())
+
+    def export_hf(self, directory: str, adapter: str | None = None) -> None:
+        """Write the policy as a Hugging Face directory (merged, with LoRA) and with LoRA the
+        adapter in PEFT's format at ``adapter`` (rank 0; the others join the gathers)."""
+        from ..models.modeling import save_hf_model
+
+        with self._resident(optimizer=False):
+            for kind in ("model", "adapter") if adapter else ("model",):
+                weights = self.actor.named_weights() if kind == "model" else self._full_weights()
+                if self.rank != 0:  # a collective: every rank iterates to the end
+                    collections.deque(weights, maxlen=0)
+                elif kind == "model":
+                    save_hf_model(
+                        weights, self.model_path, Path(directory), self.config.model.dtype
+                    )
+                else:
+                    save_adapter(weights, self.config.actor.lora, self.model_path, Path(adapter))
+
+    # --- checkpoints -----------------------------------------------------------------------
+    def save(self, directory: str) -> None:
+        """This rank's part of a checkpoint (:mod:`rlwire.trainer.outputs.checkpoint`)."""
+        with self._resident(optimizer=True):
+            save_actor(self.actor, Path(directory), self.rank)
+
+    def load(self, directory: str, *, same_world: bool, step: int) -> None:
+        """Restore a checkpoint saved after ``step`` updates (resharded to this group; the RNG
+        states only at the world size they were saved with, else reseeded from the seed
+        and the step). The learning rate is ``actor.optim.lr``'s again."""
+        with self._resident(optimizer=True):
+            reseed = self.config.trainer.seed + step
+            load_actor(self.actor, Path(directory), self.rank, same_world=same_world, reseed=reseed)
+        self.actor.scale_lr(1.0)  # the checkpoint holds the lr in effect then
+        self.lr_scale = 1.0
+
+
+def _report(stats, export_s: float, digest: WeightsDigest | None) -> dict[str, Any]:
+    """A push's report: the engine's ``stats``, the seconds spent gathering the weights
+    beyond it, and the digest of what was sent."""
+    return {
+        "time_weight_export_s": max(0.0, export_s),
+        "weight_sync_s": stats.seconds,
+        "weight_sync_gbps": stats.gbps,
+        "weight_sync_bytes": stats.bytes,
+        "weight_sync_wire_bytes": stats.wire_bytes,
+        "weight_sync_delta_density": stats.density,
+        "digest": digest.hexdigest() if digest is not None else None,
+    }
+
+
+def _evaluated(model: torch.nn.Module, forward) -> torch.Tensor:
+    """``forward(model)`` with ``model`` in eval mode (verl computes old and reference
+    log-probs so); its mode restored after."""
+    training = model.training
+    model.eval()
+    try:
+        return forward(model)
+    finally:
+        model.train(training)
