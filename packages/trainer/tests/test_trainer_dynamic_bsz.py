@@ -21,7 +21,7 @@ import types
 import pytest
 import torch
 
-from rlwire.trainer import micro_batches
+from rlwire.trainer.algorithms import micro_batches
 from rlwire.trainer.algorithms.micro_batches import (
     balanced_partition,
     micro_batch_count,

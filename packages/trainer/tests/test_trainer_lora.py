@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlwire.trainer import lora
+from rlwire.trainer.models import lora
 from rlwire.trainer.config.root import ConfigError, load_config
 from rlwire.trainer.models.tiny import build_tiny_model
 
