@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlwire.trainer.models import lora
 from rlwire.trainer.config.root import ConfigError, load_config
+from rlwire.trainer.models import lora
 from rlwire.trainer.models.tiny import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -56,7 +56,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
 """Named jobs (``rlwire-train --preset NAME``): overrides applied over the defaults, before
 a config file and the command line's own. ``realistic``: the ``count`` task (response
 lengths with a long tail) at a learning rate where one update moves the policy about as
-far per token as a real LLM run's (see the trainer README)."""
+far per token as a real LLM run's (docs/trainer/modes.md, "Realistic-regime job")."""
 
 # The sections themselves are public in rlwire.trainer.config.sections.
 __all__ = ["PRESETS", "ConfigError", "TrainerConfig", "describe_config", "load_config", "to_dict"]

@@ -136,8 +136,8 @@ class RolloutConfig:
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
     server_urls: list[str] | None = None
     """``vllm_server``: running servers, one per rollout worker (``http://host:port``;
-    started with the flags the README names). None: each rollout worker starts one on its
-    node."""
+    started with the flags docs/trainer/rollout-backends.md names). None: each rollout
+    worker starts one on its node."""
     paced_step_s: float = 0.004
     """``rollout.backend=paced`` only: wall seconds per decoding step of every generation
     call; the ``hf`` engine's generation, with the rest of that time waited out without
