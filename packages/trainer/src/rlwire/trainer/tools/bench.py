@@ -141,9 +141,7 @@ def weight_sync(args: argparse.Namespace, root: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rlwire.trainer.bench", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="python -m rlwire.trainer.bench", description=__doc__)
     parser.add_argument("--steps", type=int, default=None, help="default: the job's")
     parser.add_argument("--preset", default=None, help="a named job (rlwire-train --preset)")
     parser.add_argument("--workers", type=int, default=1, help="rollout workers (every run)")

@@ -1,4 +1,4 @@
-"""In-process hooks of the fault campaign (:mod:`rlwire.trainer.faults`), installed in every
+"""In-process hooks of the fault campaign (:mod:`rlwire.trainer.tools.faults`), installed in every
 process of a run as its ``sitecustomize``: the campaign copies this file under that name
 into a folder it puts first on ``PYTHONPATH`` (Ray's workers inherit the driver's
 environment, so the hooks reach the actor ranks and the rollout workers too; the campaign
@@ -43,11 +43,11 @@ from types import FrameType, ModuleType
 from typing import Any
 
 PHASES = {
-    "rlwire.trainer.workers": (
+    "rlwire.trainer.runtime.workers": (
         "ActorWorker",
         {"train": "update", "save": "save", "push_weights": "push", "start_push": "push"},
     ),
-    "rlwire.trainer.rollout_worker": (
+    "rlwire.trainer.runtime.rollout_worker": (
         "RolloutWorker",
         {"generate": "generation", "pull_weights": "push", "stage_weights": "push"},
     ),

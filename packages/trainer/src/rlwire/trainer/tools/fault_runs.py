@@ -1,7 +1,7 @@
-"""The fault campaign's runs (:mod:`rlwire.trainer.faults`): the job a trial runs, one
+"""The fault campaign's runs (:mod:`rlwire.trainer.tools.faults`): the job a trial runs, one
 ``rlwire-train`` process watched while it runs (its phase events, its processes, its
 checkpoints as they complete), what it leaves behind, and the checks of the run directory
-it ends with (:mod:`rlwire.trainer.fault_checks`)."""
+it ends with (:mod:`rlwire.trainer.tools.fault_checks`)."""
 
 from __future__ import annotations
 
@@ -214,8 +214,8 @@ def stop_line(path: Path) -> tuple[str, bool]:
 
 def final_checks(trial: Trial, run_dir: Path) -> dict[str, Any]:
     """Steps, prompt groups and weight versions of the run directory after both runs."""
-    from .config import load_config
-    from .data import load_data
+    from ..config import load_config
+    from ..data.dataset import load_data
 
     config = load_config(overrides=overrides(trial, run_dir)[1:])
     size, n = config.data.train_batch_size, config.rollout.n

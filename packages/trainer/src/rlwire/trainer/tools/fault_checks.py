@@ -1,4 +1,4 @@
-"""The fault campaign's checks (:mod:`rlwire.trainer.faults`) as pure functions of what a run
+"""The fault campaign's checks (:mod:`rlwire.trainer.tools.faults`) as pure functions of what a run
 left: its metrics records, its trained prompts, its checkpoints' bytes, the names in
 ``/dev/shm``. No Ray, no torch: the unit tests build their inputs by hand."""
 

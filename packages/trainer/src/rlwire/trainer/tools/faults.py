@@ -1,16 +1,16 @@
 """The fault campaign: kill a process of a short run at a random point of a phase, run the
 same command again, and check that nothing was lost, repeated, left behind or damaged.
 
-    python -m rlwire.trainer.faults --trials N --seed S [--out DIR] [--special enospc corrupt]
+    python -m rlwire.trainer.tools.faults --trials N --seed S [--out DIR] [--special enospc corrupt]
 
 Each trial runs the embedded tiny job (``rlwire-train`` with no data or model given: 8
-steps, a checkpoint every 2, 2 kept, ``actor.world_size`` 2; :mod:`rlwire.trainer.fault_runs`)
+steps, a checkpoint every 2, 2 kept, ``actor.world_size`` 2; :mod:`rlwire.trainer.tools.fault_runs`)
 as a subprocess in one-step off-policy or fully-async mode, SIGKILLs an actor rank, the
 rollout worker or the driver during generation, an update, a weight push or a checkpoint
 save, then runs the same command to completion. The trials walk the 24 combinations in
 shuffled rounds (seeded): ``--trials 48`` is every combination twice.
 
-**Phases.** The runs carry :mod:`rlwire.trainer.fault_hooks` as their ``sitecustomize``:
+**Phases.** The runs carry :mod:`rlwire.trainer.tools.fault_hooks` as their ``sitecustomize``:
 each phase method of the Ray workers logs its start and end (``ActorWorker.train``:
 update, ``.save``: save; ``RolloutWorker.generate``: generation, ``.pull_weights`` /
 ``.stage_weights``, the receiving end of a push, which spans the transfer: push), so
@@ -22,7 +22,7 @@ delay within that after its start: a random point of its code (time inside one C
 not stretched, so it is under-sampled). ``landed``: the process existed and the phase had
 not ended when it was killed.
 
-**Checks** (:mod:`rlwire.trainer.fault_checks`): the second run exits 0 with steps 1..8 in
+**Checks** (:mod:`rlwire.trainer.tools.fault_checks`): the second run exits 0 with steps 1..8 in
 ``metrics.jsonl``; no prompt group lost or trained twice (fully async: the steps'
 ``group_indices`` with the final checkpoint's pending groups, and each trained prompt is
 the data's at its index; one-step off-policy records no indices: each step's prompts,
@@ -134,7 +134,7 @@ def landed(trial: Trial, run: Watched, done: dict | None) -> bool:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Special:
     """A special trial: its trials for a seed, its fault on the first run (it may set the
-    run's environment; it returns what :func:`rlwire.trainer.fault_runs.watch` polls, or
+    run's environment; it returns what :func:`rlwire.trainer.tools.fault_runs.watch` polls, or
     None), what it does and records between the runs, and its verdict on the record
     (``special_failures``: check name -> failed)."""
 
@@ -337,7 +337,7 @@ def failures(r: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rlwire.trainer.faults", description=__doc__.split("\n\n")[0]
+        prog="python -m rlwire.trainer.tools.faults", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--trials", type=int, default=3, help="kill trials (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="the plan's and the runs' seeds")
