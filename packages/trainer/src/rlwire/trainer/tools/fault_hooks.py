@@ -145,8 +145,17 @@ def _patch(module: ModuleType) -> None:
     cls_name, methods = PHASES[module.__name__]
     cls: Any = getattr(module, cls_name)
     for name, phase in methods.items():
-        setattr(cls, name, _wrap(getattr(cls, name), phase))
-    cls.__init__ = _wrap_init(cls.__init__)
+        _set(cls, name, _wrap(getattr(cls, name), phase))
+    _set(cls, "__init__", _wrap_init(cls.__init__))
+
+
+def _set(cls: Any, name: str, wrapper: Callable[..., Any]) -> None:
+    """``cls.name = wrapper``, named as the class's own method: Ray pickles the worker class
+    by reference, which holds only while ``module.qualname`` finds this very function (a
+    method inherited from a mixin would otherwise name the mixin's unwrapped one, and the
+    wrapper would be pickled by value, its lock with it)."""
+    wrapper.__module__, wrapper.__qualname__ = cls.__module__, f"{cls.__qualname__}.{name}"
+    setattr(cls, name, wrapper)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
