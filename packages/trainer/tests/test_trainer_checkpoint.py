@@ -163,7 +163,7 @@ def test_dcp_values_other_than_tensors_are_read_as_plain_data_only(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from rlwire.trainer.outputs.checkpoint_reader import SafeLoadPlanner, SafeReader, load
+    from rlwire.trainer.outputs.checkpoint_reader import SafeLoadPlanner, SafeReader, load, save
 
     plain = {"step": 7, "betas": (0.9, 0.99), "foreach": None}  # as in param_groups
     with warnings.catch_warnings():  # "no process group: saving as one rank"
@@ -183,6 +183,11 @@ def test_dcp_values_other_than_tensors_are_read_as_plain_data_only(tmp_path):
             f"`torch.serialization.safe_globals([{__name__}._ran])` context manager to allowlist "
             "this global if you trust this class/function."
         )
+        (tmp_path / "full").write_text("")  # a file where the checkpoint's directory goes
+        with pytest.raises(RunError) as err:  # a failed write: one line, the cause first
+            save({"w": torch.arange(4.0)}, tmp_path / "full" / "actor")
+        assert str(err.value).startswith(f"{tmp_path / 'full' / 'actor'}: cannot be written (")
+        assert "Error" in str(err.value) and "\n" not in str(err.value)
         (tmp_path / "good" / "__0_0.distcp").write_bytes(b"damaged")
         with pytest.raises(RunError, match=r"cannot be read \(.*\); is the file damaged\?$"):
             load({"w": torch.zeros(4), "step": 0}, tmp_path / "good")

@@ -98,9 +98,9 @@ def read_trainer_state(directory: Path, config) -> dict[str, Any]:
 def save_actor(engine, directory: Path, rank: int) -> None:
     """Actor rank ``rank``'s part of a checkpoint: its share of the engine's state through
     DCP (a collective: every rank calls it) and its RNG states."""
-    import torch.distributed.checkpoint as dcp
+    from . import checkpoint_reader  # imports DCP: only when a checkpoint is written
 
-    dcp.save(engine.state(), checkpoint_id=directory / "actor")
+    checkpoint_reader.save(engine.state(), directory / "actor")
     rng = directory / "rng"
     rng.mkdir(parents=True, exist_ok=True)
     torch.save(

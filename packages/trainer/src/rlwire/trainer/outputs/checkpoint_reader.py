@@ -1,4 +1,4 @@
-"""Reading a DCP checkpoint without running code from it.
+"""Reading a DCP checkpoint without running code from it (and DCP's failures in one line).
 
 torch.distributed.checkpoint writes ``actor/.metadata`` with ``pickle`` and reads it with
 ``pickle.load``, and its default planner reads the non-tensor values of the state (the
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ..errors import RunError
 
-__all__ = ["SafeLoadPlanner", "SafeReader", "load", "refusal"]
+__all__ = ["SafeLoadPlanner", "SafeReader", "failure", "load", "refusal", "save"]
 
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
@@ -108,14 +108,28 @@ def load(state: dict[str, Any], directory: Path) -> None:
     try:
         dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
     except CheckpointException as err:
-        failures = [exc for exc, _ in err.failures.values()]
-        refused = [exc for exc in failures if isinstance(exc, RunError)]
+        refused = [exc for exc, _ in err.failures.values() if isinstance(exc, RunError)]
         if refused:
             raise refused[0] from None
-        first = failures[0] if failures else err
-        reason = str(first).strip().splitlines()[0] if str(first).strip() else ""
         raise RunError(
-            f"{directory}: torch.distributed.checkpoint cannot read it ({type(first).__name__}: "
-            f"{reason}); is a file damaged? resume from another checkpoint "
-            "(trainer.resume=PATH)"
+            f"{directory}: torch.distributed.checkpoint cannot read it ({failure(err)}); is a "
+            "file damaged? resume from another checkpoint (trainer.resume=PATH)"
         ) from None
+
+
+def save(state: dict[str, Any], directory: Path) -> None:
+    """``dcp.save`` of ``state`` to ``directory``; a failure on any rank (a full disk) is one
+    :class:`RunError` naming the directory and the first rank's cause."""
+    try:
+        dcp.save(state, checkpoint_id=directory)
+    except CheckpointException as err:
+        raise RunError(f"{directory}: cannot be written ({failure(err)})") from None
+
+
+def failure(err: CheckpointException) -> str:
+    """The first failed rank's cause, in one line, and which ranks failed."""
+    ranks = sorted(err.failures)
+    first = err.failures[ranks[0]][0] if ranks else err
+    reason = str(first).strip().splitlines()[0] if str(first).strip() else ""
+    where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    return f"{type(first).__name__}: {reason}{where if ranks else ''}"

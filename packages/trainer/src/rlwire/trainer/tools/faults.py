@@ -41,8 +41,10 @@ line naming it, the earlier checkpoints intact, and the same command without it 
 complete. ``corrupt``, one trial per file kind of a checkpoint: the driver is killed once
 ``step_4`` is complete, bytes are flipped in a file of the latest complete checkpoint, and
 the same command must refuse with one line naming the file, or resume from an earlier
-checkpoint and complete (``outcome`` says which happened). A store message from a stranger
-is another engineer's trial: it registers a :class:`Special` in :data:`SPECIALS`.
+checkpoint and complete (``outcome`` says which happened). ``stranger``: a process without
+the group's secret writes the checkpoint engine's bucket metadata during the run
+(:mod:`rlwire.trainer.tools.fault_stranger`): the run must stop naming the refused message,
+and the same command without it must complete.
 
 Writes ``DIR/trials.jsonl`` and ``DIR/table.md`` and prints the table; a failed trial's
 directory (run directory, events, both runs' output) is kept. Exit 1 if any check failed.
@@ -65,6 +67,7 @@ from typing import Any
 
 from . import fault_checks as checks
 from .fault_runs import SAVE_EVERY, STEPS, Trial, Watched, final_checks, kill, stop_line, watch
+from .fault_stranger import stranger_between, stranger_fault, stranger_verdict
 
 __all__ = ["SPECIALS", "Special", "main", "plan", "run_trial"]
 
@@ -228,6 +231,21 @@ SPECIALS: dict[str, Special] = {
         between=_enospc_between,
         verdict=_enospc_verdict,
     ),
+    "stranger": Special(
+        trials=lambda seed, world: [
+            Trial(
+                name="stranger",
+                mode=MODES[seed % 2],
+                target="stranger",
+                phase="push",
+                seed=seed * 1000 + 950,
+                world=world,
+            )
+        ],
+        fault=stranger_fault,
+        between=stranger_between,
+        verdict=stranger_verdict,
+    ),
     "corrupt": Special(
         trials=lambda seed, world: [
             Trial(
@@ -245,8 +263,7 @@ SPECIALS: dict[str, Special] = {
         verdict=_corrupt_verdict,
     ),
 }
-"""Special trials by name (``--special``). A store message from a stranger is another
-engineer's: it registers here."""
+"""Special trials by name (``--special``)."""
 
 
 def run_trial(trial: Trial, out: Path, hooks: Path) -> dict[str, Any]:
