@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from rlwire.ckpt_engine import remove_segments
+
 from ..algorithms.advantages import compute_advantages
 from ..algorithms.correction import GapWatch
 from ..algorithms.micro_batches import rank_shares, row_tokens
@@ -63,9 +65,9 @@ class Job(JobStart):
         self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
         place = placement(layout, config.ray.startup_timeout)
         actor_class = ray.remote(num_cpus=1)(HybridWorker if self.hybrid else ActorWorker)
-        rollout_class = ray.remote(num_cpus=1, concurrency_groups=RolloutWorker.CONCURRENCY_GROUPS)(
-            RolloutWorker
-        )
+        rollout_class = ray.remote(  # type: ignore[call-overload]  # stub: no concurrency_groups
+            num_cpus=1, concurrency_groups=RolloutWorker.CONCURRENCY_GROUPS
+        )(RolloutWorker)
         self.actors = [
             actor_class.options(**place("actor", r)).remote(config, model_path, r)
             for r in range(world)
@@ -83,6 +85,7 @@ class Job(JobStart):
         # every worker process once
         self.processes = self.actors if self.hybrid else [*self.actors, *self.rollouts]
         self.layout = layout
+        self.local_pids: list[int] = []  # the workers on the driver's host (start() sets)
 
     def start_sync(self, version: int) -> Callable[[], dict[str, Any]]:
         """Start a weight sync, colocated: the actor's weights to every rollout engine as
@@ -167,6 +170,9 @@ class Job(JobStart):
 
         for worker in self.processes:
             ray.kill(worker, no_restart=True)
+        # An engine killed before every receiver mapped its shared memory (a run stopped
+        # mid-sync) never unlinked it: remove what this host's workers left, once they exit.
+        remove_segments(self.local_pids, wait=10.0)
 
     def update(
         self, batch: Rollout, lag: float = 0.0, scored: Scored | None = None

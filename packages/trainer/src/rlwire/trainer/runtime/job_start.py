@@ -6,13 +6,23 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..algorithms.reward_kl import KLController
+from ..config.root import TrainerConfig
 from ..errors import RunError
 from ..outputs.checkpoint import load_checkpoint
 from ..outputs.loggers import Tracker
-from .cluster import Watch, cause, engine_backend, first_line, shm_bytes_needed
+from .cluster import (
+    GpuLayout,
+    Handle,
+    Watch,
+    cause,
+    engine_backend,
+    first_line,
+    shm_bytes_needed,
+)
 
 __all__ = ["JobStart"]
 
@@ -23,6 +33,16 @@ class JobStart:
     """:meth:`start`, once the workers exist (``Job.__init__`` sets ``config``, ``run_dir``,
     ``model_path``, ``world``, ``hybrid``, ``layout``, ``actors``, ``rollouts``,
     ``processes``)."""
+
+    config: TrainerConfig
+    run_dir: Path
+    model_path: str
+    world: int
+    hybrid: bool
+    layout: GpuLayout | None
+    actors: list[Handle]
+    rollouts: list[Handle]
+    processes: list[Handle]
 
     def start(self, batches, reward_fn, resume, trackers: list[Tracker], validation=()) -> None:
         """Load the model in every worker (``model_path`` exists now), resume if ``resume``
@@ -98,11 +118,14 @@ class JobStart:
                 layout.rollouts,
                 ids[world:],
             )
-        nodes = self.watch.get(
+        where = self.watch.get(
             [w.node.remote() for w in self.processes],
             timeout=config.ray.startup_timeout,
             what="setup",
         )
+        nodes = [node for node, _ in where]
+        here = ray.get_runtime_context().get_node_id()  # the driver's: close() sweeps there
+        self.local_pids = [pid for node, pid in where if node == here]
         names = {node: f"node {i}" for i, node in enumerate(dict.fromkeys(nodes))}
         log.info(
             "nodes: actor ranks on %s, rollout workers on %s; actor group store at %s:%d",

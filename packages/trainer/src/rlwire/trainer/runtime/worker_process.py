@@ -69,8 +69,8 @@ class WorkerProcess:
 
         return ray.get_gpu_ids()
 
-    def node(self) -> str:
-        """The Ray node this worker runs on (its id)."""
+    def node(self) -> tuple[str, int]:
+        """The Ray node this worker runs on (its id), and its pid there."""
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        return ray.get_runtime_context().get_node_id(), os.getpid()
