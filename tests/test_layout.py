@@ -85,3 +85,83 @@ def test_libraries_do_not_import_sideways_or_the_trainer_stack(pkg: Path):
                 # the library itself never reaches into a plug-in (it would need the framework)
                 reached = name.split(".")[2] if name.count(".") >= 2 else None
                 assert plugin is not None or reached not in PLUGINS, f"{source}: imports {name}"
+
+
+# The trainer by role, bottom to top: a module may import (at run time) its own group and
+# the groups below it, never one above (type-only imports under TYPE_CHECKING excepted).
+TRAINER = ROOT / "packages" / "trainer"
+TRAINER_LAYERS = [
+    {"errors", "checks", "plugins"},  # the foundation: root modules everything uses
+    {"models"},
+    {"rollout"},
+    {"agent"},
+    {"algorithms"},
+    {"actor"},
+    {"data"},
+    {"outputs"},
+    {"config"},
+    {"runtime"},
+    {"modes"},
+    {"driver", "cli", "__init__"},  # the entry points
+    {"tools", "bench"},  # bench: the `python -m rlwire.trainer.bench` entry of tools.bench
+]
+TRAINER_SUBPACKAGES = {
+    "models", "rollout", "agent", "algorithms", "actor", "data", "outputs", "config",
+    "runtime", "modes", "tools",
+}  # fmt: skip
+
+
+def _layer(group: str) -> int:
+    return next(i for i, names in enumerate(TRAINER_LAYERS) if group in names)
+
+
+def _runtime_import_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Import nodes outside ``if TYPE_CHECKING:`` blocks."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skipped
+    ]
+
+
+def _trainer_group(parts: tuple[str, ...]) -> str:
+    """The group of rlwire.trainer.<parts...>: its subpackage, or the root module's name."""
+    return parts[0] if parts else "__init__"
+
+
+def test_the_trainer_is_grouped_by_role_and_imports_point_down():
+    root = TRAINER / "src" / "rlwire" / "trainer"
+    found = {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
+    assert found == TRAINER_SUBPACKAGES
+    for name in TRAINER_SUBPACKAGES:  # each says what lives there and what it may import
+        doc = ast.get_docstring(ast.parse((root / name / "__init__.py").read_text()))
+        assert doc and "import" in doc.lower(), f"{name}/__init__.py: say what it may import"
+    modules = {p.stem for p in root.glob("*.py")} | TRAINER_SUBPACKAGES
+    assert modules <= set().union(*TRAINER_LAYERS), modules - set().union(*TRAINER_LAYERS)
+    wrong = []
+    for source in root.rglob("*.py"):
+        inner = source.relative_to(root).with_suffix("").parts
+        group = _trainer_group(inner if len(inner) > 1 else inner[:1])
+        package = ("rlwire", "trainer", *inner[:-1])
+        for node in _runtime_import_nodes(ast.parse(source.read_text(), str(source))):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                base = package[: len(package) - node.level + 1]
+                names = [".".join([*base, *([node.module] if node.module else [])])]
+                if node.module is None:
+                    names = [f"{names[0]}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                names = [a.name for a in node.names]
+            for name in names:
+                parts = tuple(name.split("."))
+                if parts[:2] != ("rlwire", "trainer"):
+                    continue
+                target = _trainer_group(parts[2:])
+                if _layer(target) > _layer(group):
+                    wrong.append(f"{source.relative_to(root)} ({group}) imports {name}")
+    assert not wrong, "\n".join(wrong)

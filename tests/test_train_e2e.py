@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlwire.trainer.metrics import StepMetrics
+from rlwire.trainer.outputs.metrics import StepMetrics
 
-# The schema both modes write (rlwire.trainer.metrics.StepMetrics): a colocated run without
+# The schema both modes write (rlwire.trainer.outputs.metrics.StepMetrics): a colocated run without
 # digests writes exactly its required fields (``tokens`` only feeds the rates).
 # Always written; then optional ones (None is left out); reward_extra goes out flattened.
 METRIC_KEYS = {

@@ -200,3 +200,51 @@ def test_cuda_ipc_handles_travel_as_json_and_rebuild_with_torchs_arguments(monke
     )
     with pytest.raises(CheckpointEngineError, match="cannot export a Parameter slot"):
         _cuda_ipc._export(torch.empty(0))
+
+
+# --- what a killed engine leaves in /dev/shm -----------------------------------------
+
+
+def test_remove_segments_takes_what_a_killed_master_left_and_keeps_a_live_ones():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    from rlwire.ckpt_engine import remove_segments
+    from rlwire.ckpt_engine._segments import SHM_DIR, SHM_PREFIX
+
+    # A master that prepared its slots (files in /dev/shm until every receiver attaches).
+    code = textwrap.dedent(
+        """
+        import sys, time
+        from rlwire.ckpt_engine import registry
+        engine = registry.new("shm", is_master=True, bucket_size=4096)
+        engine.prepare()
+        print("ready", flush=True)
+        time.sleep(60)
+        """
+    )
+
+    def master() -> tuple[subprocess.Popen, list[str]]:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        mine = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{SHM_PREFIX}{proc.pid}-")]
+        assert len(mine) == 2  # the two bucket slots
+        return proc, mine
+
+    killed, killed_files = master()
+    alive, alive_files = master()
+    try:
+        killed.send_signal(signal.SIGKILL)  # not reaped yet: a zombie counts as gone
+        removed = remove_segments([killed.pid, alive.pid], wait=5.0)
+        assert sorted(removed) == sorted(os.path.join(SHM_DIR, n) for n in killed_files)
+        assert all(os.path.exists(os.path.join(SHM_DIR, n)) for n in alive_files)
+    finally:
+        for proc in (killed, alive):
+            proc.kill()
+            proc.wait()
+    assert remove_segments([alive.pid], wait=5.0) == [
+        os.path.join(SHM_DIR, n) for n in sorted(alive_files)
+    ]

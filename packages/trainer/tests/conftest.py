@@ -21,7 +21,7 @@ START_TIMEOUT = 120.0
 _HEAD = textwrap.dedent(
     f"""
     import logging, sys
-    from rlwire.trainer.cluster import ray_environment
+    from rlwire.trainer.runtime.cluster import ray_environment
     ray_environment()
     import ray
     context = ray.init(num_cpus={CPUS}, include_dashboard=False, logging_level=logging.ERROR)

@@ -294,9 +294,9 @@ class _KeepLogits(torch.nn.Module):
 def test_the_loss_gives_masked_tokens_logits_exactly_zero_gradient(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from rlwire.trainer.algorithms.step import grpo_update
+    from rlwire.trainer.models.tiny import build_tiny_model
     from rlwire.trainer.rollout import Rollout
-    from rlwire.trainer.step import grpo_update
-    from rlwire.trainer.tiny import build_tiny_model
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"))
     torch.manual_seed(0)
@@ -459,7 +459,7 @@ def test_the_lookup_task_learns_to_call_its_tool_in_every_mode(
 
 
 def test_verl_multi_turn_keys_set_the_agent_section_and_its_tool_config_is_refused_with_why():
-    from rlwire.trainer.config import load_config
+    from rlwire.trainer.config.root import load_config
 
     config = load_config(
         overrides=[
@@ -494,7 +494,7 @@ def test_verl_multi_turn_keys_set_the_agent_section_and_its_tool_config_is_refus
     ],
 )
 def test_agent_settings_are_checked_when_the_config_loads(overrides, message):
-    from rlwire.trainer.config import load_config
+    from rlwire.trainer.config.root import load_config
 
     if message is None:  # paced continues from token ids: allowed
         assert load_config(overrides=overrides).agent.enable
@@ -504,8 +504,8 @@ def test_agent_settings_are_checked_when_the_config_loads(overrides, message):
 
 
 def test_single_turn_samples_are_written_in_the_same_format(tmp_path):
+    from rlwire.trainer.outputs.rollout_data import write_rollouts
     from rlwire.trainer.rollout import Example, Rollout
-    from rlwire.trainer.rollout_data import write_rollouts
 
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     batch = Rollout(
@@ -542,9 +542,9 @@ def test_single_turn_samples_are_written_in_the_same_format(tmp_path):
 
 def test_an_environment_whose_rewards_are_not_finite_stops_the_run_naming_it():
     from rlwire.trainer.agent.trajectory import Trajectory
-    from rlwire.trainer.config import load_config
+    from rlwire.trainer.algorithms.scoring import score
+    from rlwire.trainer.config.root import load_config
     from rlwire.trainer.errors import RunError
-    from rlwire.trainer.scoring import score
 
     config = load_config(overrides=["agent.enable=true", "agent.environment=agent_tools:Countdown"])
     batch = types.SimpleNamespace(

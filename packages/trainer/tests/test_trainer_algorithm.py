@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from rlwire.trainer.algorithm import LOSS_AGG_MODES, AlgorithmConfig, compute_advantages
-from rlwire.trainer.config import ConfigError, load_config
-from rlwire.trainer.grpo import LossScale, aggregate, policy_loss
+from rlwire.trainer.algorithms.advantages import LOSS_AGG_MODES, AlgorithmConfig, compute_advantages
+from rlwire.trainer.algorithms.losses import LossScale, aggregate, policy_loss
+from rlwire.trainer.config.root import ConfigError, load_config
 
 
 def _mask(lengths: list[int], width: int = 4) -> torch.Tensor:
@@ -144,7 +144,7 @@ def test_new_keys_and_their_verl_spellings():
 
 
 def test_overlong_buffer_penalises_the_last_tokens_linearly():
-    from rlwire.trainer.shaping import OverlongBufferConfig, overlong_penalty
+    from rlwire.trainer.algorithms.shaping import OverlongBufferConfig, overlong_penalty
 
     config = OverlongBufferConfig(enable=True, len=8, penalty_factor=1.0)
     # max 32 tokens, the last 8 penalised: from 0 at 24 tokens to -1 at 32
@@ -179,8 +179,8 @@ def _generated(texts: list[str], prompts: list[str]):
 
 
 def test_dynamic_sampling_keeps_groups_that_differ_and_generates_until_full():
+    from rlwire.trainer.algorithms.scoring import fill
     from rlwire.trainer.errors import RunError
-    from rlwire.trainer.scoring import fill
 
     config = load_config(
         overrides=["rollout.n=2", "data.train_batch_size=3", "algorithm.filter_groups.enable=true"]
@@ -255,8 +255,8 @@ def test_dynamic_sampling_wakes_sleeping_engines_before_each_extra_batch():
     sampling (``generate_more``) must wake them first (vLLM crashes otherwise)."""
     import types
 
-    from rlwire.trainer.job import Job
     from rlwire.trainer.rollout import Example
+    from rlwire.trainer.runtime.job import Job
 
     config = load_config(overrides=["rollout.n=2", "data.train_batch_size=2"])
     engines = [_SleepingEngine(), _SleepingEngine()]
@@ -357,7 +357,7 @@ def test_validation_keys_and_where_it_runs():
 
 
 def test_kl_in_reward_by_hand():
-    from rlwire.trainer.reward_kl import KLControlConfig, KLController, kl_estimate
+    from rlwire.trainer.algorithms.reward_kl import KLControlConfig, KLController, kl_estimate
 
     logprobs, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
     torch.testing.assert_close(kl_estimate(logprobs, ref, "kl"), torch.tensor([[0.5, -1.0]]))

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlwire.trainer.config import ConfigError, load_config
-from rlwire.trainer.data import load_data, load_validation
+from rlwire.trainer.algorithms.scoring import fill, score
+from rlwire.trainer.config.root import ConfigError, load_config
+from rlwire.trainer.data.dataset import load_data, load_validation
+from rlwire.trainer.data.rewards import Reward, load_reward
 from rlwire.trainer.errors import RunError
-from rlwire.trainer.rewards import Reward, load_reward
 from rlwire.trainer.rollout import Example, Rollout
-from rlwire.trainer.scoring import fill, score
 
 ALLOWED = "return a number (a float) or a dict with 'score' holding one"
 BATCH_ALLOWED = "a batch function returns a list of one number (a float) per response"
@@ -21,7 +21,7 @@ FILTER = "or set data.filter_overlong_prompts=true to drop such rows"
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from rlwire.trainer.tiny import build_tiny_model
+    from rlwire.trainer.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rlwire.trainer.checkpoint import FORMAT, read_trainer_state, write_trainer_state
-from rlwire.trainer.config import load_config
+from rlwire.trainer.config.root import load_config
 from rlwire.trainer.errors import RunError
+from rlwire.trainer.outputs.checkpoint import FORMAT, read_trainer_state, write_trainer_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import FSDP2_REFERENCE  # noqa: E402
@@ -42,7 +42,7 @@ def test_a_checkpoint_saved_on_two_ranks_loads_on_another_number(fsdp_checkpoint
 def test_lora_checkpoints_hold_the_adapter_only(fsdp_checkpoints):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from rlwire.trainer.lora import is_adapter
+    from rlwire.trainer.models.lora import is_adapter
 
     def saved_keys(case: str) -> list[str]:
         metadata = FileSystemReader(fsdp_checkpoints / case / "actor").read_metadata()
@@ -110,7 +110,7 @@ def test_rng_states_are_read_without_running_code(tmp_path):
 
     import torch
 
-    from rlwire.trainer.checkpoint import load_rng
+    from rlwire.trainer.outputs.checkpoint import load_rng
 
     good = tmp_path / "actor_rank0.pt"
     state = {"torch": torch.get_rng_state(), "cuda": [], "python": random.getstate()}
@@ -135,7 +135,7 @@ def test_dcp_metadata_is_read_without_running_code(fsdp_checkpoints, tmp_path):
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from rlwire.trainer.checkpoint_reader import SafeReader
+    from rlwire.trainer.outputs.checkpoint_reader import SafeReader
 
     for case in ("fsdp2", "fsdp", "fsdp2_lora"):
         actor = fsdp_checkpoints / case / "actor"
@@ -163,7 +163,7 @@ def test_dcp_values_other_than_tensors_are_read_as_plain_data_only(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from rlwire.trainer.checkpoint_reader import SafeLoadPlanner, SafeReader, load
+    from rlwire.trainer.outputs.checkpoint_reader import SafeLoadPlanner, SafeReader, load, save
 
     plain = {"step": 7, "betas": (0.9, 0.99), "foreach": None}  # as in param_groups
     with warnings.catch_warnings():  # "no process group: saving as one rank"
@@ -183,6 +183,11 @@ def test_dcp_values_other_than_tensors_are_read_as_plain_data_only(tmp_path):
             f"`torch.serialization.safe_globals([{__name__}._ran])` context manager to allowlist "
             "this global if you trust this class/function."
         )
+        (tmp_path / "full").write_text("")  # a file where the checkpoint's directory goes
+        with pytest.raises(RunError) as err:  # a failed write: one line, the cause first
+            save({"w": torch.arange(4.0)}, tmp_path / "full" / "actor")
+        assert str(err.value).startswith(f"{tmp_path / 'full' / 'actor'}: cannot be written (")
+        assert "Error" in str(err.value) and "\n" not in str(err.value)
         (tmp_path / "good" / "__0_0.distcp").write_bytes(b"damaged")
         with pytest.raises(RunError, match=r"cannot be read \(.*\); is the file damaged\?$"):
             load({"w": torch.zeros(4), "step": 0}, tmp_path / "good")
@@ -262,8 +267,8 @@ def test_an_actor_killed_while_saving_leaves_the_last_checkpoint_to_resume_from(
     import threading
     import time
 
+    from rlwire.trainer.data.inputs import latest_checkpoint
     from rlwire.trainer.driver import run
-    from rlwire.trainer.inputs import latest_checkpoint
 
     out = tmp_path / "run"
     overrides = ["actor.world_size=2", "trainer.save_every=1", "trainer.max_checkpoints_to_keep=2"]

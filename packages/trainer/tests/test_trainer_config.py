@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlwire.trainer.config import ConfigError, TrainerConfig, load_config, to_dict
+from rlwire.trainer.config.root import ConfigError, TrainerConfig, load_config, to_dict
 
 
 def test_defaults_and_overrides_merge_in_order(tmp_path):
@@ -145,7 +145,7 @@ def test_bad_files(tmp_path):
 def test_readme_reference_is_generated_from_the_dataclasses():
     from pathlib import Path
 
-    from rlwire.trainer.config import describe_config
+    from rlwire.trainer.config.root import describe_config
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert describe_config() in readme
@@ -296,7 +296,7 @@ def test_verl_keys_for_missing_features_are_refused_together(tmp_path):
 def test_readme_lists_the_verl_keys():
     from pathlib import Path
 
-    from rlwire.trainer.verl_keys import alias_table
+    from rlwire.trainer.config.verl_keys import alias_table
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert alias_table() in readme

@@ -8,9 +8,13 @@ import math
 import pytest
 import torch
 
-from rlwire.trainer.config import ConfigError, load_config
-from rlwire.trainer.correction import GapWatch, RolloutCorrectionConfig, correction_weights
-from rlwire.trainer.grpo import policy_loss
+from rlwire.trainer.algorithms.correction import (
+    GapWatch,
+    RolloutCorrectionConfig,
+    correction_weights,
+)
+from rlwire.trainer.algorithms.losses import policy_loss
+from rlwire.trainer.config.root import ConfigError, load_config
 
 # proximal - behaviour per token: rho = [[3, 0.25, pad], [1, 1.5, 1]]
 RHO = torch.tensor([[3.0, 0.25, 7.0], [1.0, 1.5, 1.0]])

@@ -21,9 +21,8 @@ import types
 import pytest
 import torch
 
-from rlwire.trainer import micro_batches
-from rlwire.trainer.config import ConfigError, load_config
-from rlwire.trainer.micro_batches import (
+from rlwire.trainer.algorithms import micro_batches
+from rlwire.trainer.algorithms.micro_batches import (
     balanced_partition,
     micro_batch_count,
     rank_shares,
@@ -31,9 +30,10 @@ from rlwire.trainer.micro_batches import (
     split_rows,
     token_budget_partition,
 )
+from rlwire.trainer.algorithms.step import compute_old_logprobs, grpo_update
+from rlwire.trainer.config.root import ConfigError, load_config
+from rlwire.trainer.models.tiny import build_tiny_model
 from rlwire.trainer.rollout import Rollout
-from rlwire.trainer.step import compute_old_logprobs, grpo_update
-from rlwire.trainer.tiny import build_tiny_model
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 BUDGET = 30  # below the longest row (32 tokens): that row gets a micro-batch of its own
@@ -379,7 +379,7 @@ def _count_on_rank(rank: int, world: int, port: int, out: str) -> None:
 def test_every_rank_runs_the_most_micro_batches_any_rank_needs():
     import torch.multiprocessing as mp
 
-    from rlwire.trainer.worker_process import free_port
+    from rlwire.trainer.runtime.worker_process import free_port
 
     with tempfile.TemporaryDirectory() as out:
         context = mp.start_processes(

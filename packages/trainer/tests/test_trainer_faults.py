@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rlwire.trainer import fault_checks as checks
-from rlwire.trainer import fault_hooks
-from rlwire.trainer.faults import MODES, PHASES, TARGETS, failures, plan
+from rlwire.trainer.tools import fault_checks as checks
+from rlwire.trainer.tools import fault_hooks
+from rlwire.trainer.tools.faults import MODES, PHASES, TARGETS, failures, plan
 
 
 def steps_of(groups: list[list[int]]) -> list[tuple[int, list[int]]]:
@@ -259,7 +259,7 @@ def test_the_stretch_sleeps_its_share_at_each_line(lines):
 def test_a_corrupted_checkpoint_passes_only_refused_by_name_or_skipped(
     rc2, resumed, line, traceback, outcome, ok
 ):
-    from rlwire.trainer.faults import _corrupt_verdict
+    from rlwire.trainer.tools.faults import _corrupt_verdict
 
     record = {
         "corrupted": "step_4/actor/.metadata",
@@ -274,7 +274,7 @@ def test_a_corrupted_checkpoint_passes_only_refused_by_name_or_skipped(
 
 
 def test_a_full_disk_must_be_named_by_the_stop_line():
-    from rlwire.trainer.faults import _enospc_verdict
+    from rlwire.trainer.tools.faults import _enospc_verdict
 
     record = {
         "landed": True,

@@ -14,8 +14,8 @@ import time
 import pytest
 from trainer_cli import checkpoint_state, metrics, train_cli
 
-from rlwire.trainer.config import AsyncConfig, load_config
-from rlwire.trainer.sample_queue import SampleQueue, max_stale_groups
+from rlwire.trainer.config.root import AsyncConfig, load_config
+from rlwire.trainer.modes.sample_queue import SampleQueue, max_stale_groups
 
 
 def _batches(step: int) -> list[tuple[str, str]]:
@@ -284,7 +284,7 @@ def test_async_section_keys_and_verl_alias():
 def test_gpu_layout_and_the_auto_checkpoint_engine(
     world, workers, gpus, mode, actors, rollouts, backend
 ):
-    from rlwire.trainer.cluster import engine_backend, gpu_layout
+    from rlwire.trainer.runtime.cluster import engine_backend, gpu_layout
 
     layout = gpu_layout(world, workers, gpus, mode)
     if actors is None:
@@ -306,8 +306,8 @@ def test_gpu_layout_and_the_auto_checkpoint_engine(
 
 
 def test_fewer_gpus_than_actor_ranks_is_refused():
-    from rlwire.trainer.cluster import gpu_layout
     from rlwire.trainer.errors import RunError
+    from rlwire.trainer.runtime.cluster import gpu_layout
 
     with pytest.raises(RunError, match=r"^actor.world_size: 4 actor ranks need 4 GPUs \(NCCL"):
         gpu_layout(4, 1, 2, "colocated")
@@ -318,7 +318,7 @@ def test_fewer_gpus_than_actor_ranks_is_refused():
 
 
 def test_sync_cadence_counts_from_the_global_step_across_a_resume():
-    from rlwire.trainer.fully_async import sync_due
+    from rlwire.trainer.modes.fully_async import sync_due
 
     whole = [step for step in range(10) if sync_due(step, 3, 10)]
     assert whole == [2, 5, 8]  # after updates 3, 6 and 9 of 10
@@ -475,7 +475,7 @@ def assert_every_group_once(run, records: list[dict]) -> None:
 
 
 def test_background_runs_one_coroutine_at_a_time_and_hands_back_its_outcome():
-    from rlwire.trainer.background import Background
+    from rlwire.trainer.runtime.background import Background
 
     sending = Background("weight push")
     release = threading.Event()

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from rlwire.trainer.algorithm import group_advantages
-from rlwire.trainer.grpo import aggregate, k3_kl, policy_loss
+from rlwire.trainer.algorithms.advantages import group_advantages
+from rlwire.trainer.algorithms.losses import aggregate, k3_kl, policy_loss
 
 
 def test_group_advantages_by_hand():

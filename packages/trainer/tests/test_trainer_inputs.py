@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlwire.trainer.config import ConfigError, load_config
-from rlwire.trainer.data import load_data
+from rlwire.trainer.config.root import ConfigError, load_config
+from rlwire.trainer.data.dataset import load_data
+from rlwire.trainer.data.inputs import latest_checkpoint, prune_checkpoints, resolve_model
+from rlwire.trainer.data.rewards import gsm8k_score, load_reward, math_score
 from rlwire.trainer.errors import RunError
-from rlwire.trainer.inputs import latest_checkpoint, prune_checkpoints, resolve_model
-from rlwire.trainer.rewards import gsm8k_score, load_reward, math_score
 from rlwire.trainer.rollout import Example
 
 # A chat template for the tiny character-level tokenizer (its vocabulary has every
@@ -23,7 +23,7 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from rlwire.trainer.tiny import build_tiny_model
+    from rlwire.trainer.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from rlwire.trainer.algorithm import group_advantages
+from rlwire.trainer.algorithms.advantages import group_advantages
+from rlwire.trainer.algorithms.step import compute_old_logprobs, grpo_update
+from rlwire.trainer.models.tiny import build_tiny_model, repeat_prompts, repeat_reward
 from rlwire.trainer.rollout import Example, hf_generate
-from rlwire.trainer.step import compute_old_logprobs, grpo_update
-from rlwire.trainer.tiny import build_tiny_model, repeat_prompts, repeat_reward
 
 N, PROMPTS = 8, 8
 
@@ -139,7 +139,7 @@ def _update_setup(tiny):
 
 
 def test_one_mini_batch_and_one_epoch_is_exactly_todays_step(tiny):
-    from rlwire.trainer.step import ppo_update
+    from rlwire.trainer.algorithms.step import ppo_update
 
     model, rollout, old, advantages = _update_setup(tiny)
     results = []
@@ -163,7 +163,7 @@ def test_one_mini_batch_and_one_epoch_is_exactly_todays_step(tiny):
 
 
 def test_two_mini_batches_take_two_steps_and_the_second_is_clipped_against_the_first(tiny):
-    from rlwire.trainer.step import ppo_update
+    from rlwire.trainer.algorithms.step import ppo_update
 
     model, rollout, old, advantages = _update_setup(tiny)
     policy = copy.deepcopy(model)
@@ -198,9 +198,9 @@ def test_two_mini_batches_take_two_steps_and_the_second_is_clipped_against_the_f
 def test_rollout_worker_stitches_partial_responses_in_order_with_per_token_versions(tmp_path):
     """The worker's chunked generation with a weight update after the first chunk: rows
     come back in prompt order, each token with the version and log-prob of its weights."""
-    from rlwire.trainer.config import load_config
+    from rlwire.trainer.config.root import load_config
     from rlwire.trainer.rollout import hf_start
-    from rlwire.trainer.rollout_worker import RolloutWorker
+    from rlwire.trainer.runtime.rollout_worker import RolloutWorker
 
     path = build_tiny_model(tmp_path / "tiny")
     config = load_config(
@@ -244,7 +244,7 @@ def test_rollout_worker_stitches_partial_responses_in_order_with_per_token_versi
 def test_on_policy_update_reuses_the_training_forward_bit_for_bit(tiny):
     """Exactly on-policy, the proximal log-probs are the training forward's own: skipping the
     separate forward pass changes nothing, losses, clip fraction and gradients bit for bit."""
-    from rlwire.trainer.config import load_config
+    from rlwire.trainer.config.root import load_config
 
     model, tokenizer = tiny
     rollout = hf_generate(

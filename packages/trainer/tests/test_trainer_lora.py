@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlwire.trainer import lora
-from rlwire.trainer.config import ConfigError, load_config
-from rlwire.trainer.tiny import build_tiny_model
+from rlwire.trainer.config.root import ConfigError, load_config
+from rlwire.trainer.models import lora
+from rlwire.trainer.models.tiny import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_cli import checkpoint_state, train_cli  # noqa: E402

@@ -19,7 +19,7 @@ pytest.importorskip(
     "megatron.core", reason="needs megatron-core: pip install 'rlwire-trainer[megatron]'"
 )
 
-from rlwire.trainer.config import ConfigError, load_config  # noqa: E402
+from rlwire.trainer.config.root import ConfigError, load_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")

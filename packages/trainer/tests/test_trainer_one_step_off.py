@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from trainer_cli import train_cli
 
-from rlwire.trainer.config import load_config
+from rlwire.trainer.config.root import load_config
 
 _TIMING = ("time_", "_per_s", "_gbps", "rollout_paused_s", "wait_for_samples_s")
 
 
 def test_verls_recipe_name_is_accepted_and_hybrid_engine_refused():
-    from rlwire.trainer.config import ConfigError
+    from rlwire.trainer.config.root import ConfigError
 
     config = load_config(overrides=["trainer.mode=one_step_off_policy"])
     assert config.trainer.mode == "one_step_off" and config.trainer.off_policy
@@ -75,7 +75,7 @@ def test_one_version_stale_and_deterministic(ray_cluster, tmp_path):
 
 
 def test_staleness_aware_step_size_rule():
-    from rlwire.trainer.sections import OptimConfig
+    from rlwire.trainer.config.sections import OptimConfig
 
     always, gated, never = (OptimConfig(stale_lr_kl=v) for v in (0.0, 1e-2, None))
     assert always.lr_scale(0.0, 0.5) == 1.0  # on-policy: never acts

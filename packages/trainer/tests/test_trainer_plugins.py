@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_cli import train_cli  # noqa: E402
 
-from rlwire.trainer.config import ConfigError, load_config  # noqa: E402
+from rlwire.trainer.config.root import ConfigError, load_config  # noqa: E402
 
 PLUGIN = textwrap.dedent(
     """

@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
-from rlwire.trainer.config import load_config
+from rlwire.trainer.algorithms.step import compute_old_logprobs
+from rlwire.trainer.config.root import load_config
+from rlwire.trainer.models.tiny import build_tiny_model
 from rlwire.trainer.rollout import HFEngine
-from rlwire.trainer.step import compute_old_logprobs
-from rlwire.trainer.tiny import build_tiny_model
 
 TEMPERATURE = 0.7
 PROMPTS = ["a:", "bcd:", "ee:"]

@@ -95,7 +95,7 @@ def test_two_nodes_place_ranks_on_their_gpus_and_nodes_at_node_addresses(tmp_pat
 
     from ray.cluster_utils import Cluster
 
-    from rlwire.trainer.cluster import ray_environment
+    from rlwire.trainer.runtime.cluster import ray_environment
 
     ray_environment()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1})

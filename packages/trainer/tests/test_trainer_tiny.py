@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlwire.trainer.tiny import VOCAB, build_tiny_model, repeat_prompts, repeat_reward
+from rlwire.trainer.models.tiny import VOCAB, build_tiny_model, repeat_prompts, repeat_reward
 
 
 def test_tiny_model_is_a_real_hugging_face_directory(tmp_path):
@@ -46,7 +46,7 @@ def test_prompts_are_deterministic_and_reward_gives_partial_credit():
 
 
 def test_count_task_lengths_have_a_long_tail_and_the_reward_counts_positions():
-    from rlwire.trainer.tiny import count_prompts, count_reward
+    from rlwire.trainer.models.tiny import count_prompts, count_reward
 
     pairs = count_prompts(4000, seed=5)
     assert pairs == count_prompts(4000, seed=5) and pairs[:100] != count_prompts(100, seed=6)
@@ -61,9 +61,9 @@ def test_count_task_lengths_have_a_long_tail_and_the_reward_counts_positions():
 
 
 def test_the_realistic_preset_and_the_built_in_task_it_names():
-    from rlwire.trainer.config import ConfigError, load_config
-    from rlwire.trainer.rewards import load_reward
-    from rlwire.trainer.tiny import count_reward
+    from rlwire.trainer.config.root import ConfigError, load_config
+    from rlwire.trainer.data.rewards import load_reward
+    from rlwire.trainer.models.tiny import count_reward
 
     config = load_config(overrides=["trainer.steps=7"], preset="realistic")
     assert config.data.source == "builtin:count" and config.rollout.max_new_tokens == 32
@@ -97,7 +97,7 @@ def test_the_command_line_takes_options_among_the_overrides(capsys):
 def test_the_paced_engine_samples_as_hf_and_takes_its_set_time_per_decoding_step(tmp_path):
     import time
 
-    from rlwire.trainer.config import load_config
+    from rlwire.trainer.config.root import load_config
     from rlwire.trainer.rollout.hf import HFEngine
     from rlwire.trainer.rollout.paced import PacedEngine
 

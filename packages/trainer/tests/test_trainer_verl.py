@@ -20,13 +20,13 @@ pytest.importorskip("verl", reason="needs verl: see .ci/verl")
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 
-from rlwire.trainer.algorithm import (  # noqa: E402
+from rlwire.trainer.algorithms.advantages import (  # noqa: E402
     ADV_ESTIMATORS,
     LOSS_AGG_MODES,
     AlgorithmConfig,
     compute_advantages,
 )
-from rlwire.trainer.grpo import LossScale, aggregate, k3_kl, policy_loss  # noqa: E402
+from rlwire.trainer.algorithms.losses import LossScale, aggregate, k3_kl, policy_loss  # noqa: E402
 
 pytestmark = pytest.mark.verl
 
@@ -142,7 +142,7 @@ def test_policy_losses_and_their_gradients_match_verl(loss_mode, mode):
 
 @pytest.mark.parametrize("kind", ["kl", "abs", "mse", "low_var_kl"])
 def test_kl_estimates_in_the_reward_match_verl(kind):
-    from rlwire.trainer.reward_kl import kl_estimate
+    from rlwire.trainer.algorithms.reward_kl import kl_estimate
 
     generator = torch.Generator().manual_seed(6)
     logprobs = -torch.rand(4, T, generator=generator) * 2
@@ -152,7 +152,7 @@ def test_kl_estimates_in_the_reward_match_verl(kind):
 
 
 def test_the_adaptive_kl_controller_matches_verls():
-    from rlwire.trainer.reward_kl import KLControlConfig, KLController
+    from rlwire.trainer.algorithms.reward_kl import KLControlConfig, KLController
 
     config = KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.05, horizon=500)
     ours = KLController(config)

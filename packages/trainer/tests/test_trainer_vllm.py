@@ -22,7 +22,7 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def ray_local():
     pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
-    from rlwire.trainer.cluster import ray_environment
+    from rlwire.trainer.runtime.cluster import ray_environment
 
     ray_environment()
     import ray
@@ -38,10 +38,10 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
     from transformers import AutoModelForCausalLM
 
     from rlwire.ckpt_engine import registry
-    from rlwire.trainer.config import load_config
+    from rlwire.trainer.config.root import load_config
+    from rlwire.trainer.models.tiny import build_tiny_model, repeat_prompts
     from rlwire.trainer.rollout import Example, sequence_logprobs
-    from rlwire.trainer.rollout_worker import RolloutWorker
-    from rlwire.trainer.tiny import build_tiny_model, repeat_prompts
+    from rlwire.trainer.runtime.rollout_worker import RolloutWorker
 
     ray = ray_local
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
@@ -124,11 +124,11 @@ def test_vllm_samples_from_the_plain_distribution_whatever_the_generation_config
     vLLM's (processed) log-probs are still the actor's plain softmax(logits / T) ones."""
     from transformers import AutoModelForCausalLM
 
-    from rlwire.trainer.config import load_config
+    from rlwire.trainer.algorithms.step import compute_old_logprobs
+    from rlwire.trainer.config.root import load_config
+    from rlwire.trainer.models.tiny import build_tiny_model, repeat_prompts
     from rlwire.trainer.rollout import Example
-    from rlwire.trainer.rollout_worker import RolloutWorker
-    from rlwire.trainer.step import compute_old_logprobs
-    from rlwire.trainer.tiny import build_tiny_model, repeat_prompts
+    from rlwire.trainer.runtime.rollout_worker import RolloutWorker
 
     ray = ray_local
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
@@ -208,10 +208,10 @@ def test_the_agent_loop_on_vllm_is_token_in_token_out(ray_local, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlwire.trainer.agent.lookup import build_lookup_model
-    from rlwire.trainer.config import load_config
+    from rlwire.trainer.config.root import load_config
+    from rlwire.trainer.data.tasks import BUILTIN_TASKS
     from rlwire.trainer.rollout import sequence_logprobs
-    from rlwire.trainer.rollout_worker import RolloutWorker
-    from rlwire.trainer.tasks import BUILTIN_TASKS
+    from rlwire.trainer.runtime.rollout_worker import RolloutWorker
 
     class RecordingWorker(RolloutWorker):
         """Records, for each ``extend`` of its agent loop's engine, every row's context (its
@@ -332,7 +332,7 @@ def served(tmp_path_factory):
     import time
     import urllib.request
 
-    from rlwire.trainer.tiny import build_tiny_model
+    from rlwire.trainer.models.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("served") / "tiny", seed=0)
     with socket.socket() as s:

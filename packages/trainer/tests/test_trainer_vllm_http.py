@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rlwire.trainer.checks import ConfigError
-from rlwire.trainer.config import load_config
+from rlwire.trainer.config.root import load_config
 from rlwire.trainer.rollout.vllm_http import SERVER_FLAGS, VLLMServer
 
 

@@ -5,7 +5,8 @@ CASE...``: for each case (``fsdp2``, ``fsdp``, ``fsdp2_lora``, ``megatron``) bui
 engine as ``actor.strategy`` does on the tiny model in ``DIR/tiny`` (rank 0 builds it), then
 
 - ``save``: two optimizer steps on this rank's own batch, then the checkpoint
-  ``DIR/CASE`` exactly as an actor rank writes it (:func:`rlwire.trainer.checkpoint.save_actor`);
+  ``DIR/CASE`` exactly as an actor rank writes it
+  (:func:`rlwire.trainer.outputs.checkpoint.save_actor`);
 - ``load``: loads ``DIR/CASE`` into the fresh engine (resharded to this world size), then
   one more optimizer step;
 
@@ -24,9 +25,9 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from rlwire.trainer.actor import actor_engine_class
-from rlwire.trainer.checkpoint import load_actor, save_actor
-from rlwire.trainer.config import load_config
-from rlwire.trainer.tiny import build_tiny_model
+from rlwire.trainer.config.root import load_config
+from rlwire.trainer.models.tiny import build_tiny_model
+from rlwire.trainer.outputs.checkpoint import load_actor, save_actor
 
 CASES = {
     "fsdp2": ["actor.strategy=fsdp2"],

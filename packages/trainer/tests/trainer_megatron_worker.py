@@ -18,8 +18,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from rlwire.trainer.actor.megatron import MegatronActor
-from rlwire.trainer.config import load_config
-from rlwire.trainer.tiny import build_tiny_model
+from rlwire.trainer.config.root import load_config
+from rlwire.trainer.models.tiny import build_tiny_model
 
 # (name, overrides, build the optimizer too)
 CASES = [

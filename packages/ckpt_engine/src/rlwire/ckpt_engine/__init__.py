@@ -18,6 +18,7 @@ from ._registry import (
     backend_for_device,
     registry,
 )
+from ._segments import remove_segments
 from ._sizes import DEFAULT_BUCKET_SIZE, parse_bucket_size
 
 __all__ = [
@@ -36,5 +37,6 @@ __all__ = [
     "backend_for_device",
     "parse_bucket_size",
     "registry",
+    "remove_segments",
     "stage_update",
 ]

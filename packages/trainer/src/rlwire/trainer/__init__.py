@@ -1,17 +1,18 @@
 """The rlwire GRPO trainer: a Ray-orchestrated job composing the rlwire packages.
 
-``rlwire-train`` (:mod:`rlwire.trainer.cli`) runs it; :func:`load_config` builds
-its configuration; :mod:`rlwire.trainer.algorithm` holds the advantages,
-:mod:`rlwire.trainer.grpo` the objective, :mod:`rlwire.trainer.step` one actor update,
-:mod:`rlwire.trainer.workers` and :mod:`rlwire.trainer.rollout_worker` the Ray actors and
-:mod:`rlwire.trainer.driver` the loop.
+``rlwire-train`` (:mod:`.cli`) runs it through :mod:`.driver`. By role, bottom to top
+(each subpackage's docstring says what it may import; ``tests/test_layout.py`` checks it):
+the foundation (:mod:`.errors`, :mod:`.checks`, :mod:`.plugins`); :mod:`.models`;
+:mod:`.rollout` and :mod:`.agent` (engines and conversations); :mod:`.algorithms`;
+:mod:`.actor`; :mod:`.data`; :mod:`.outputs`; :mod:`.config`; :mod:`.runtime` (the
+processes); :mod:`.modes`; and :mod:`.tools` (benchmarks, checks, the fault campaign).
 """
 
 from __future__ import annotations
 
-from .algorithm import compute_advantages, group_advantages
-from .config import ConfigError, TrainerConfig, load_config, to_dict
-from .grpo import aggregate, k3_kl, policy_loss
+from .algorithms.advantages import compute_advantages, group_advantages
+from .algorithms.losses import aggregate, k3_kl, policy_loss
+from .config.root import ConfigError, TrainerConfig, load_config, to_dict
 
 __all__ = [
     "ConfigError",

@@ -26,14 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["plot"]:
         if len(argv) != 2:
             return _fail("usage: rlwire-train plot RUN_DIR")
-        from .plot import plot_run
+        from .outputs.plot import plot_run
 
         try:
             print(plot_run(argv[1]))
         except FileNotFoundError as err:
             return _fail(str(err))
         return 0
-    from .config import PRESETS, ConfigError, describe_config, load_config, to_dict
+    from .config.root import PRESETS, ConfigError, describe_config, load_config, to_dict
 
     presets = "; ".join(f"{name}: {' '.join(items)}" for name, items in PRESETS.items())
     parser = argparse.ArgumentParser(

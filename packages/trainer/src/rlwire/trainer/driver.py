@@ -11,20 +11,20 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import read_trainer_state
-from .cluster import init_ray, ray_environment, stop_ray
-from .colocated import run_colocated
-from .config import TrainerConfig, to_dict
-from .data import load_data, load_validation
+from .config.root import TrainerConfig, to_dict
+from .data.dataset import load_data, load_validation
+from .data.inputs import checkpoint_step, latest_checkpoint, resolve_model
+from .data.rewards import load_reward
 from .errors import AlreadyFinished, RunError
-from .fully_async import run_fully_async
-from .inputs import checkpoint_step, latest_checkpoint, resolve_model
-from .job import Job
-from .loggers import open_trackers
-from .one_step_off import run_one_step_off
-from .plot import plot_run
-from .rewards import load_reward
-from .summary import records, summarise
+from .modes.colocated import run_colocated
+from .modes.fully_async import run_fully_async
+from .modes.one_step_off import run_one_step_off
+from .outputs.checkpoint import read_trainer_state
+from .outputs.loggers import open_trackers
+from .outputs.plot import plot_run
+from .outputs.summary import records, summarise
+from .runtime.cluster import init_ray, ray_environment, stop_ray
+from .runtime.job import Job
 
 __all__ = ["AlreadyFinished", "RunError", "RunResult", "run"]
 
@@ -35,7 +35,7 @@ log = logging.getLogger("rlwire.trainer")
 class RunResult:
     run_dir: Path
     summary: dict[str, float]
-    """:func:`rlwire.trainer.summary.summarise` over the steps this call trained."""
+    """:func:`rlwire.trainer.outputs.summary.summarise` over the steps this call trained."""
 
 
 def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:

@@ -14,14 +14,11 @@ import torch
 
 from .._control import StoreControlledEngine
 from .._errors import CheckpointEngineError
+from .._segments import SHM_DIR, SHM_PREFIX
 from .._wire import ALIGN
 
 __all__ = ["SHM_PREFIX", "ShmEngine"]
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "rlwire-ckpt-shm-"
-"""Every segment's file name starts with this (then the master's pid), so that
-segments an engine killed mid-update left behind can be found and removed."""
 
 
 def _map(path: str, size: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 Add an engine by subclassing :class:`ActorEngine` in a module of its own and naming it in
 :data:`ACTOR_ENGINES`, or, outside this package, with ``actor.strategy=pkg.module:Class``.
+Imports ``algorithms`` (the update), ``models`` and the foundation; no Ray, no job.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 An :class:`ActorEngine` owns the policy model (wrapped for data parallelism), its
 optimizer and, with a KL loss or KL in the reward, the frozen reference policy, on one rank
 of the actor group (``torch.distributed`` is initialised before it is built). The
-worker (:class:`rlwire.trainer.workers.ActorWorker`) runs the GRPO loss through
+worker (:class:`rlwire.trainer.runtime.workers.ActorWorker`) runs the GRPO loss through
 ``model``; everything that differs between wrappers is a method here.
 
 Engines are chosen by ``actor.strategy``: a name from :data:`ACTOR_ENGINES` or a dotted
@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..modeling import load_hf_model
+from ..models.modeling import load_hf_model
 from ..plugins import load_class
 
 __all__ = ["ACTOR_ENGINES", "ActorEngine", "actor_engine_class", "load_hf_model"]
@@ -36,7 +36,7 @@ class ActorEngine(abc.ABC):
     """One data-parallel rank's policy, optimizer and reference policy.
 
     Args:
-        config: the whole :class:`rlwire.trainer.config.TrainerConfig`.
+        config: the whole :class:`rlwire.trainer.config.root.TrainerConfig`.
         model_path: a Hugging Face model directory.
         device: this rank's device (the group is already initialised).
 
@@ -49,7 +49,8 @@ class ActorEngine(abc.ABC):
     name: ClassVar[str] = ""
     supports_lora: ClassVar[bool] = False
     """Whether the engine trains ``actor.lora`` adapters (then :meth:`named_sync_weights`
-    yields the adapter only, under PEFT's saved names: :func:`rlwire.trainer.lora.adapter_name`)."""
+    yields the adapter only, under PEFT's saved names:
+    :func:`rlwire.trainer.models.lora.adapter_name`)."""
 
     def __init__(self, config, model_path: str, device: torch.device) -> None:
         if config.actor.lora.enabled and not self.supports_lora:

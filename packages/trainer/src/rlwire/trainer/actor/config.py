@@ -9,7 +9,7 @@ from typing import Any
 from rlwire.grad_sync import GradSyncConfig
 
 from ..checks import check, check_engine
-from ..lora import LoraSection
+from ..models.lora import LoraSection
 from .base import ACTOR_ENGINES, actor_engine_class
 
 __all__ = ["ActorConfig", "MegatronSection", "OptimConfig"]
@@ -29,7 +29,7 @@ class OptimConfig:
     samples were drawn moved the policy by more than this many nats per response
     (``kl_behaviour_proximal`` x ``response_length``, over the whole batch): there one-step
     stale gradients at the full step overshoot, and token-level importance weights do not
-    see a shift of the whole response (measured in the trainer README). 0: on every stale
+    see a shift of the whole response (measured: docs/trainer/modes.md). 0: on every stale
     batch; null: never. ``lr_scale`` in the metrics shows each step's factor; colocated
     updates (lag 0) are never scaled."""
 
@@ -104,7 +104,7 @@ class ActorConfig:
     most micro-batches any rank needs (one all-reduce per mini-batch). Less padding is
     computed when lengths vary; the rows of a micro-batch are mixed long and short to balance
     the counts, so without ``use_remove_padding`` much padding remains and the gain is small
-    (measured in the trainer README). False: ``micro_batch_size`` rows each, padded to the
+    (measured: docs/trainer/algorithms.md). False: ``micro_batch_size`` rows each, padded to the
     mini-batch's longest prompt and response."""
     ppo_max_token_len_per_gpu: int = 16384
     """Real tokens per micro-batch on one rank with ``use_dynamic_bsz`` (verl's key and

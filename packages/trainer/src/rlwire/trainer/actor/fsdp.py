@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .. import lora
-from ..modeling import load_hf_model
-from ..step import clip_and_step
+from ..algorithms.step import clip_and_step
+from ..models import lora
+from ..models.modeling import load_hf_model
 from .base import ActorEngine
 
 __all__ = ["FSDP1Engine", "FSDP2Engine"]

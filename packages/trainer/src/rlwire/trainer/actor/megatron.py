@@ -32,7 +32,7 @@ from unittest import mock
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..modeling import load_hf_model
+from ..models.modeling import load_hf_model
 from .base import ActorEngine
 from .megatron_state import full_optimizer_state, load_full_optimizer_state
 

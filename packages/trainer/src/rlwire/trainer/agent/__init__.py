@@ -5,7 +5,8 @@ Lives here: the section (:mod:`.config`), the tool-call parsers (:mod:`.parsers`
 (:mod:`.tools`), environments (:mod:`.environment`), the chat-template seams between
 turns (:mod:`.render`), what a trajectory recorded (:mod:`.trajectory`), the loop on a
 rollout engine (:mod:`.loop`) and the built-in ``lookup`` task (:mod:`.lookup`). May import
-``rollout``, ``checks``, ``errors`` and ``plugins``; never the job, the workers or Ray.
+``rollout``, ``models`` and the foundation (``checks``, ``errors``, ``plugins``); never the
+job, the workers or Ray.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class AgentConfig:
 
 def check_agent(config) -> None:
     """What multi-turn rollouts need of the rest of the
-    :class:`~rlwire.trainer.config.TrainerConfig`: an engine that takes token ids in
+    :class:`~rlwire.trainer.config.root.TrainerConfig`: an engine that takes token ids in
     (``extend``), and validation at the training temperature."""
     rollout = config.rollout
     check(

@@ -21,8 +21,8 @@ import hashlib
 import random
 from pathlib import Path
 
+from ..models.tiny import LETTERS, build_tiny_model, build_tokenizer
 from ..rollout.common import Example
-from ..tiny import LETTERS, build_tiny_model, build_tokenizer
 
 __all__ = [
     "CHAT_TEMPLATE",

@@ -3,7 +3,7 @@ and what they hand back.
 
 Add an engine by subclassing :class:`RolloutEngine` in a module of its own and naming it
 in :data:`ROLLOUT_ENGINES`, or, outside this package, with
-``rollout.backend=pkg.module:Class``.
+``rollout.backend=pkg.module:Class``. Imports ``models`` and the foundation only.
 """
 
 from __future__ import annotations

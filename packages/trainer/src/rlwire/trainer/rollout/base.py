@@ -43,7 +43,7 @@ class RolloutEngine(abc.ABC):
     """A generation backend in one rollout worker.
 
     Args:
-        config: the whole :class:`rlwire.trainer.config.TrainerConfig`.
+        config: the whole :class:`rlwire.trainer.config.root.TrainerConfig`.
         model_path: a Hugging Face model directory (the initial weights).
         device: this worker's device.
         gpu_share: the fraction of its GPU this engine may use (several engines can share one).
@@ -69,7 +69,7 @@ class RolloutEngine(abc.ABC):
     generation for a transfer, only for the write at a boundary."""
     takes_lora: ClassVar[bool] = False
     """Whether the engine holds ``actor.lora``'s adapters over the base weights and applies
-    a sync of the adapter alone (by :func:`rlwire.trainer.lora.adapter_name`)."""
+    a sync of the adapter alone (by :func:`rlwire.trainer.models.lora.adapter_name`)."""
 
     def __init__(
         self,

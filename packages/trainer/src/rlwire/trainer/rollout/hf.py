@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from .. import lora
-from ..modeling import load_hf_model
+from ..models import lora
+from ..models.modeling import load_hf_model
 from .base import PartialRolloutEngine, StagingRolloutEngine
 from .common import Rollout, Sampling, weights_digest
 

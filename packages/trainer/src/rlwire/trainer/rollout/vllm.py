@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .. import lora
+from ..models import lora
 from .base import PartialRolloutEngine, SleepingRolloutEngine, StagingRolloutEngine
 from .common import Rollout, Sampling
 from .tokens import Row, continuation_rows, token_rollout

@@ -1,0 +1,443 @@
+"""The trainer's configuration: the sections (:mod:`rlwire.trainer.config.sections`) in one tree;
+YAML files and dotted overrides.
+
+Every default lives in its section's dataclass, once. ``load_config(path, overrides)`` starts from
+the defaults, merges a YAML file, then ``dotted.key=value`` overrides, and
+validates: an unknown key fails with the valid keys at that level and the
+closest match; a wrong type or out-of-range value fails naming the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rlwire.ckpt_engine import registry as engine_registry
+
+from ..agent.config import AgentConfig, check_agent
+from ..checks import check
+from ..data.tasks import builtin_task
+from ..data.validation import ValidationConfig
+from ..rollout.base import rollout_engine_class
+from .sections import (
+    ActorConfig,
+    AlgorithmConfig,
+    AsyncConfig,
+    CheckpointEngineConfig,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    RayConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerSection,
+)
+from .verl_keys import translate
+
+SMALL_MODEL_PARAMETERS = 1_000_000
+"""Below this a worker computes on one thread (``ray.worker_threads`` automatic)."""
+
+PRESETS: dict[str, tuple[str, ...]] = {
+    "realistic": (
+        "data.source=builtin:count",
+        "rollout.max_new_tokens=32",
+        "actor.optim.lr=5e-4",
+        "trainer.steps=400",
+        "trainer.output_dir=runs/realistic",
+    ),
+}
+"""Named jobs (``rlwire-train --preset NAME``): overrides applied over the defaults, before
+a config file and the command line's own. ``realistic``: the ``count`` task (response
+lengths with a long tail) at a learning rate where one update moves the policy about as
+far per token as a real LLM run's (docs/trainer/modes.md, "Realistic-regime job")."""
+
+# The sections themselves are public in rlwire.trainer.config.sections.
+__all__ = ["PRESETS", "ConfigError", "TrainerConfig", "describe_config", "load_config", "to_dict"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    ckpt_engine: CheckpointEngineConfig = dataclasses.field(default_factory=CheckpointEngineConfig)
+    trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+    async_: AsyncConfig = dataclasses.field(default_factory=AsyncConfig)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    """Fully-async mode (the key is ``async``; verl's ``async_training`` is accepted)."""
+    ray: RayConfig = dataclasses.field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        prompts, actor = self.data.train_batch_size, self.actor
+        mini = actor.ppo_mini_batch_size or prompts
+        per_step = actor.world_size * (actor.micro_batch_size or 1)
+        split = "actor.world_size" + (" x actor.micro_batch_size" if actor.micro_batch_size else "")
+        if mini == prompts:
+            check(
+                prompts * self.rollout.n % per_step == 0,
+                "data.train_batch_size",
+                prompts,
+                f"train_batch_size x rollout.n ({prompts * self.rollout.n}) must be a multiple "
+                f"of {split} ({per_step})",
+            )
+        else:
+            check(
+                prompts % mini == 0 and mini * self.rollout.n % per_step == 0,
+                "actor.ppo_mini_batch_size",
+                mini,
+                f"it must divide data.train_batch_size ({prompts}), and ppo_mini_batch_size x "
+                f"rollout.n must be a multiple of {split} ({per_step})",
+            )
+        if self.async_.partial_rollout and self.trainer.mode == "fully_async":
+            engine = rollout_engine_class(self.rollout.backend)
+            check(
+                engine.can_continue,
+                "async.partial_rollout",
+                True,
+                f"rollout.backend {self.rollout.backend!r} cannot continue responses "
+                f"(not a rlwire.trainer.rollout.PartialRolloutEngine); set it to false",
+            )
+
+        if self.agent.enable:
+            check_agent(self)
+        overlong = self.reward.overlong_buffer
+        if overlong.enable:
+            check(
+                overlong.len <= self.rollout.max_new_tokens,
+                "reward.overlong_buffer.len",
+                overlong.len,
+                f"use at most rollout.max_new_tokens ({self.rollout.max_new_tokens})",
+            )
+        if self.actor.lora.enabled:
+            check(
+                rollout_engine_class(self.rollout.backend).takes_lora,
+                "actor.lora.rank",
+                self.actor.lora.rank,
+                f"rollout.backend {self.rollout.backend!r} does not take LoRA adapters; use "
+                "rollout.backend=hf, or rank 0",
+            )
+        if self.rollout.hybrid_engine:
+            obstacles = self._hybrid_obstacles()
+            check(
+                not obstacles,
+                "rollout.hybrid_engine",
+                True,
+                f"it cannot be on with {'; '.join(obstacles)}; set it to false or null",
+            )
+        if self.ckpt_engine.delta == "on":
+            check(
+                rollout_engine_class(self.rollout.backend).takes_deltas,
+                "ckpt_engine.delta",
+                "on",
+                f"rollout.backend {self.rollout.backend!r} takes whole weights only; use "
+                "'auto' or 'off'",
+            )
+            backend = self.ckpt_engine.backend
+            try:
+                sends_deltas = backend == "auto" or engine_registry.capabilities(backend).delta
+            except (ValueError, ImportError) as err:  # unknown, or its dependency is missing
+                raise ConfigError(f"ckpt_engine.backend: {err}") from None
+            check(
+                sends_deltas,
+                "ckpt_engine.delta",
+                "on",
+                f"ckpt_engine.backend {backend!r} sends whole weights only; use 'auto' or 'off'",
+            )
+
+    def hybrid_engine(self) -> bool:
+        """Whether each rollout engine runs inside an actor rank's process
+        (``rollout.hybrid_engine``, resolved; see its description)."""
+        if self.rollout.hybrid_engine is not None:
+            return self.rollout.hybrid_engine
+        return not self._hybrid_obstacles()
+
+    def _hybrid_obstacles(self) -> list[str]:
+        """What keeps the rollout engines out of the actor ranks' processes."""
+        rollout, engine = self.rollout, rollout_engine_class(self.rollout.backend)
+        obstacles = {
+            f"trainer.mode={self.trainer.mode!r} (colocated only)": self.trainer.mode
+            != "colocated",
+            f"rollout.backend={rollout.backend!r} runs in its own process": not engine.hybrid,
+            f"rollout.num_workers={rollout.num_workers} (one engine per actor rank: "
+            f"actor.world_size={self.actor.world_size})": rollout.num_workers
+            != self.actor.world_size,
+            f"ckpt_engine.backend={self.ckpt_engine.backend!r} (in process: 'auto' or "
+            "'naive')": self.ckpt_engine.backend not in ("auto", "naive"),
+            "ckpt_engine.delta='on' (the in-process hand-over sends whole tensors)": (
+                self.ckpt_engine.delta == "on"
+            ),
+        }
+        return [what for what, blocks in obstacles.items() if blocks]
+
+    def worker_threads(self, parameters: int, cores: int) -> int:
+        """torch threads for a worker process on a node of ``cores`` cores whose model has
+        ``parameters`` parameters (``ray.worker_threads``; see its description)."""
+        if self.ray.worker_threads is not None:
+            return self.ray.worker_threads
+        if parameters < SMALL_MODEL_PARAMETERS:
+            return 1
+        world, workers = self.actor.world_size, self.rollout.num_workers
+        if self.hybrid_engine():
+            at_once = world
+        elif self.trainer.mode == "colocated":
+            at_once = max(world, workers)
+        else:
+            at_once = world + workers
+        return max(1, cores // at_once)
+
+    def reuses_training_logprobs(self) -> bool:
+        """Whether the update is exactly on-policy, so that the proximal log-probs are the
+        training forward's own (detached) and no separate forward pass is run for them:
+        colocated (the rollout holds the actor's weights), one mini-batch, one epoch, and
+        no off-policy correction that needs them before the loss (``rollout_is``,
+        ``rollout_rs``, ``bypass_mode``)."""
+        correction = self.algorithm.rollout_correction
+        return (
+            self.trainer.mode == "colocated"
+            and self.actor.ppo_mini_batch_size in (None, self.data.train_batch_size)
+            and self.actor.ppo_epochs == 1
+            and correction.is_level(off_policy=False) is None
+            and correction.rollout_rs is None
+            and not correction.bypass_mode
+        )
+
+    def mini_batch_rows(self) -> int:
+        """Samples per optimizer step on one actor rank."""
+        mini = self.actor.ppo_mini_batch_size or self.data.train_batch_size
+        return mini * self.rollout.n // self.actor.world_size
+
+    def micro_batch_rows(self) -> int:
+        """Samples per forward/backward on one actor rank (``actor.micro_batch_size``, or
+        the whole mini-batch share)."""
+        return self.actor.micro_batch_size or self.mini_batch_rows()
+
+
+def _key(field_name: str) -> str:
+    """A field's key in files and overrides: ``async_`` (a Python keyword) is ``async``."""
+    return field_name.rstrip("_")
+
+
+def _plain(value: Any) -> Any:
+    """A value as YAML and JSON write it: enums (a library's policy) by their value."""
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def to_dict(config: Any) -> dict:
+    """A nested plain dict of a config (for YAML, JSON and ``--print-config``)."""
+    return {_key(f.name): _plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+def _parse_scalar(text: str) -> Any:
+    """YAML's reading of an override value; numbers YAML 1.1 leaves as strings (``3e-4``) too."""
+    import yaml
+
+    value = yaml.safe_load(text) if text.strip() else ""
+    if isinstance(value, str):
+        number = _number(value)
+        return value if number is None else number
+    return value
+
+
+def _number(text: str) -> int | float | None:
+    """``text`` as an int or a float, or None when it is neither."""
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return kind(text)
+    return None
+
+
+def _coerce(key: str, annotation: Any, value: Any) -> Any:
+    hint = annotation
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        hint = options[0]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _number(value) is not None:
+            return float(value)  # YAML 1.1 reads "3e-4" in a file as a string
+    elif hint is str:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare on/off (yes/no) as a boolean
+            return "on" if value else "off"
+        if isinstance(value, (str, int, float)):
+            return str(value)
+    elif typing.get_origin(hint) is dict:
+        if isinstance(value, Mapping):
+            return dict(value)
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    else:
+        return value
+    raise ConfigError(f"{key}: {value!r} is not a {hint.__name__}")
+
+
+def _merge(cls: type, base: Any, updates: Mapping[str, Any], prefix: str) -> Any:
+    fields = {_key(f.name): f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {name: getattr(base, name) for name in fields.values()}
+    for key, value in updates.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{full}: unknown key; valid keys under {prefix.rstrip('.') or 'the top level'}: "
+                f"{', '.join(sorted(fields))}{hint}"
+            )
+        name = fields[key]
+        hint_type = hints[name]
+        if dataclasses.is_dataclass(hint_type):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
+            values[name] = _merge(hint_type, values[name], value, f"{full}.")
+        else:
+            values[name] = _coerce(full, hint_type, value)
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:
+        # A library's config names its own fields ("GradSyncConfig.policy: ..."): ours.
+        message = str(err).replace(f"{cls.__name__}.", prefix)
+        if message != str(err):
+            raise ConfigError(message) from None
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {err}") from err
+
+
+def _nest(dotted: Mapping[str, Any]) -> dict:
+    tree: dict = {}
+    for key, value in dotted.items():
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: conflicts with a value set for {part}")
+        node[parts[-1]] = value
+    return tree
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, preset: str | None = None
+) -> TrainerConfig:
+    """Defaults, then the preset's overrides (:data:`PRESETS`), then the YAML file at
+    ``path``, then ``key.sub=value`` overrides.
+
+    Raises:
+        ConfigError: unknown keys (with the valid ones and the closest match),
+            wrong types or values (naming the key), a malformed override, an unknown
+            preset, or a missing/unreadable file.
+    """
+    import yaml
+
+    flat: dict[str, Any] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"--preset: {preset!r} is unknown; use one of {sorted(PRESETS)}")
+        flat.update(_item(i) for i in PRESETS[preset])
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as err:
+            raise ConfigError(f"--config: cannot read {path}: {err.strerror}") from err
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--config: {path} is not valid YAML: {err}") from err
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"--config: {path} must hold a mapping of sections")
+        flat.update(_flatten(loaded))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        flat[key.strip()] = _parse_scalar(text)
+    ours = translate(flat)
+    task = builtin_task(ours.get("data.source", DataConfig().source))
+    if task is not None:  # the task's own settings, under everything the run sets
+        ours = {**dict(_item(i) for i in task.defaults), **ours}
+    return _merge(TrainerConfig, TrainerConfig(), _nest(ours), "")
+
+
+def _item(text: str) -> tuple[str, Any]:
+    key, _, value = text.partition("=")
+    return key, _parse_scalar(value)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under each field of ``cls`` (read from its source)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def describe_config() -> str:
+    """A Markdown reference of every section and key: type, default and documentation."""
+    lines: list[str] = []
+    root = TrainerConfig()
+
+    def section(obj: Any, prefix: str) -> None:
+        cls = type(obj)
+        hints = typing.get_type_hints(cls)
+        docs = _field_docs(cls)
+        rows, nested = [], []
+        for f in dataclasses.fields(cls):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                nested.append((value, f"{prefix}{_key(f.name)}."))
+                continue
+            kind = getattr(hints[f.name], "__name__", str(hints[f.name])).replace("|", "or")
+            key, doc = f"{prefix}{_key(f.name)}", docs.get(f.name, "")
+            rows.append(f"| `{key}` | {kind} | `{_plain(value)!r}` | {doc} |")
+        if rows:
+            lines.append(f"\n### `{prefix.rstrip('.')}`\n")
+            lines.append("| key | type | default | meaning |\n|---|---|---|---|")
+            lines.extend(rows)
+        for child, child_prefix in nested:
+            section(child, child_prefix)
+
+    section(root, "")
+    return "\n".join(lines).strip() + "\n"

@@ -1,0 +1,411 @@
+"""The sections of the trainer's configuration: typed, documented dataclasses, each
+validating its own values (``ConfigError`` names the key, the value and what is allowed).
+:mod:`rlwire.trainer.config.root` assembles them and reads files and overrides. Sections owned
+by one part of the trainer live beside it and are re-exported here: ``actor``
+(:mod:`rlwire.trainer.actor.config`), ``data`` (:mod:`rlwire.trainer.data.dataset`), ``algorithm``
+(:mod:`rlwire.trainer.algorithms.advantages`) and its ``rollout_correction``
+(:mod:`rlwire.trainer.algorithms.correction`), ``actor.lora``
+(:mod:`rlwire.trainer.models.lora`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, DELTA_MODES, parse_bucket_size
+
+from ..actor.config import ActorConfig, MegatronSection, OptimConfig
+from ..algorithms.advantages import AlgorithmConfig
+from ..algorithms.shaping import OverlongBufferConfig
+from ..checks import ConfigError, check, check_choice, check_engine
+from ..data.dataset import DataConfig
+from ..outputs.loggers import LOGGERS
+from ..rollout.base import ROLLOUT_ENGINES, rollout_engine_class
+
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "AsyncConfig",
+    "CheckpointEngineConfig",
+    "ConfigError",
+    "DataConfig",
+    "MegatronSection",
+    "ModelConfig",
+    "OptimConfig",
+    "RayConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainerSection",
+    "VLLMSection",
+]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    path: str = "tiny"
+    """A local Hugging Face model directory, or ``tiny``: a small Qwen2-architecture
+    model with random weights and a matching tokenizer, built locally (no
+    download) and cached under the output directory."""
+    dtype: str = "float32"
+    """Parameter dtype of the actor and of the rollout copy it updates: ``float32`` or
+    ``bfloat16``."""
+
+    def __post_init__(self) -> None:
+        check_choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    function: str = "builtin"
+    """``builtin`` (the built-in task's partial-credit reward), ``gsm8k`` (the ``#### answer``
+    format), ``math`` (boxed answers checked with ``math-verify``; extra
+    ``rlwire-trainer[math]``), or ``module.path:function`` / ``file.py:function``: either
+    ``f(prompts, responses, answers) -> list[float]`` for a batch, or verl's per-sample
+    ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` returning a
+    float or a dict with ``"score"`` (its other numbers become metrics, and
+    ``algorithm.filter_groups.metric`` may name one). verl's
+    ``custom_reward_function.path`` and ``.name`` are accepted."""
+    overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class VLLMSection:
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache size of each vLLM engine in bytes. None: on GPUs sized from
+    ``gpu_memory_utilization``; on CPUs 64 MiB (enough for the tiny job; sizing from
+    memory would claim most of the machine)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the GPU's memory vLLM may use (weights and KV cache; vLLM checks at start
+    that this much is free), split evenly between the rollout workers on one GPU."""
+    max_model_len: int | None = None
+    """Longest prompt + response (None: the model's own limit)."""
+    enforce_eager: bool = True
+    """No CUDA graphs / compilation: fast start, slower decoding on GPUs."""
+    request_timeout: float = 600.0
+    """``vllm_server``: seconds any HTTP call to a server may take before the run stops
+    with a line naming the server."""
+
+    def __post_init__(self) -> None:
+        check(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "rollout.vllm.kv_cache_memory_bytes",
+            self.kv_cache_memory_bytes,
+            "use an int > 0 or null",
+        )
+        check(
+            0 < self.gpu_memory_utilization <= 1,
+            "rollout.vllm.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "use a float in (0, 1]",
+        )
+        check(
+            self.request_timeout > 0,
+            "rollout.vllm.request_timeout",
+            self.request_timeout,
+            "use seconds > 0",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    backend: str = "hf"
+    """Generation engine: ``hf`` (Hugging Face ``generate`` on a plain copy of the
+    policy), ``vllm`` (a live ``vllm.LLM`` engine; extra ``rlwire-trainer[vllm]``),
+    ``vllm_server`` (``vllm serve`` servers over HTTP: see ``rollout.server_urls``),
+    ``paced`` (``hf`` at a set wall time per decoding step, ``rollout.paced_step_s``: a
+    stand-in for an engine off the trainer's CPUs, for benchmarks and tests), or a
+    dotted path ``package.module:Class`` to a ``rlwire.trainer.rollout.RolloutEngine``
+    subclass (imported when the config loads, and in every rollout worker)."""
+    num_workers: int = 1
+    """Rollout workers (Ray actors), each with its own engine; all receive every weight
+    update through the checkpoint engine."""
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    max_new_tokens: int = 8
+    """Tokens generated per sample."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+    hybrid_engine: bool | None = None
+    """Run each rollout engine inside an actor rank's process (verl's
+    ``actor_rollout_ref.hybrid_engine``), one per rank: a weight sync is a hand-over in
+    memory (the ``naive`` checkpoint engine), one call per rank, and there is no rollout
+    process to start. None: on where it can be: colocated mode, a rollout backend that can
+    share the actor's process (``hf``; ``vllm`` runs in its own), ``rollout.num_workers``
+    equal to ``actor.world_size``, ``ckpt_engine.backend`` ``auto`` or ``naive`` and
+    ``ckpt_engine.delta`` not ``on``; false: rollout workers of their own."""
+    vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
+    server_urls: list[str] | None = None
+    """``vllm_server``: running servers, one per rollout worker (``http://host:port``;
+    started with the flags docs/trainer/rollout-backends.md names). None: each rollout
+    worker starts one on its node."""
+    paced_step_s: float = 0.004
+    """``rollout.backend=paced`` only: wall seconds per decoding step of every generation
+    call; the ``hf`` engine's generation, with the rest of that time waited out without
+    using the CPU, as a GPU engine or a remote server looks to the trainer (benchmarks
+    and tests of overlap)."""
+
+    def __post_init__(self) -> None:
+        check_engine(self.backend, "rollout.backend", ROLLOUT_ENGINES, rollout_engine_class)
+        check(self.paced_step_s >= 0, "rollout.paced_step_s", self.paced_step_s, "use >= 0")
+        check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
+        check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")
+        check(
+            self.max_new_tokens >= 1,
+            "rollout.max_new_tokens",
+            self.max_new_tokens,
+            "use an int >= 1",
+        )
+        check(self.temperature > 0, "rollout.temperature", self.temperature, "use a float > 0")
+        urls = self.server_urls
+        if urls is not None:
+            check(
+                self.backend == "vllm_server",
+                "rollout.server_urls",
+                urls,
+                "set it with rollout.backend=vllm_server only",
+            )
+            check(
+                all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls),
+                "rollout.server_urls",
+                urls,
+                "use http://host:port URLs",
+            )
+            check(
+                len(urls) == self.num_workers,
+                "rollout.server_urls",
+                urls,
+                f"give one per rollout worker (rollout.num_workers={self.num_workers})",
+            )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CheckpointEngineConfig:
+    backend: str = "auto"
+    """A ``rlwire.ckpt_engine`` backend name, or ``auto``: on CPUs ``shm`` when every member
+    is on one host and ``/dev/shm`` can hold the weights twice over (then actor rank 0 keeps
+    the full weights in its shared arena: zero-copy), else ``gloo``; on GPUs ``cuda_ipc``
+    when every rollout worker shares actor rank 0's GPU, ``nccl`` when every member has a
+    GPU of its own, else ``gloo``."""
+    bucket_size: str | None = None
+    """Bytes per bucket (``rlwire.ckpt_engine.parse_bucket_size`` syntax: ``512MiB``,
+    ``2GB``, bytes, or ``auto``); None takes the library's default
+    (``rlwire.ckpt_engine.DEFAULT_BUCKET_SIZE``). Checked when the config is loaded."""
+    timeout: float = DEFAULT_TIMEOUT_S
+    """Seconds any weight-sync wait may block before the run stops with an error (the
+    library's default, ``rlwire.ckpt_engine.DEFAULT_TIMEOUT_S``)."""
+    delta: str = "auto"
+    """Lossless delta updates (``rlwire.ckpt_engine``'s ``delta``): ``on`` sends only the
+    elements that changed since the last sync when every rollout worker holds it (``hf``,
+    ``vllm`` and ``vllm_server`` do);
+    ``auto`` does so until a delta is not below half the dense bytes (fp32 weights under
+    AdamW change almost everywhere: then dense from there on); ``off``. Costs actor rank 0
+    one copy of the full weights. Bucketed backends only (``gloo``, ``shm``, ``nccl``,
+    ``cuda_ipc``); with another backend, or a rollout backend that takes whole weights
+    only, ``auto`` means ``off`` and ``on`` is refused."""
+    digest: bool = False
+    """After every sync, hash the weights on the sending and on each receiving side
+    (SHA-256 of the fp32 bytes; ``hf`` backend) and record both in the metrics. Costs
+    one pass over the weights per side; for checking that updates really arrive."""
+
+    def __post_init__(self) -> None:
+        try:
+            parse_bucket_size(self.bucket_size)
+        except ValueError as err:  # "bucket_size: ... is not allowed; use ..."
+            raise ConfigError(f"ckpt_engine.{err}") from None
+        check(self.timeout > 0, "ckpt_engine.timeout", self.timeout, "use seconds > 0")
+        check_choice(self.delta, "ckpt_engine.delta", DELTA_MODES)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class AsyncConfig:
+    staleness_threshold: float = 1.0
+    """verl's bound on stale samples (``trainer.mode=fully_async``): rollout workers pause
+    once ``R x T x (1 + staleness_threshold)`` prompt groups were started since the last
+    weight sync (counting those still queued at it), where ``R`` is
+    ``data.train_batch_size`` and ``T`` is ``trigger_parameter_sync_step``. 0 makes every
+    update wait for fresh samples."""
+    trigger_parameter_sync_step: int = 1
+    """Push weights to the rollout workers after every this many updates."""
+    max_version_lag: int | None = None
+    """Groups generated more than this many versions before the weights being updated
+    are dropped (counted as ``dropped_samples``). None: ``T x (1 + ceil(S)) - 1``, the
+    most the bound above allows, so nothing is dropped in a steady run."""
+    sample_timeout: float = 600.0
+    """Seconds the trainer may wait for one step's samples before the run stops."""
+    chunk_groups: int | None = None
+    """Prompt groups a rollout worker generates per task (one engine call, or one agent
+    loop). None: ``data.train_batch_size`` over the workers, rounded up. Larger chunks
+    amortise what a task pays whatever its size (a tool's latency per turn in multi-turn
+    rollouts); the staleness bound still caps the groups in flight."""
+    partial_rollout: bool = False
+    """Partial rollouts: when a weight sync is requested, rollout workers stop at the end
+    of the current token chunk, apply the update and continue the unfinished responses
+    with the new weights; every token keeps the version and behaviour log-prob it was
+    sampled with, and a sample's lag is its oldest token's. Needs a rollout engine that
+    can continue responses (``hf``, ``vllm``)."""
+    partial_rollout_chunk_tokens: int = 8
+    """With ``partial_rollout``: tokens generated between two checks for a weight sync."""
+
+    def __post_init__(self) -> None:
+        check(
+            self.staleness_threshold >= 0,
+            "async.staleness_threshold",
+            self.staleness_threshold,
+            "use a float >= 0",
+        )
+        check(
+            self.trigger_parameter_sync_step >= 1,
+            "async.trigger_parameter_sync_step",
+            self.trigger_parameter_sync_step,
+            "use an int >= 1",
+        )
+        check(
+            self.max_version_lag is None or self.max_version_lag >= 0,
+            "async.max_version_lag",
+            self.max_version_lag,
+            "use an int >= 0 or null",
+        )
+        check(
+            self.chunk_groups is None or self.chunk_groups >= 1,
+            "async.chunk_groups",
+            self.chunk_groups,
+            "use an int >= 1 or null",
+        )
+        check(self.sample_timeout > 0, "async.sample_timeout", self.sample_timeout, "use > 0")
+        check(
+            self.partial_rollout_chunk_tokens >= 1,
+            "async.partial_rollout_chunk_tokens",
+            self.partial_rollout_chunk_tokens,
+            "use an int >= 1",
+        )
+
+    def version_lag_bound(self) -> int:
+        """The largest version lag a consumed group may have."""
+        if self.max_version_lag is not None:
+            return self.max_version_lag
+        t = self.trigger_parameter_sync_step
+        return t * (1 + math.ceil(self.staleness_threshold)) - 1
+
+
+MODES = ("colocated", "one_step_off", "fully_async")
+"""``trainer.mode``'s values."""
+_MODE_ALIASES = {"one_step_off_policy": "one_step_off", "fully_async_policy": "fully_async"}
+"""verl's recipe names for the modes."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainerSection:
+    mode: str = "colocated"
+    """``colocated`` (generate, then update, then sync: every sample is on-policy),
+    ``one_step_off`` (verl's ``one_step_off_policy`` recipe, also accepted: the next batch
+    is generated with the previous weights while the update runs; every sample after the
+    first batch is exactly one version stale, the sync happens between steps, and the run
+    is deterministic for a seed) or ``fully_async`` (rollout workers generate continuously
+    into a bounded queue while the actor trains; see the ``async`` section; verl's
+    ``fully_async_policy`` is accepted)."""
+    steps: int = 100
+    """Optimizer steps to run (the embedded job: about a minute on 2 CPU cores)."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    output_dir: str = "runs/default"
+    """Run directory: config, metrics.jsonl, plot, log, checkpoints."""
+    rollout_data_dir: str | None = None
+    """Write every step's trained samples here as JSONL (verl's key), ``<step>.jsonl``: one
+    line a sample (a trajectory), with the prompt and the conversation as text, the token
+    ids, the loss mask, the model tokens' behaviour log-probs and versions, the turns and
+    tool calls, the reward and the advantage. None: not written."""
+    save_every: int = 25
+    """Checkpoint every this many steps (0: only at the end)."""
+    max_checkpoints_to_keep: int | None = None
+    """Complete checkpoints kept in ``checkpoints/`` (verl's ``max_actor_ckpt_to_keep``):
+    older ones, and unfinished ones older than the newest complete one, are removed only
+    after a newer checkpoint is complete. Null: keep all."""
+    resume: str = "auto"
+    """``auto`` (latest checkpoint in output_dir, if any), ``never``, or a checkpoint path."""
+    logger: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
+    """Where each step's metrics go (verl's key): any of ``console`` (a line per step),
+    ``jsonl`` (``metrics.jsonl``, always written), ``tensorboard`` (extra
+    ``rlwire-trainer[tensorboard]``) and ``wandb`` (extra ``rlwire-trainer[wandb]``; offline
+    unless ``WANDB_API_KEY`` is set)."""
+    project_name: str = "rlwire"
+    """The wandb project."""
+    experiment_name: str | None = None
+    """The wandb run name (None: the run directory's name)."""
+    balance_batch: bool = False
+    """verl's key: give every actor rank the same number of samples with near-equal real
+    tokens (prompt + response; :func:`rlwire.trainer.algorithms.micro_batches.rank_shares`) rather
+    than
+    consecutive rows, so that no rank waits for one holding the long responses. Off by
+    default here (verl's default is on): it reorders the samples over the ranks, which
+    changes a multi-rank run's floating-point sums."""
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether samples may come from older weights than those being updated (every
+        mode but ``colocated``): the off-policy correction's ``auto`` turns on, and the
+        proximal log-probs need their own forward pass."""
+        return self.mode != "colocated"
+
+    def __post_init__(self) -> None:
+        self.mode = _MODE_ALIASES.get(self.mode, self.mode)
+        check_choice(self.mode, "trainer.mode", MODES)
+        if isinstance(self.logger, str):  # one name, or verl's list
+            self.logger = [self.logger]
+        check(
+            isinstance(self.logger, list), "trainer.logger", self.logger, f"use a list of {LOGGERS}"
+        )
+        for name in self.logger:
+            check_choice(name, "trainer.logger", LOGGERS)
+        check(self.steps >= 1, "trainer.steps", self.steps, "use an int >= 1")
+        check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
+        keep = self.max_checkpoints_to_keep
+        check(
+            keep is None or keep >= 1,
+            "trainer.max_checkpoints_to_keep",
+            keep,
+            "use an int >= 1, or null (keep all)",
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RayConfig:
+    address: str | None = None
+    """An existing cluster (``ray://...`` or ``host:port``); None: ``RAY_ADDRESS`` or local."""
+    num_cpus: int | None = None
+    """CPUs of the embedded local cluster (None: all, and at least one per worker)."""
+    num_gpus: int | None = None
+    """GPUs of the embedded local cluster (None: Ray detects them)."""
+    worker_threads: int | None = None
+    """torch threads in every actor rank and rollout worker; None: automatic, once the
+    model is loaded: one for a model under 1M parameters (its ops are too small to split:
+    the default job ran at 2326 samples/s with one, 1901 with two), otherwise the node's
+    cores shared among the processes that compute at the same time (the actor ranks in
+    hybrid colocated mode; the larger of actor ranks and rollout workers when their phases
+    alternate; all of them in fully-async mode): a 24M-parameter model on this 2-core
+    machine went from 46 to 73 samples/s with two."""
+    driver_threads: int = 1
+    """torch threads in the driver's process while the job runs (restored after). Its
+    tensor work is bookkeeping (advantages, batches, metrics); with more threads each
+    small op leaves them spinning on cores the workers need (default job on this 2-core
+    machine: 1807-2237 samples/s with torch's default of two, 2488-2808 with one). A reward
+    function heavy in torch may want more."""
+    startup_timeout: float = 120.0
+    """Seconds for the workers to be scheduled and start before the run stops."""
+    task_timeout: float = 3600.0
+    """Seconds any one call to the workers may take (a generation, an update, a save)
+    before the run stops with an error naming it. Weight syncs are bounded by
+    ``ckpt_engine.timeout`` per wait instead (a large model may take longer in all)."""
+
+    def __post_init__(self) -> None:
+        for key in ("startup_timeout", "task_timeout"):
+            value = getattr(self, key)
+            check(value > 0, f"ray.{key}", value, "use seconds > 0")
+        check(
+            self.driver_threads >= 1, "ray.driver_threads", self.driver_threads, "use an int >= 1"
+        )
+        check(
+            self.worker_threads is None or self.worker_threads >= 1,
+            "ray.worker_threads",
+            self.worker_threads,
+            "use an int >= 1, or null (automatic)",
+        )

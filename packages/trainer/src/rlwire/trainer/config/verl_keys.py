@@ -1,0 +1,331 @@
+"""verl's configuration keys: the ones naming a feature ``rlwire-train`` has, mapped to its own
+keys (overrides and ``--config`` files alike); the ones naming a feature it lacks, refused
+together in one message.
+
+A verl key for a missing feature is accepted only when it leaves the feature off (false,
+null, 0 or empty), since nothing is then asked for; any other value stops the run.
+:func:`alias_table` is the README's table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..checks import ConfigError
+
+__all__ = ["ALIASES", "alias_table", "translate"]
+
+
+def _same(key: str, value: Any) -> Any:
+    return value
+
+
+def _same_none(key: str, value: Any) -> Any:
+    return None  # accepted, nothing to set
+
+
+def _choices(mapping: Mapping[Any, Any]) -> Callable[[str, Any], Any]:
+    def convert(key: str, value: Any) -> Any:
+        if value not in mapping:
+            raise ConfigError(f"{key}: {value!r} is not allowed; use one of {list(mapping)}")
+        return mapping[value]
+
+    return convert
+
+
+def _one_file(key: str, value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ConfigError(f"{key}: rlwire-train reads one file; got {len(value)}: {value!r}")
+        return value[0]
+    return value
+
+
+def _mebibytes(key: str, value: Any) -> Any:
+    return f"{value}MiB"  # verl's megabytes are 2**20 bytes
+
+
+def _instead(what: str) -> Callable[[str, Any], Any]:
+    """A verl key whose feature rlwire-train has under another form: null only, else one
+    line saying what to use instead."""
+
+    def convert(key: str, value: Any) -> Any:
+        if value is not None:
+            raise ConfigError(f"{key}: {value!r} is not allowed here; {what}")
+        return None
+
+    return convert
+
+
+def _no_cut(key: str, value: Any) -> Any:
+    if value != "error":
+        raise ConfigError(
+            f"{key}: {value!r} is not allowed; rlwire-train never cuts a prompt: use 'error' "
+            "(a prompt over data.max_prompt_length stops the run naming its row) and "
+            "data.filter_overlong_prompts=true to drop such rows instead"
+        )
+    return None
+
+
+def _freq(key: str, value: Any) -> Any:
+    return 0 if value == -1 else value  # verl's -1: never periodically (ours: 0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Alias:
+    verl: str
+    ours: str
+    convert: Callable[[str, Any], Any] = _same
+    note: str = ""
+
+
+_ACTOR, _ROLLOUT = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
+_NO_SYNC = _choices({True: "defer", False: "every"})
+_ONE = "rollout's and ref's: one value (set both alike)"
+
+ALIASES: tuple[Alias, ...] = (
+    Alias("data.train_files", "data.source", _one_file, "one file"),
+    Alias("data.max_response_length", "rollout.max_new_tokens"),
+    Alias("data.truncation", "", _no_cut, "'error' only: data.filter_overlong_prompts drops"),
+    Alias("data.filter_overlong_prompts_workers", "", _same_none, "tokenized in the driver"),
+    Alias("actor_rollout_ref.model.path", "model.path"),
+    Alias("actor_rollout_ref.model.lora_rank", "actor.lora.rank"),
+    Alias("actor_rollout_ref.model.lora_alpha", "actor.lora.alpha"),
+    Alias("actor_rollout_ref.model.target_modules", "actor.lora.target_modules"),
+    Alias(_ACTOR + "strategy", "actor.strategy"),
+    Alias(_ACTOR + "optim.lr", "actor.optim.lr"),
+    Alias(_ACTOR + "optim.weight_decay", "actor.optim.weight_decay"),
+    Alias(_ACTOR + "grad_clip", "actor.optim.grad_clip"),
+    Alias(_ACTOR + "clip_ratio", "algorithm.clip_ratio"),
+    Alias(_ACTOR + "ppo_mini_batch_size", "actor.ppo_mini_batch_size"),
+    Alias(_ACTOR + "ppo_epochs", "actor.ppo_epochs"),
+    Alias(_ACTOR + "ppo_micro_batch_size_per_gpu", "actor.micro_batch_size"),
+    Alias(_ACTOR + "use_dynamic_bsz", "actor.use_dynamic_bsz"),
+    Alias(_ACTOR + "ppo_max_token_len_per_gpu", "actor.ppo_max_token_len_per_gpu"),
+    *(  # the forward-only passes (verl sets the proximal's under rollout): one value here
+        Alias(f"actor_rollout_ref.{part}.log_prob_{key}", f"actor.log_prob_{key}", _same, _ONE)
+        for part in ("rollout", "ref")
+        for key in ("use_dynamic_bsz", "max_token_len_per_gpu")
+    ),
+    Alias("actor_rollout_ref.model.use_remove_padding", "actor.use_remove_padding"),
+    Alias(_ACTOR + "clip_ratio_low", "algorithm.clip_ratio_low"),
+    Alias(_ACTOR + "clip_ratio_high", "algorithm.clip_ratio_high"),
+    Alias(_ACTOR + "clip_ratio_c", "algorithm.clip_ratio_c"),
+    Alias(_ACTOR + "policy_loss.loss_mode", "algorithm.loss_mode"),
+    Alias(_ACTOR + "entropy_coeff", "algorithm.entropy_coeff"),
+    Alias(_ACTOR + "loss_agg_mode", "algorithm.loss_agg"),
+    *(  # verl's key, and the short spelling rlwire-train accepted before
+        Alias(key, "actor.grad_sync.policy", _NO_SYNC, "true: defer, false: every")
+        for key in (
+            _ACTOR + "fsdp_config.use_no_sync_for_gradient_accumulation",
+            "actor.fsdp.use_no_sync_for_gradient_accumulation",
+        )
+    ),
+    Alias("actor_rollout_ref.hybrid_engine", "rollout.hybrid_engine"),
+    Alias(_ROLLOUT + "name", "rollout.backend", _choices({"hf": "hf", "vllm": "vllm"})),
+    Alias(_ROLLOUT + "n", "rollout.n"),
+    Alias(_ROLLOUT + "temperature", "rollout.temperature"),
+    Alias(_ROLLOUT + "gpu_memory_utilization", "rollout.vllm.gpu_memory_utilization"),
+    Alias(_ROLLOUT + "enforce_eager", "rollout.vllm.enforce_eager"),
+    Alias(_ROLLOUT + "max_model_len", "rollout.vllm.max_model_len"),
+    Alias(
+        _ROLLOUT + "checkpoint_engine.backend",
+        "ckpt_engine.backend",
+        lambda key, value: str(value).removeprefix("rlwire_"),
+        "rlwire_<name> -> <name>",
+    ),
+    Alias(
+        _ROLLOUT + "checkpoint_engine.update_weights_bucket_megabytes",
+        "ckpt_engine.bucket_size",
+        _mebibytes,
+        "N -> 'NMiB'",
+    ),
+    *(
+        Alias(_ROLLOUT + f"multi_turn.{key}", f"agent.{key}")
+        for key in (
+            "enable",
+            "max_assistant_turns",
+            "max_user_turns",
+            "max_parallel_calls",
+            "max_tool_response_length",
+            "format",
+        )
+    ),
+    Alias(
+        _ROLLOUT + "multi_turn.tool_response_truncate_side",
+        "",
+        _choices({"middle": None}),
+        "'middle' only",
+    ),
+    Alias(
+        _ROLLOUT + "multi_turn.tool_config_path",
+        "",
+        _instead(
+            "verl's tool classes (verl.tools.base_tool.BaseTool) run only inside verl; name "
+            "plain Python functions in agent.tools (package.module:function) instead"
+        ),
+        "null only: agent.tools",
+    ),
+    Alias(
+        _ROLLOUT + "multi_turn.interaction_config_path",
+        "",
+        _instead(
+            "verl's interactions run only inside verl; name an rlwire.trainer.agent.Environment "
+            "subclass in agent.environment (package.module:Class) instead"
+        ),
+        "null only: agent.environment",
+    ),
+    Alias("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
+    *(  # verl 0.9's dapo reward manager's keys, and the DAPO recipe's older spelling
+        Alias(f"{prefix}.{key}", f"reward.overlong_buffer.{key}")
+        for prefix in ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.overlong_buffer")
+        for key in ("enable", "len", "penalty_factor")
+    ),
+    *(
+        Alias(f"{prefix}.log", "", _same_none, "always logged")
+        for prefix in ("reward.reward_kwargs.overlong_buffer_cfg", "reward_model.overlong_buffer")
+    ),
+    Alias("algorithm.adv_estimator", "algorithm.adv_estimator"),
+    Alias("algorithm.gamma", "", _choices({1: None}), "only 1 (outcome rewards)"),
+    Alias("data.val_files", "validation.source", _one_file, "one file"),
+    Alias("trainer.test_freq", "validation.every", _freq, "-1 -> 0"),
+    Alias("trainer.val_before_train", "validation.before_train"),
+    *(
+        Alias(_ROLLOUT + f"val_kwargs.{key}", f"validation.{key}")
+        for key in ("n", "temperature", "do_sample")
+    ),
+    Alias(_ROLLOUT + "val_kwargs.top_k", "", _choices({-1: None, 0: None}), "-1 or 0 only"),
+    Alias(_ROLLOUT + "val_kwargs.top_p", "", _choices({1: None}), "1.0 only"),
+    Alias("trainer.total_training_steps", "trainer.steps"),
+    Alias("trainer.save_freq", "trainer.save_every", _freq, "-1 -> 0"),
+    Alias("trainer.max_actor_ckpt_to_keep", "trainer.max_checkpoints_to_keep"),
+    Alias("trainer.default_local_dir", "trainer.output_dir"),
+    Alias(
+        "trainer.resume_mode",
+        "trainer.resume",
+        _choices({"auto": "auto", "disable": "never", "resume_path": None}),
+        "disable: never; resume_path: trainer.resume_from_path",
+    ),
+    Alias("trainer.resume_from_path", "trainer.resume"),
+)
+"""One verl key each; ``ours`` empty: checked, nothing to set."""
+
+# verl keys that combine into one of ours: (keys, our key, how, note)
+_COMBINED = (
+    (
+        (_ACTOR + "use_kl_loss", _ACTOR + "kl_loss_coef", _ACTOR + "kl_loss_type"),
+        "algorithm.kl_coef",
+        "use_kl_loss true: kl_loss_coef (kl_loss_type low_var_kl, the k3 estimator); false: 0",
+    ),
+    (
+        (_ACTOR + "fsdp_config.param_offload", _ACTOR + "fsdp_config.optimizer_offload"),
+        "actor.offload",
+        "both true or both false",
+    ),
+    (
+        ("custom_reward_function.path", "custom_reward_function.name"),
+        "reward.function",
+        "path:name (name defaults to compute_score)",
+    ),
+)
+
+_VERL_SECTIONS = (
+    "actor_rollout_ref.",
+    "critic.",
+    "reward_model.",
+    "ray_kwargs.",
+    "global_profiler.",
+)
+# verl keys in sections both share, for features rlwire-train does not have
+_VERL_SHARED = {
+    "data.return_raw_chat",
+    "data.shuffle",
+    "algorithm.lam",
+    "trainer.n_gpus_per_node",
+    "trainer.nnodes",
+    "trainer.critic_warmup",
+}
+_BY_KEY = {a.verl: a for a in ALIASES}
+_PREFIXES = (("async_training.", "async."),)
+
+
+def _off(value: Any) -> bool:
+    return value is None or value is False or value == 0 or value in ("", [], {})
+
+
+def _combine(flat: dict[str, Any], out: dict[str, Any]) -> None:
+    """The verl keys that make one of ours (taken out of ``flat``)."""
+    use, coef, kind = (flat.pop(k, None) for k in _COMBINED[0][0])
+    if use is not None or coef is not None or kind is not None:
+        if kind not in (None, "low_var_kl"):
+            raise ConfigError(
+                f"{_COMBINED[0][0][2]}: {kind!r} is not allowed; rlwire-train's KL loss is "
+                "verl's 'low_var_kl' (the k3 estimator)"
+            )
+        out["algorithm.kl_coef"] = (coef if coef is not None else 0.001) if use else 0.0
+    params, optimizer = (flat.pop(k, None) for k in _COMBINED[1][0])
+    if params is not None or optimizer is not None:
+        if params is not None and optimizer is not None and bool(params) != bool(optimizer):
+            raise ConfigError(
+                f"{_COMBINED[1][0][0]} and {_COMBINED[1][0][1]}: rlwire-train offloads "
+                "parameters and optimizer state together; set both alike"
+            )
+        out["actor.offload"] = bool(params if params is not None else optimizer)
+    path, name = (flat.pop(k, None) for k in _COMBINED[2][0])
+    if path:  # verl leaves the path null for its built-in rewards
+        out["reward.function"] = f"{path}:{name or 'compute_score'}"
+
+
+def translate(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Dotted keys with verl's replaced by ours; verl keys for missing features refused."""
+    flat = dict(flat)
+    out: dict[str, Any] = {}
+    _combine(flat, out)
+    given: dict[str, str] = {}  # our key -> the key that set it
+
+    def put(ours: str, value: Any, source: str) -> None:
+        """``ours`` from ``source``; two spellings of one key must agree."""
+        if ours in given and out[ours] != value:
+            raise ConfigError(
+                f"{given[ours]}={out[ours]!r} and {source}={value!r} both set {ours}; "
+                "give one value"
+            )
+        given[ours], out[ours] = source, value
+
+    refused = []
+    for key, value in flat.items():
+        given_key = key
+        for theirs, ours in _PREFIXES:
+            if key.startswith(theirs):
+                key = ours + key.removeprefix(theirs)
+        alias = _BY_KEY.get(key)
+        if alias is not None:
+            converted = alias.convert(key, value)
+            if alias.ours and converted is not None:  # None: nothing to set
+                put(alias.ours, converted, given_key)
+        elif key.startswith(_VERL_SECTIONS) or key in _VERL_SHARED:
+            if not _off(value):
+                refused.append(f"{key}={value!r}")
+        else:
+            put(key, value, given_key)
+    if refused:
+        raise ConfigError(
+            f"verl keys for features rlwire-train does not have: {', '.join(refused)}; remove "
+            "them (or set them off: false, null or 0). The mapped keys are listed in the "
+            "trainer README (verl's keys)"
+        )
+    return out
+
+
+def alias_table() -> str:
+    """The README's Markdown table: verl key -> rlwire key."""
+    rows = ["| verl key | rlwire key | note |", "|---|---|---|"]
+    for a in ALIASES:
+        rows.append(f"| `{a.verl}` | {f'`{a.ours}`' if a.ours else '(checked only)'} | {a.note} |")
+    for keys, ours, note in _COMBINED:
+        rows.append(f"| {', '.join(f'`{k}`' for k in keys)} | `{ours}` | {note} |")
+    for theirs, ours in _PREFIXES:
+        rows.append(f"| `{theirs}*` | `{ours}*` | the same keys |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,347 @@
+"""The training data: the built-in task, or a JSONL/Parquet file in a plain or verl layout,
+as a deterministic function ``step -> [Example] * data.train_batch_size``.
+
+A row's prompt is a string, or a list of chat messages (verl's layout) rendered with the
+model tokenizer's chat template (``add_generation_prompt=True``). Keys may name nested
+fields with dots (``reward_model.ground_truth``). With ``data.answer_key`` unset the
+ground truth is the row's ``answer``, else verl's ``reward_model.ground_truth``;
+``data_source`` and ``extra_info`` are read when present and reach the reward.
+
+A file's prompts are tokenized at start (as the rollout engines will: no special tokens
+added) and checked against ``data.max_prompt_length`` and the room the model's context
+leaves beside ``rollout.max_new_tokens``: a longer one stops the run naming its row, or is
+dropped with ``data.filter_overlong_prompts``. Prompts are never cut.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..checks import check
+from ..errors import RunError
+from ..rollout import Example
+from .tasks import BUILTIN_TASKS, builtin_task
+
+if TYPE_CHECKING:
+    from ..config.root import TrainerConfig
+
+__all__ = ["DataConfig", "load_data", "load_validation"]
+
+log = logging.getLogger("rlwire.trainer")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class DataConfig:
+    source: str = "builtin:repeat"
+    """``builtin:repeat`` (the built-in verifiable task: answer a letter with that
+    letter, partial credit per character), ``builtin:count`` (answer a letter and a count,
+    ``c3:``, with the letter that many times and stop: response lengths with a long tail;
+    the ``realistic`` preset's), ``builtin:lookup`` (multi-turn: call a tool and answer with
+    what it returned; with its own ``agent`` settings and primed model) or a JSONL/Parquet
+    file."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt in a user file: text, or a list of chat messages (verl's
+    layout) rendered with the tokenizer's chat template. Dots address nested fields."""
+    answer_key: str | None = None
+    """Field holding the ground truth (dots address nested fields, e.g.
+    ``reward_model.ground_truth``). None: ``answer``, else verl's
+    ``reward_model.ground_truth``."""
+    train_batch_size: int = 8
+    """Prompts per step (each sampled ``rollout.n`` times)."""
+    max_prompt_length: int | None = None
+    """Longest prompt of a data file in tokens (after the chat template), verl's key. A
+    longer row stops the run naming it, or is dropped with ``filter_overlong_prompts``.
+    In any case a prompt must leave ``rollout.max_new_tokens`` of the model's context
+    (``max_position_embeddings``, or ``rollout.vllm.max_model_len`` with vLLM). None: that
+    bound only. Every row is tokenized at start to check; prompts are never cut (verl's
+    ``data.truncation`` must be ``error``)."""
+    filter_overlong_prompts: bool = False
+    """Drop the rows of a data file whose prompt is over the limit above (the count is
+    logged) instead of stopping the run: verl's key."""
+
+    def __post_init__(self) -> None:
+        check(
+            self.train_batch_size >= 1,
+            "data.train_batch_size",
+            self.train_batch_size,
+            "use an int >= 1",
+        )
+        check(
+            self.max_prompt_length is None or self.max_prompt_length >= 1,
+            "data.max_prompt_length",
+            self.max_prompt_length,
+            "use an int >= 1, or null (the model's context less rollout.max_new_tokens)",
+        )
+
+
+_ANSWER_KEYS = ("answer", "reward_model.ground_truth")  # tried in order when unset
+_MISSING = object()
+
+
+def _field(row: Mapping[str, Any], dotted: str) -> Any:
+    """``row["a"]["b"]`` for ``"a.b"``; ``_MISSING`` when any level is absent."""
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _reader(path: Path, key: str) -> list[tuple[str, Any]]:
+    """``(where, row)`` for every row of the file (``where`` names it in errors)."""
+    if path.suffix == ".jsonl":
+        rows = []
+        for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise RunError(
+                    f"{key}: {path} line {number} is not UTF-8 text (byte {err.start + 1}: "
+                    f"{raw[err.start : err.start + 1]!r}); save the file as UTF-8"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"line {number}", json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise RunError(f"{key}: {path} line {number} is not JSON: {err}") from None
+        return rows
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise RunError(
+                f"{key}: reading Parquet needs pyarrow: pip install 'rlwire-trainer[parquet]'"
+            ) from None
+        return [(f"row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist(), 1)]
+    raise RunError(f"{key}: {path} must be .jsonl or .parquet")
+
+
+class _Renderer:
+    """Chat messages -> prompt text, and prompts -> token counts, with the model's tokenizer
+    (loaded on first use)."""
+
+    def __init__(self, model_path: Path, source: Path, key: str) -> None:
+        self.model_path, self.source, self.key = model_path, source, key
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            except (OSError, ValueError) as err:
+                raise RunError(
+                    f"model.path: cannot load the tokenizer of {self.model_path} (needed to "
+                    f"read {self.source}): {err}"
+                ) from None
+        return self._tokenizer
+
+    def lengths(self, prompts: list[str]) -> list[int]:
+        """Each prompt's token count, as the rollout engines tokenize it."""
+        counts: list[int] = []
+        for start in range(0, len(prompts), 1024):
+            chunk = prompts[start : start + 1024]
+            counts += map(len, self.tokenizer(chunk, add_special_tokens=False)["input_ids"])
+        return counts
+
+    def __call__(self, messages: list, where: str) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RunError(
+                f"{self.key}: {self.source} {where}: the prompt is a list of chat messages "
+                f"but the tokenizer of {self.model_path} has no chat template; use a model "
+                "whose tokenizer_config.json has a 'chat_template', or store the prompts as text"
+            )
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True
+            )
+        except Exception as err:  # a malformed message list
+            raise RunError(
+                f"{self.key}: {self.source} {where}: cannot render the chat messages: {err}"
+            ) from None
+
+
+def _example(row: Any, where: str, config: TrainerConfig, render: _Renderer, path: Path, key: str):
+    if not isinstance(row, Mapping):
+        raise RunError(f"{key}: {path} {where} is not an object (a mapping of fields)")
+    prompt_key = config.data.prompt_key
+    prompt = _field(row, prompt_key)
+    answer_keys = (config.data.answer_key,) if config.data.answer_key else _ANSWER_KEYS
+    answer = next((v for k in answer_keys if (v := _field(row, k)) is not _MISSING), _MISSING)
+    if prompt is _MISSING or answer is _MISSING:
+        wanted = " or ".join(repr(k) for k in answer_keys)
+        raise RunError(f"{key}: {path} {where} lacks {prompt_key!r} or {wanted}")
+    if not isinstance(prompt, (str, list, tuple)):
+        raise RunError(
+            f"{key}: {path} {where}: {prompt_key!r} is a {type(prompt).__name__} "
+            f"({prompt!r:.40}); use text or a list of chat messages"
+        )
+    if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+        raise RunError(f"{key}: {path} {where}: {prompt_key!r} is empty")
+    messages = None
+    if isinstance(prompt, (list, tuple)):
+        messages = [dict(m) for m in prompt]
+        prompt = render(prompt, where)
+    source = _field(row, "data_source")
+    extra = _field(row, "extra_info")
+    return Example(
+        prompt=str(prompt),
+        answer=str(answer),
+        data_source="" if source is _MISSING else str(source),
+        extra_info=dict(extra) if isinstance(extra, Mapping) else None,
+        messages=messages,
+    )
+
+
+def _source(source: str, key: str):
+    """The built-in task ``builtin:<name>`` names, or the data file ``source`` (named ``key``
+    in the error when it is neither)."""
+    task = builtin_task(source)
+    if task is not None:
+        return task
+    path = Path(source)
+    if not path.is_file():
+        names = " or ".join(repr(f"builtin:{name}") for name in BUILTIN_TASKS)
+        raise RunError(f"{key}: {source!r} is neither {names} nor a file")
+    return path
+
+
+def _task_examples(task, count: int, seed: int, source: str) -> list[Example]:
+    return task.examples(count, seed, source)
+
+
+def load_data(config: TrainerConfig, model_path: Path) -> Callable[[int], list[Example]]:
+    """A function ``step -> [Example] * train_batch_size`` (deterministic in step); every row
+    is read and checked now. ``model_path``: its tokenizer renders chat-message prompts."""
+    size, seed = config.data.train_batch_size, config.trainer.seed
+    source = config.data.source
+    found = _source(source, "data.source")
+    if not isinstance(found, Path):
+
+        def generated(step: int) -> list[Example]:
+            return _task_examples(found, size, seed * 1_000_003 + step, source)
+
+        return generated
+    rows = _file_rows(config, found, model_path, "data.source")
+
+    def batch(step: int) -> list[Example]:
+        start = step * size
+        return [rows[(start + i) % len(rows)] for i in range(size)]
+
+    return batch
+
+
+def _file_rows(config: TrainerConfig, path: Path, model_path: Path, key: str) -> list[Example]:
+    """Every row of the data file ``path`` (named ``key`` in errors), checked; those whose
+    prompt is too long dropped with ``data.filter_overlong_prompts``."""
+    render = _Renderer(model_path, path, key)
+    rows = [
+        (where, _example(row, where, config, render, path, key))
+        for where, row in _reader(path, key)
+    ]
+    if not rows:
+        raise RunError(f"{key}: {path} holds no rows")
+    return _fitting(config, rows, render, model_path, f"{key}: {path}")
+
+
+def _context(config: TrainerConfig, model_path: Path) -> tuple[int, str] | None:
+    """The model's context in tokens and where it is set; None when it is not known."""
+    if config.rollout.backend in ("vllm", "vllm_server") and config.rollout.vllm.max_model_len:
+        return config.rollout.vllm.max_model_len, "rollout.vllm.max_model_len"
+    try:
+        fields = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (fields, fields.get("text_config") or {}):
+        for name in ("max_position_embeddings", "n_positions"):
+            if isinstance(section.get(name), int):
+                return section[name], f"{name} of {model_path}"
+    return None
+
+
+def _bounds(config: TrainerConfig, model_path: Path) -> list[tuple[int, str]]:
+    """``(most tokens, what sets it and how to lift it)`` for a prompt."""
+    bounds = []
+    if config.data.max_prompt_length is not None:
+        most = config.data.max_prompt_length
+        fix = "shorten it, raise data.max_prompt_length"
+        bounds.append((most, f"over data.max_prompt_length={most}; {fix}"))
+    context = _context(config, model_path)
+    if context is not None:
+        size, name = context
+        room = size - config.rollout.max_new_tokens
+        if room < 1:
+            raise RunError(
+                f"rollout.max_new_tokens={config.rollout.max_new_tokens} leaves no room for "
+                f"a prompt in the model's context ({name}: {size}); lower it"
+            )
+        bounds.append(
+            (
+                room,
+                f"over the {room} the model's context leaves ({name}: {size}, less "
+                f"rollout.max_new_tokens={config.rollout.max_new_tokens}); shorten it, "
+                "lower rollout.max_new_tokens",
+            )
+        )
+    return bounds
+
+
+def _fitting(
+    config: TrainerConfig,
+    rows: list[tuple[str, Example]],
+    render: _Renderer,
+    model_path: Path,
+    source: str,
+) -> list[Example]:
+    """The examples whose prompt is within every bound (the others dropped with
+    ``data.filter_overlong_prompts``, else the first stops the run)."""
+    bounds = _bounds(config, model_path)
+    if not bounds:
+        return [example for _, example in rows]
+    lengths = render.lengths([example.prompt for _, example in rows])
+    kept = []
+    for (where, example), length in zip(rows, lengths, strict=True):
+        over = next((text for most, text in bounds if length > most), None)
+        if over is None:
+            kept.append(example)
+        elif not config.data.filter_overlong_prompts:
+            raise RunError(
+                f"{source} {where}: the prompt is {length} tokens, {over}, or set "
+                "data.filter_overlong_prompts=true to drop such rows"
+            )
+    most = min(m for m, _ in bounds)
+    if not kept:
+        raise RunError(
+            f"{source}: every prompt is over {most} tokens (data.filter_overlong_prompts "
+            "dropped them all)"
+        )
+    if len(kept) < len(rows):
+        log.warning(
+            "%s: dropped %d of %d rows whose prompt is over %d tokens "
+            "(data.filter_overlong_prompts)",
+            source,
+            len(rows) - len(kept),
+            len(rows),
+            most,
+        )
+    return kept
+
+
+def load_validation(config: TrainerConfig, model_path: Path) -> list[Example]:
+    """The held-out prompts of ``validation.source``: every row of a file, or
+    ``validation.prompts`` of a built-in task drawn apart from any training batch."""
+    source = config.validation.source
+    found = _source(source, "validation.source")
+    if not isinstance(found, Path):  # training draws seed x 1_000_003 + step, step >= 0
+        seed = config.trainer.seed * 1_000_003 - 1
+        return _task_examples(found, config.validation.prompts, seed, source)
+    return _file_rows(config, found, model_path, "validation.source")

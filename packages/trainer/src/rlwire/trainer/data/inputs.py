@@ -1,0 +1,93 @@
+"""The run's model and checkpoints, validated before anything starts (the data and the
+reward: :mod:`rlwire.trainer.data.dataset`, :mod:`rlwire.trainer.data.rewards`)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import RunError
+from .tasks import BUILTIN_TASKS, Task, builtin_task
+
+if TYPE_CHECKING:
+    from ..config.root import TrainerConfig
+
+__all__ = [
+    "build_tiny",
+    "checkpoint_step",
+    "latest_checkpoint",
+    "prune_checkpoints",
+    "resolve_model",
+]
+
+
+def tiny_task(config: TrainerConfig) -> Task:
+    """The task whose tiny model ``model.path=tiny`` builds: the built-in task trained, else
+    the default one's."""
+    return builtin_task(config.data.source) or BUILTIN_TASKS["repeat"]
+
+
+def build_tiny(config: TrainerConfig, directory: Path) -> Path:
+    """Build (once) ``model.path=tiny``'s model for the run's task at ``directory``."""
+    return tiny_task(config).build_model(directory, seed=config.trainer.seed)
+
+
+def resolve_model(config: TrainerConfig, run_dir: Path, *, build: bool = True) -> Path:
+    """The model directory: the built-in tiny model (built once, unless ``build`` is false:
+    then only its place) or the user's."""
+    if config.model.path == "tiny":
+        # One directory per seed: a new trainer.seed on an old run directory gets its model.
+        seed = config.trainer.seed
+        directory = run_dir / f"{tiny_task(config).model_name}-seed{seed}"
+        return build_tiny(config, directory) if build else directory
+    path = Path(config.model.path).resolve()
+    if not (path / "config.json").is_file():
+        raise RunError(
+            f"model.path: {path} is not a Hugging Face model directory "
+            "(no config.json there); give a local directory or 'tiny'"
+        )
+    return path
+
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _checkpoints(run_dir: Path) -> list[tuple[int, bool, Path]]:
+    """``(step, complete, directory)`` of every ``checkpoints/step_<n>``, oldest first."""
+    root = run_dir / "checkpoints"
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            if m := _STEP_DIR.match(child.name):
+                found.append((int(m[1]), (child / "COMPLETE").exists(), child))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    complete = [path for _, done, path in _checkpoints(run_dir) if done]
+    return complete[-1] if complete else None
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` complete checkpoints, and unfinished ones older
+    than the newest complete one (a save that was cut off); what was removed. A checkpoint
+    is removed only when ``keep`` newer complete ones exist, so a crash in the middle of a
+    save or of this pruning leaves the last complete checkpoint in place (``COMPLETE`` goes
+    first: a half-removed directory is an unfinished one)."""
+    found = _checkpoints(run_dir)
+    complete = [path for _, done, path in found if done]
+    if not complete:
+        return []
+    newest = checkpoint_step(complete[-1])
+    doomed = complete[:-keep] + [p for step, done, p in found if not done and step < newest]
+    for path in doomed:
+        (path / "COMPLETE").unlink(missing_ok=True)
+        shutil.rmtree(path)
+    return doomed
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step a ``checkpoints/step_<n>`` directory was saved at."""
+    return int(_STEP_DIR.match(checkpoint.name)[1])

@@ -1,0 +1,79 @@
+"""Colocated mode: generate, update, sync; every sample comes from the weights being updated."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from ..algorithms.scoring import fill
+from ..data.validation import start_validation, validation_due
+from ..outputs.metrics import step_record
+from ..runtime.job import Job
+
+__all__ = ["run_colocated"]
+
+
+def run_colocated(job: Job, bar) -> None:
+    """Generate, update, sync: every sample comes from the weights being updated.
+
+    The calls of a step are made together: each worker runs them in order (the update, the
+    sync, then the next step's generation), so no worker waits for the driver between
+    them; the driver records the step while the next batch is generated. With dynamic
+    sampling (``algorithm.filter_groups``) the batch is scored first and filled up with more
+    generation batches (the rollout engines hold the weights being updated). Validation
+    (:mod:`rlwire.trainer.data.validation`) is queued between a sync and the next generation and
+    left out of the steps' times. The times are
+    the driver's: from the end of the previous sync to the samples, to the end of the
+    update, to the end of the sync.
+    """
+    config = job.config
+    steps = config.trainer.steps
+    filtering = config.algorithm.filter_groups.enable
+    job.sync(job.start_step)  # the rollout engines start from the actor's (maybe resumed) weights
+    held_out = None
+    if validation_due(config, job.start_step, before=True):
+        held_out = start_validation(job, job.val_examples)
+    following = job.start_generation(job.start_step) if job.start_step < steps else None
+    if held_out is not None:
+        job.validate(job.start_step, held_out)
+    t0 = time.perf_counter()
+    for step in range(job.start_step, steps):
+        batch = following()
+        scored, extra = None, {}
+        if filtering:  # dynamic sampling: more batches, same weights, until it is full
+            more = functools.partial(job.generate_more, step)
+            batch, scored = fill(job.config, job.reward_fn, batch, more)
+            extra = {
+                "gen_batches": scored.gen_batches,
+                "filtered_groups": scored.filtered_groups,
+            }
+        t_rollout = time.perf_counter()
+        update = job.start_update(batch, scored=scored)
+        # Sleeping engines (GPUs) wake only once the update has freed the device.
+        early = update() if job.rollout_sleeps else None
+        sync = job.start_sync(step + 1)
+        # validation: between the sync and the next generation on every rollout engine
+        due = validation_due(config, step + 1)
+        held_out = start_validation(job, job.val_examples) if due else None
+        following = job.start_generation(step + 1) if step + 1 < steps else None
+        result = early if early is not None else update()
+        t_update = time.perf_counter()
+        synced = sync()
+        t_sync = time.perf_counter()
+        record = step_record(
+            step,
+            result,
+            (t_rollout - t0, t_update - t_rollout, t_sync - t_update),
+            synced,
+            batch=batch,
+            version=step + 1,
+            lags=[0],
+            **extra,
+        )
+        t0 = t_sync
+        job.record(record, bar, batch)
+        bar.update(1)
+        if held_out is not None:
+            job.validate(step + 1, held_out)
+            t0 = time.perf_counter()  # the next step's time leaves the validation out
+        job.save_if_due(step + 1)

@@ -1,0 +1,245 @@
+"""Fully-async mode: rollout workers keep generating into a :class:`SampleQueue` while the
+actor trains; weights go to them every ``async.trigger_parameter_sync_step`` updates.
+
+The trainer's loop overlaps what it can: the groups of the next update are taken from the
+queue while the current update runs, and a weight push holds neither the trainer nor the
+rollout workers' generation: actor rank 0 gathers the weights into a snapshot and sends it
+from a thread of its own while the next update runs; each rollout worker receives it in a
+thread of its own while it generates (``RolloutWorker.stage_weights``) and writes it in at
+its next boundary (the end of its chunk of groups, or with partial rollouts of its token
+chunk), then goes on without waiting for the other workers. A sync step's metrics line is
+written once its sync completed, after the next update.
+
+Deadlines: the transfer is bounded by the checkpoint engine (``ckpt_engine.timeout`` per
+wait); the workers' boundaries, which come after the generation they are in, by
+``async.sample_timeout``, counted from the trainer's wait for the sync (after the next
+update), never by the transfer's deadline."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..algorithms.scoring import fill
+from ..data.validation import validation_due, validation_metrics, validation_tasks
+from ..errors import RunError
+from ..outputs.metrics import step_record
+from ..rollout import Rollout
+from ..runtime.cluster import Watch
+from ..runtime.job import Job
+from .sample_queue import SampleQueue
+
+__all__ = ["run_fully_async", "sync_due"]
+
+
+def sync_due(step: int, trigger: int, steps: int) -> bool:
+    """Whether the weights go to the rollout workers after update ``step`` (0-based).
+
+    Every ``trigger``-th update of the run counted from its first step, so a resumed
+    run syncs at the same steps as one that never stopped; never after the last update.
+    """
+    return (step + 1) % trigger == 0 and step + 1 < steps
+
+
+def run_fully_async(job: Job, bar) -> None:
+    """Train on groups from the queue while the rollout workers keep generating."""
+    import ray
+
+    config = job.config
+    cfg = config.async_
+    n, required = config.rollout.n, config.data.train_batch_size
+    filtering = config.algorithm.filter_groups.enable
+    trigger = cfg.trigger_parameter_sync_step
+    Queue = ray.remote(num_cpus=0)(SampleQueue)
+    queue = Queue.options(name="sample-queue", namespace=job.namespace).remote(
+        batches=job.batches,
+        groups_per_step=required,
+        trigger_sync=trigger,
+        staleness_threshold=cfg.staleness_threshold,
+        max_version_lag=cfg.version_lag_bound(),
+        num_workers=len(job.rollouts),
+        chunk_groups=cfg.chunk_groups,
+        start_version=job.start_step,
+        seed=config.trainer.seed,
+        resume=job.resumed.get("queue"),  # groups started before the checkpoint, to redo
+    )
+    loops = [r.run.remote(queue) for r in job.rollouts]
+    watch = Watch(loops, job.watch.names)
+    wait_s = cfg.sample_timeout
+
+    def take(step: int, count: int = required):
+        """Ask for ``count`` groups for update ``step`` (answered once they are there)."""
+        return queue.get.remote(count, step, wait_s)
+
+    def taken(ref, count: int = required) -> dict[str, Any]:
+        got = watch.get(ref, timeout=wait_s + 30, what="samples")
+        if got.get("timeout"):
+            raise RunError(
+                f"fully_async: fewer than {count} prompt groups arrived within "
+                f"{wait_s:g} s (async.sample_timeout; {got['queued']} queued)"
+            )
+        return got
+
+    def start_sync(version: int, *, request: bool = True) -> tuple[int, list]:
+        """Ask the workers to take ``version`` at their next boundary and hand it over:
+        each actor rank gathers the weights, rank 0 sends them from a thread of its own
+        and goes on with its next calls; each worker receives them beside its generation.
+        Nothing here waits (:func:`finish_sync` collects every answer at once)."""
+        calls = [queue.request_sync.remote(version)] if request else []
+        calls += [actor.start_push.remote(version) for actor in job.actors]  # before the
+        # next update on every rank; then each worker's receive, on its own thread:
+        calls += [
+            r.stage_weights.options(concurrency_group="receive").remote(version)
+            for r in job.rollouts
+        ]
+        return version, calls
+
+    def finish_sync(started: tuple[int, list]) -> dict[str, Any]:
+        """Wait until rank 0's send ended and every worker wrote the version in: the
+        send's report, with each worker's (``pulls``)."""
+        version, calls = started
+        finished = [a.finish_push.remote() for a in job.actors]
+        # The workers write it in at their next boundary, after the generation they are in:
+        # bounded by async.sample_timeout; the transfer by the engine (ckpt_engine.timeout
+        # per wait: a large model may outlast any fixed budget for the whole).
+        synced = queue.wait_synced.remote(version, wait_s)
+        *_, stats, pulls = watch.get(
+            [*calls, *finished[1:], finished[0], synced], timeout=None, what="weight sync"
+        )
+        if pulls is None:
+            raise RunError(
+                f"weight sync: the rollout workers did not reach a boundary to take version "
+                f"{version} within {wait_s:g} s (async.sample_timeout)"
+            )
+        return {**stats, "pulls": pulls}
+
+    def validate(version: int) -> None:
+        """The held-out prompts on every worker with the weights they hold (``version``,
+        just synced): each takes its share at its next boundary; training waits."""
+        tasks = validation_tasks(job, job.val_examples)
+        watch.get(queue.request_validation.remote(tasks), timeout=wait_s, what="validation")
+        timeout = config.ray.task_timeout
+        parts = watch.get(
+            queue.validation_result.remote(timeout), timeout=timeout + 30, what="validation"
+        )
+        if parts is None:
+            raise RunError(
+                f"validation: the rollout workers did not finish it within {timeout:g} s"
+            )
+        job.validate(version, lambda: validation_metrics(job, job.val_examples, parts))
+
+    unsynced: dict[str, Any] = {"weight_sync_gbps": 0.0, "pulls": []}
+    pending = None  # a step whose record waits for its weight sync to complete
+
+    def write(step: int, synced: dict[str, Any], fields: dict[str, Any]) -> None:
+        job.record(step_record(step, synced=synced, **fields), bar, fields["batch"])
+        bar.update(1)
+
+    def write_synced(step: int, started: Any, fields: dict[str, Any]) -> None:
+        """A sync step's record once its sync completed; then, if due, the validation of
+        the weights it synced."""
+        write(step, finish_sync(started), fields)
+        if validation_due(config, step + 1):
+            validate(step + 1)
+
+    try:
+        finish_sync(start_sync(job.start_step, request=False))
+        if validation_due(config, job.start_step, before=True):
+            validate(job.start_step)
+        held = job.start_step  # the version the rollout workers hold
+        seconds_before = {"paused_s": 0.0, "sync_wait_s": 0.0}
+        ahead = take(job.start_step)
+        for step in range(job.start_step, config.trainer.steps):
+            t0 = time.perf_counter()
+            got = taken(ahead)
+            groups, versions, indices = got["groups"], got["versions"], got["indices"]
+            batch, scored, extra = Rollout.concat(groups), None, {}
+            if filtering:  # dynamic sampling: more groups from the queue until it is full
+                more = _Refill(
+                    versions,
+                    indices,
+                    required,
+                    take=lambda count, step=step: taken(take(step, count), count),
+                    release=lambda count, step=step: watch.get(
+                        queue.release.remote(count, step), timeout=wait_s, what="samples"
+                    ),
+                )
+                batch, scored = fill(config, job.reward_fn, batch, more)
+                versions = [versions[i] for i in scored.kept_groups]
+                indices = [indices[i] for i in scored.kept_groups]
+                extra = {
+                    "gen_batches": scored.gen_batches,
+                    "filtered_groups": scored.filtered_groups,
+                }
+            if step + 1 < config.trainer.steps:
+                ahead = take(step + 1)  # gathered while this update runs
+            lags = [step - version for version in versions]
+            t_samples = time.perf_counter()
+            result = job.update(batch, sum(lags) / len(lags), scored=scored)
+            t_update = time.perf_counter()
+            if pending is not None:  # the actor ran that push before this update
+                write_synced(*pending)
+                pending = None
+            started = None
+            if sync_due(step, trigger, config.trainer.steps):
+                started = start_sync(step + 1)
+                held = step + 1
+            t_sync = time.perf_counter()
+            seconds = {k: got[k] - seconds_before[k] for k in seconds_before}
+            seconds_before = {k: got[k] for k in seconds_before}
+            fields = {
+                "result": result,
+                "phases": (t_samples - t0, t_update - t_samples, t_sync - t_update),
+                "batch": batch,
+                "version": held,
+                "lags": lags,
+                "group_indices": indices,
+                **extra,
+                "dropped_samples": got["dropped"] * n,
+                "wait_for_samples_s": got["wait_s"],
+                "rollout_paused_s": seconds["paused_s"],
+                "rollout_sync_wait_s": seconds["sync_wait_s"],
+            }
+            due = job.save_due(step + 1)
+            if started is None:
+                write(step, unsynced, fields)
+            elif due:  # the record goes before its checkpoint, as in every other step
+                write_synced(step, started, fields)
+            else:  # completed while the next step takes its samples and updates
+                pending = (step, started, fields)
+            if due:  # the actor saves after its push: the weights of this update
+                position = queue.position.remote(step + 1)
+                job.save(step + 1, queue=watch.get(position, timeout=wait_s, what="checkpoint"))
+        if pending is not None:
+            write_synced(*pending)
+        steps = config.trainer.steps
+        if steps > job.start_step and validation_due(config, steps):  # the final weights
+            finish_sync(start_sync(steps))  # (never synced for training: none is after them)
+            validate(steps)
+        ray.get(queue.stop.remote(), timeout=wait_s)
+        watch.loops = []  # their ends are expected now
+        ray.get(loops, timeout=wait_s)
+    finally:
+        ray.kill(queue)
+
+
+class _Refill:
+    """Dynamic sampling in fully-async mode: :func:`rlwire.trainer.algorithms.scoring.fill`'s
+    source of
+    more groups. Each call releases the groups dropped since the last (they free their
+    places under the staleness bound) and takes the ``missing`` ones from the queue;
+    ``versions`` and ``indices`` grow with them, in the order ``fill`` sees the groups."""
+
+    def __init__(self, versions: list, indices: list, required: int, *, take, release) -> None:
+        self.versions, self.indices, self.required = versions, indices, required
+        self.take, self.release = take, release
+        self.released = 0
+
+    def __call__(self, missing: int) -> Rollout:
+        dropped = len(self.versions) - (self.required - missing) - self.released
+        self.released += dropped
+        self.release(dropped)
+        got = self.take(missing)
+        self.versions.extend(got["versions"])
+        self.indices.extend(got["indices"])
+        return Rollout.concat(got["groups"])

@@ -1,0 +1,353 @@
+"""Fully-async mode: the sample queue between rollout workers and the trainer, with verl's
+staleness control.
+
+Units are prompt *groups* (one prompt with its ``rollout.n`` samples), because GRPO
+needs whole groups. With ``R`` groups per update (``data.train_batch_size``),
+``T = trigger_parameter_sync_step`` and ``S = staleness_threshold``:
+
+- a rollout worker asks :meth:`SampleQueue.next_task` what to do: generate a chunk of
+  groups, receive a weight update, run its part of a validation, wait (paused), or stop;
+- every group it starts counts toward ``stale``; workers pause while
+  ``stale >= R x T x (1 + S)`` (verl's ``max_required_samples``). When a weight sync is
+  requested ``stale`` restarts from the groups not yet trained, all generated with older
+  weights: those queued, those being generated, and those already taken for an update that
+  has not run yet (the trainer takes the next update's groups while the current one runs);
+  groups the trainer took and dropped (dynamic sampling, :meth:`SampleQueue.release`) are
+  not among them;
+- the trainer takes the ``R`` oldest groups per update (by weight version, then data
+  position) with :meth:`SampleQueue.get`;
+  a group whose version lags the trainer's by more than ``max_version_lag`` is dropped
+  (and frees its place under the bound);
+- :meth:`SampleQueue.request_sync` makes every worker take the new weights at the end of
+  its chunk (with partial rollouts: of its current token chunk,
+  :meth:`SampleQueue.sync_pending`) before it generates more; each worker goes on as soon
+  as it holds them (:meth:`SampleQueue.worker_synced`), without waiting for the others.
+  (The rollout workers receive the weights while they generate and only write them in at
+  that boundary: :mod:`rlwire.trainer.runtime.rollout_worker`.)
+
+Every wait is bounded: ``next_task`` answers ``wait`` after ``poll`` seconds so a worker
+never blocks on the queue indefinitely, and ``get`` gives up after its timeout.
+:class:`SampleQueue` is plain asyncio; the driver runs it as an async Ray actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["SampleQueue", "max_stale_groups"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Queued:
+    """A group in the queue: the weight version and worker that generated it, and its data
+    position (the index of its prompt in the stream of groups)."""
+
+    version: int
+    worker: int
+    index: int
+    group: Any
+
+
+def max_stale_groups(groups_per_step: int, trigger_sync: int, staleness_threshold: float) -> int:
+    """verl's ``max_required_samples``: ``int(R x T x (1 + S))`` groups."""
+    return int(groups_per_step * trigger_sync * (1 + staleness_threshold))
+
+
+class SampleQueue:
+    """The bounded, versioned queue of prompt groups (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        batches: Callable[[int], list[Any]],
+        groups_per_step: int,
+        trigger_sync: int,
+        staleness_threshold: float,
+        max_version_lag: int,
+        num_workers: int,
+        start_version: int,
+        chunk_groups: int | None = None,
+        seed: int,
+        resume: dict[str, Any] | None = None,
+        poll: float = 1.0,
+    ) -> None:
+        """``resume``: a checkpoint's :meth:`position` (the data position to go on from and the
+        groups to generate again first); without it, the stream starts at the start
+        version's first group."""
+        self.batches = batches
+        self.required = groups_per_step
+        self.bound = max_stale_groups(groups_per_step, trigger_sync, staleness_threshold)
+        self.max_lag = max_version_lag
+        # the prompt groups of one generation task (``async.chunk_groups``)
+        self.chunk = chunk_groups or max(1, math.ceil(groups_per_step / num_workers))
+        self.seed = seed
+        self.poll = poll
+        self.queue: collections.deque[_Queued] = collections.deque()
+        self.cond = asyncio.Condition()
+        self.version = start_version  # of the weights the workers were last synced to
+        self.stale = 0
+        self.in_flight = 0
+        self.next_group = start_version * groups_per_step  # the data position follows the step
+        self.redo: collections.deque[int] = collections.deque()
+        if resume is not None:  # groups started but not trained when the checkpoint was saved
+            self.next_group = resume["next_group"]
+            self.redo.extend(resume["pending"])
+        self.open: set[int] = set()  # handed out, neither taken for an update nor dropped
+        self.taken_groups: dict[int, list[int]] = {}  # trainer version -> the groups taken
+        self.sync_to: int | None = start_version  # workers start by receiving the weights
+        self.worker_versions = [-1] * num_workers
+        self.sync_info: list[dict] = [{} for _ in range(num_workers)]
+        self.stopping = False
+        self.dropped = 0
+        self.generated = 0
+        self.taken: dict[int, int] = {}  # trainer version -> groups taken for that update
+        self.paused_s = [0.0] * num_workers
+        self.sync_wait_s = [0.0] * num_workers  # at a boundary, until the weights were in
+        self.validating: dict[int, dict] = {}  # worker -> its validation task, not yet taken
+        self.validated: dict[int, Any] = {}
+        self.validations = 0  # tasks of the current validation
+
+    # --- the rollout workers' side -------------------------------------------------------
+    def _may_generate(self, worker: int) -> bool:
+        """Under the bound, holding the newest weights requested (each worker on its own:
+        one that took them goes on while the others finish their chunks)."""
+        current = self.sync_to is None or self.worker_versions[worker] == self.sync_to
+        return current and self.stale < self.bound
+
+    async def next_task(
+        self, worker: int, *, put: tuple | None = None, synced: dict | None = None
+    ) -> dict[str, Any]:
+        """What ``worker`` does next: ``generate``, ``sync``, ``wait`` or ``stop``.
+
+        ``put`` (the arguments of :meth:`put` after ``worker``) and ``synced`` (those of
+        :meth:`worker_synced`) report the previous task first, in the same call (one round
+        trip per chunk instead of two). A ``sync`` carries, under ``then``, the generation
+        that follows it when the bound allows one (the worker reports the sync while it
+        generates). Answers within ``poll`` seconds; time spent held back by the staleness
+        bound counts as this worker's paused time.
+        """
+        if put is not None:
+            await self.put(worker, *put)
+        if synced is not None:
+            await self.worker_synced(worker, synced)
+        async with self.cond:
+            start = time.perf_counter()
+            paused = 0.0
+            try:
+                while True:
+                    if self.stopping:
+                        return {"kind": "stop"}
+                    if self.sync_to is not None and self.worker_versions[worker] != self.sync_to:
+                        sync = {"kind": "sync", "version": self.sync_to}
+                        if worker in self.validating or self.stale >= self.bound:
+                            return sync
+                        return {**sync, "then": self._generate()}
+                    if worker in self.validating:
+                        return {"kind": "validate", **self.validating.pop(worker)}
+                    if self._may_generate(worker):
+                        break
+                    left = self.poll - (time.perf_counter() - start)
+                    waited = time.perf_counter()
+                    woke = left > 0 and await self._wait(None, left)
+                    paused += time.perf_counter() - waited  # held by the bound
+                    if not woke:
+                        return {"kind": "wait"}
+            finally:
+                self.paused_s[worker] += paused
+            return self._generate()
+
+    def _generate(self) -> dict[str, Any]:
+        """A chunk of groups to generate (lock held; the bound has room), counted now."""
+        count = min(self.chunk, self.bound - self.stale)
+        indices = [self.redo.popleft() for _ in range(min(count, len(self.redo)))]
+        fresh = count - len(indices)
+        indices += range(self.next_group, self.next_group + fresh)
+        self.next_group += fresh
+        self.open.update(indices)
+        self.stale += count
+        self.in_flight += count
+        return {
+            "kind": "generate",
+            "indices": indices,
+            "examples": [self._group(i) for i in indices],
+            "seed": self.seed * 7919 + indices[0],
+        }
+
+    def _group(self, index: int) -> Any:
+        step, position = divmod(index, self.required)
+        return self.batches(step)[position]
+
+    async def put(self, worker: int, versions: list[int], groups: list, indices: list[int]) -> None:
+        """Finished groups of one chunk (opaque to the queue) from ``worker``; ``versions``:
+        the weight version of each group (its oldest token's, with partial rollouts);
+        ``indices``: the task's."""
+        async with self.cond:
+            for version, group, index in zip(versions, groups, indices, strict=True):
+                self.queue.append(_Queued(version, worker, index, group))
+            self.in_flight -= len(groups)
+            self.generated += len(groups)
+            self.cond.notify_all()
+
+    async def worker_synced(self, worker: int, info: dict) -> None:
+        """``worker`` applied an update (``info``: its version and digest, and ``wait_s``,
+        its seconds at the boundary until the weights were in); it generates again at once,
+        and once every worker holds the requested version the sync is complete."""
+        async with self.cond:
+            self.worker_versions[worker] = info["version"]
+            self.sync_info[worker] = info
+            self.sync_wait_s[worker] += info.get("wait_s", 0.0)
+            if self.sync_to is not None and all(v == self.sync_to for v in self.worker_versions):
+                self.version, self.sync_to = self.sync_to, None
+            self.cond.notify_all()
+
+    async def sync_pending(self, worker: int) -> int | None:
+        """Partial rollouts, between two token chunks: the version ``worker`` must receive
+        now, or None when no sync waits for it."""
+        async with self.cond:
+            if self.sync_to is None or self.worker_versions[worker] == self.sync_to:
+                return None
+            return self.sync_to
+
+    # --- the trainer's side ----------------------------------------------------------------
+    def _drop_lagging(self, trainer_version: int) -> int:
+        lagging = [g.index for g in self.queue if trainer_version - g.version > self.max_lag]
+        kept = [g for g in self.queue if trainer_version - g.version <= self.max_lag]
+        dropped = len(lagging)
+        self.open.difference_update(lagging)
+        self.queue = collections.deque(kept)
+        self.dropped += dropped
+        self.stale -= dropped  # dropped groups free their place under the bound
+        if dropped:
+            self.cond.notify_all()  # ... which may let a paused worker go on
+        return dropped
+
+    async def get(self, count: int, trainer_version: int, timeout: float) -> dict[str, Any]:
+        """The ``count`` oldest groups usable by the update of weights ``trainer_version``.
+
+        Returns ``{"groups", "versions", "dropped", "wait_s", "paused_s"}`` (``versions``:
+        the weight version each group was generated with; ``paused_s``: the workers' paused
+        seconds so far, summed) or ``{"timeout": True}`` after
+        ``timeout`` seconds (the caller decides how to fail).
+        """
+        start = time.perf_counter()
+        dropped = 0
+        async with self.cond:
+            while True:
+                dropped += self._drop_lagging(trainer_version)
+                if len(self.queue) >= count:
+                    break
+                left = timeout - (time.perf_counter() - start)
+                if left <= 0:
+                    return {"timeout": True, "queued": len(self.queue), "dropped": dropped}
+                await self._wait(None, min(left, self.poll))
+            # The oldest weights first (a worker that took new weights goes on while another
+            # still finishes its chunk of older ones), then in data order.
+            ordered = sorted(self.queue, key=lambda q: (q.version, q.index))
+            taken, self.queue = ordered[:count], collections.deque(ordered[count:])
+            self.taken[trainer_version] = self.taken.get(trainer_version, 0) + count
+            indices = [q.index for q in taken]
+            self.open.difference_update(indices)
+            self.taken_groups.setdefault(trainer_version, []).extend(indices)
+        return {
+            "groups": [q.group for q in taken],
+            "versions": [q.version for q in taken],
+            "indices": indices,
+            "dropped": dropped,
+            "wait_s": time.perf_counter() - start,
+            **self.worker_seconds(),
+        }
+
+    def worker_seconds(self) -> dict[str, float]:
+        """The workers' seconds so far, summed over them: ``paused_s`` (held by the bound)
+        and ``sync_wait_s`` (at a boundary until new weights were in)."""
+        return {"paused_s": sum(self.paused_s), "sync_wait_s": sum(self.sync_wait_s)}
+
+    async def release(self, count: int, trainer_version: int) -> None:
+        """``count`` groups taken for the update of ``trainer_version`` were dropped by the
+        trainer (dynamic sampling: their rewards were all equal): they free their places
+        under the bound, as groups dropped for their lag do, so that the workers can
+        generate the groups that replace them; the next sync's recount no longer counts
+        them as taken."""
+        async with self.cond:
+            self.stale -= count
+            left = self.taken.get(trainer_version, 0) - count
+            if left < 0:
+                raise ValueError(
+                    f"release: {count} groups of update {trainer_version}, "
+                    f"{self.taken.get(trainer_version, 0)} were taken"
+                )
+            self.taken[trainer_version] = left
+            self.cond.notify_all()
+
+    async def request_sync(self, version: int) -> None:
+        """Workers take weights ``version`` at the end of their chunk. The staleness count
+        restarts here: everything not yet trained was generated with older weights, and
+        every group a worker starts from now on is generated with these."""
+        async with self.cond:
+            self.sync_to = version
+            self._drop_lagging(version)
+            self.taken = {v: c for v, c in self.taken.items() if v >= version}
+            self.stale = len(self.queue) + self.in_flight + sum(self.taken.values())
+            self.cond.notify_all()
+
+    async def _wait(self, predicate: Callable[[], bool] | None, timeout: float) -> bool:
+        """Wait (lock held) until ``predicate()``, or any notification when it is None;
+        False on timeout."""
+        waiting = self.cond.wait() if predicate is None else self.cond.wait_for(predicate)
+        try:
+            await asyncio.wait_for(waiting, timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def wait_synced(self, version: int, timeout: float) -> list[dict] | None:
+        """Each worker's sync info once all hold weights ``version``; None on timeout."""
+        async with self.cond:
+            done = await self._wait(
+                lambda: self.sync_to is None and self.version == version, timeout
+            )
+            return list(self.sync_info) if done else None
+
+    async def position(self, trained: int) -> dict[str, Any]:
+        """What a checkpoint after ``trained`` updates keeps of the stream: the next data
+        position and every group started but not trained by then (queued, being generated,
+        taken for a later update, or still to be generated again), to generate again first on
+        resume: none is lost, none trained twice. (Groups dropped for their lag are not
+        kept: a run that never stopped would not train them either.)"""
+        async with self.cond:
+            self.taken_groups = {v: g for v, g in self.taken_groups.items() if v >= trained}
+            later = [i for groups in self.taken_groups.values() for i in groups]
+            pending = sorted({*self.open, *later, *self.redo})
+            return {"next_group": self.next_group, "pending": pending}
+
+    # --- validation (between syncs; the driver waits for it) -----------------------------------
+    async def request_validation(self, tasks: list[dict | None]) -> None:
+        """Worker ``i`` runs ``tasks[i]`` (``prompts``, ``seed``, ``sampling``; None: nothing)
+        at its next boundary, before generating more."""
+        async with self.cond:
+            self.validating = {i: t for i, t in enumerate(tasks) if t is not None}
+            self.validations, self.validated = len(self.validating), {}
+            self.cond.notify_all()
+
+    async def put_validation(self, worker: int, rollout: Any) -> None:
+        async with self.cond:
+            self.validated[worker] = rollout
+            self.cond.notify_all()
+
+    async def validation_result(self, timeout: float) -> list | None:
+        """The workers' validation rollouts in worker order once all are in; None on
+        timeout."""
+        async with self.cond:
+            done = await self._wait(lambda: len(self.validated) == self.validations, timeout)
+            return [self.validated[w] for w in sorted(self.validated)] if done else None
+
+    async def stop(self) -> None:
+        async with self.cond:
+            self.stopping = True
+            self.cond.notify_all()

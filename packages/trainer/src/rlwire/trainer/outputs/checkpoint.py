@@ -1,0 +1,202 @@
+"""Checkpoints that resume anywhere: the layout of ``checkpoints/step_<n>/`` and what each
+process saves and restores.
+
+::
+
+    step_<n>/
+      actor/                  torch.distributed.checkpoint (DCP): the actor engine's model and
+                              optimizer state under world-size-independent keys, one file per
+                              rank that held a shard, resharded on load to any world size
+      rng/actor_rank<r>.pt    actor rank r's RNG states (torch CPU and CUDA, Python's)
+      trainer_state.json      format, step (= the weight version), the actor's world size,
+                              strategy and LoRA rank, the mode; fully async: the data position
+                              and the prompt groups started but not trained
+      COMPLETE                written last, by the driver, once every rank returned
+
+A save that is cut off (a process killed while writing) leaves a directory without
+``COMPLETE``: it is never resumed from, and the next save of that step replaces it.
+
+What resumes where: the weights and the optimizer state at any actor world size (FSDP2,
+FSDP1 and one unwrapped rank share one layout: ``torch.distributed.checkpoint.state_dict``;
+Megatron saves full per-parameter Adam states under Hugging Face names); the RNG states at
+the world size they were saved with (at another, every rank reseeds from ``trainer.seed``
+and the step, and the log says so). The rollout engines and the driver keep no RNG between
+steps: each generation call is seeded from ``trainer.seed``, the step and the worker, and the
+data position follows the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import random
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..data.inputs import prune_checkpoints
+from ..errors import RunError
+
+__all__ = [
+    "FORMAT",
+    "load_actor",
+    "load_checkpoint",
+    "read_trainer_state",
+    "save_actor",
+    "save_checkpoint",
+    "write_trainer_state",
+]
+
+FORMAT = 2
+"""The layout above. Format 1 (``actor_rank<r>.pt``: each rank's own shard, loadable only at
+the world size that wrote it) is refused with a line that says so."""
+
+_STATE = "trainer_state.json"
+
+log = logging.getLogger("rlwire.trainer")
+
+
+def write_trainer_state(directory: Path, state: dict[str, Any]) -> None:
+    """The driver's part of a checkpoint (before ``COMPLETE``)."""
+    (directory / _STATE).write_text(json.dumps({"format": FORMAT, **state}, indent=1) + "\n")
+
+
+def read_trainer_state(directory: Path, config) -> dict[str, Any]:
+    """The driver's part of checkpoint ``directory``, checked against the run's ``config``:
+    one line naming the problem if this run cannot continue from it."""
+    path = directory / _STATE
+    if not path.exists():
+        if any(directory.glob("actor_rank*.pt")):
+            raise RunError(
+                f"trainer.resume: {directory} holds per-rank files (actor_rank<r>.pt), the "
+                "checkpoint format of rlwire-trainer before world-size-independent checkpoints; "
+                "this version cannot read them: resume it with the version that wrote it, or "
+                "start again (trainer.resume=never)"
+            )
+        raise RunError(f"trainer.resume: {directory} has no {_STATE}: not an rlwire checkpoint")
+    state = json.loads(path.read_text())
+    if state.get("format") != FORMAT:
+        raise RunError(
+            f"trainer.resume: {directory} is checkpoint format {state.get('format')!r}; this "
+            f"version reads format {FORMAT}"
+        )
+    actor = config.actor
+    saved, now = (state["strategy"], state["lora_rank"]), (actor.strategy, actor.lora.rank)
+    if saved != now:
+        raise RunError(
+            f"trainer.resume: {directory} was saved with actor.strategy={saved[0]} and "
+            f"actor.lora.rank={saved[1]}; this run has {now[0]} and {now[1]}: resume with the "
+            "strategy and LoRA rank it was saved with (the world size may change)"
+        )
+    return state
+
+
+def save_actor(engine, directory: Path, rank: int) -> None:
+    """Actor rank ``rank``'s part of a checkpoint: its share of the engine's state through
+    DCP (a collective: every rank calls it) and its RNG states."""
+    from . import checkpoint_reader  # imports DCP: only when a checkpoint is written
+
+    checkpoint_reader.save(engine.state(), directory / "actor")
+    rng = directory / "rng"
+    rng.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate(),
+        },
+        rng / f"actor_rank{rank}.pt",
+    )
+
+
+def load_rng(path: Path) -> dict[str, Any]:
+    """A rank's saved RNG states, read as tensors and plain data only (``weights_only``): a
+    file that holds anything else (a pickle that would run code) is refused, naming it."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        from .checkpoint_reader import refusal  # imports DCP: only when a file is refused
+
+        raise RunError(f"{path}: {refusal(err)}") from None
+
+
+def load_actor(engine, directory: Path, rank: int, *, same_world: bool, reseed: int) -> None:
+    """Restore the engine's state from ``directory`` (resharded to this group: a collective)
+    and this rank's RNG states if the world size is the one saved (``same_world``); at
+    another, every RNG is seeded with ``reseed`` (the same on every rank, as at start)."""
+    from . import checkpoint_reader
+
+    state = engine.state()  # the layout to fill: DCP reads each rank's share into it
+    checkpoint_reader.load(state, directory / "actor")
+    engine.load_state(state)
+    if not same_world:
+        random.seed(reseed)
+        torch.manual_seed(reseed)
+        return
+    saved = load_rng(directory / "rng" / f"actor_rank{rank}.pt")
+    torch.set_rng_state(saved["torch"])
+    if saved["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+    random.setstate(saved["python"])
+
+
+def save_checkpoint(job, done: int, **state: Any) -> None:
+    """``checkpoints/step_<done>`` for ``job`` (a :class:`rlwire.trainer.runtime.job.Job`): every
+    actor
+    rank's part, then ``trainer_state.json`` (with ``state``), then ``COMPLETE``; then the
+    pruning of ``trainer.max_checkpoints_to_keep``. A directory of that step already there
+    (a cut-off save, or one of a run resumed earlier) is replaced."""
+    config = job.config
+    target = job.run_dir / "checkpoints" / f"step_{done}"
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    job.call([a.save.remote(str(target)) for a in job.actors], "saving")
+    actor = config.actor
+    write_trainer_state(
+        target,
+        {
+            "step": done,
+            "mode": config.trainer.mode,
+            "actor_world_size": job.world,
+            "strategy": actor.strategy,
+            "lora_rank": actor.lora.rank,
+            **state,
+        },
+    )
+    (target / "COMPLETE").write_text(str(done))
+    keep = config.trainer.max_checkpoints_to_keep
+    if keep is not None:
+        prune_checkpoints(job.run_dir, keep)
+
+
+def load_checkpoint(job, checkpoint: Path, saved: dict[str, Any]) -> None:
+    """Load ``checkpoint`` (its trainer state ``saved``) on every actor rank of ``job``,
+    resharded to its world size; what changed is logged."""
+    step = saved["step"]
+    same_world = saved["actor_world_size"] == job.world
+    loads = [a.load.remote(str(checkpoint), same_world=same_world, step=step) for a in job.actors]
+    job.call(loads, "loading the checkpoint")
+    log.info("resumed from %s at step %d", checkpoint, step)
+    mode = job.config.trainer.mode
+    pending = len(saved.get("queue", {}).get("pending", []))
+    if pending and mode != "fully_async":
+        warning = (
+            f"{checkpoint} is a fully_async checkpoint with {pending} prompt groups started "
+            f"but not trained; trainer.mode={mode} goes on from step {step}'s batch and does "
+            "not generate them again"
+        )
+        log.warning("%s", warning)
+        print(f"rlwire-train: warning: {warning}", file=sys.stderr)
+    if not same_world:
+        log.info(
+            "resumed at actor.world_size=%d from a checkpoint saved at %d: the weights and the "
+            "optimizer state resharded; the actor ranks' RNGs reseeded from trainer.seed + %d",
+            job.world,
+            saved["actor_world_size"],
+            step,
+        )

@@ -1,0 +1,135 @@
+"""Reading a DCP checkpoint without running code from it (and DCP's failures in one line).
+
+torch.distributed.checkpoint writes ``actor/.metadata`` with ``pickle`` and reads it with
+``pickle.load``, and its default planner reads the non-tensor values of the state (the
+optimizer's parameter groups) with ``torch.load(weights_only=False)``: a checkpoint from
+elsewhere could run anything on resume. :class:`SafeReader` reads the metadata with an
+unpickler that builds only what DCP puts there (its metadata dataclasses, ``torch.Size``,
+dtypes, layouts, paths); :class:`SafeLoadPlanner` reads those values as tensors and plain
+data only. Anything else is refused, naming the file.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from ..errors import RunError
+
+__all__ = ["SafeLoadPlanner", "SafeReader", "failure", "load", "refusal", "save"]
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    **{
+        (dcp_metadata.__name__, name): value
+        for name, value in vars(dcp_metadata).items()
+        if isinstance(value, type) and value.__module__ == dcp_metadata.__name__
+    },
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: str) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[module, name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise RunError(
+            f"{self.path}: names {module}.{name}, which DCP's metadata never holds; refused "
+            "(a checkpoint must not run code when it is loaded)"
+        )
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader with the metadata read by :class:`_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as file:
+            try:
+                metadata = _MetadataUnpickler(file, str(path)).load()
+            except (pickle.UnpicklingError, EOFError, ValueError) as err:
+                raise RunError(f"{path}: not a DCP metadata file ({err})") from None
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise RunError(f"{path}: holds a {type(metadata).__name__}, not DCP's Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, with non-tensor values read as tensors and plain data."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        try:  # the same bytes read first with weights_only: the planner's own load runs no code
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise RunError(
+                f"checkpoint entry {read_item.dest_index.fqn!r}: {refusal(err)}"
+            ) from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def refusal(err: pickle.UnpicklingError) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, in one line."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    reason = next((line for line in lines if "Unsupported" in line), lines[0] if lines else "")
+    reason = reason.removeprefix("WeightsUnpickler error: ")
+    if "Unsupported global" not in reason:
+        return f"cannot be read ({reason}); is the file damaged?"
+    return (
+        "holds objects other than tensors and plain data; refused (a checkpoint must not run "
+        f"code when it is loaded): {reason}"
+    )
+
+
+def load(state: dict[str, Any], directory: Path) -> None:
+    """``dcp.load`` of ``directory`` into ``state`` with the safe reader and planner; a
+    failure on any rank is one :class:`RunError` naming the checkpoint (DCP gathers them
+    into a ``CheckpointException``, a ``BaseException`` with every rank's traceback)."""
+    try:
+        dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
+    except CheckpointException as err:
+        refused = [exc for exc, _ in err.failures.values() if isinstance(exc, RunError)]
+        if refused:
+            raise refused[0] from None
+        raise RunError(
+            f"{directory}: torch.distributed.checkpoint cannot read it ({failure(err)}); is a "
+            "file damaged? resume from another checkpoint (trainer.resume=PATH)"
+        ) from None
+
+
+def save(state: dict[str, Any], directory: Path) -> None:
+    """``dcp.save`` of ``state`` to ``directory``; a failure on any rank (a full disk) is one
+    :class:`RunError` naming the directory and the first rank's cause."""
+    try:
+        dcp.save(state, checkpoint_id=directory)
+    except CheckpointException as err:
+        raise RunError(f"{directory}: cannot be written ({failure(err)})") from None
+
+
+def failure(err: CheckpointException) -> str:
+    """The first failed rank's cause, in one line, and which ranks failed."""
+    ranks = sorted(err.failures)
+    first = err.failures[ranks[0]][0] if ranks else err
+    reason = str(first).strip().splitlines()[0] if str(first).strip() else ""
+    where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    return f"{type(first).__name__}: {reason}{where if ranks else ''}"

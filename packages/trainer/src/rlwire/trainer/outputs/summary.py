@@ -1,0 +1,61 @@
+"""What a run's ``metrics.jsonl`` says in a few numbers: the command's closing line and the
+benchmarks read the same ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["WINDOW", "final_reward", "records", "step_seconds", "summarise", "time_to_target"]
+
+WINDOW = 10
+"""Steps in the reward's moving mean (:func:`time_to_target`)."""
+
+
+def records(run_dir: Path, *, validation: bool = False) -> list[dict]:
+    """The steps' lines of ``run_dir/metrics.jsonl``, or with ``validation`` the validation
+    lines (``val/...``: :mod:`rlwire.trainer.data.validation`)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    every = [json.loads(x) for x in lines if x.strip()]
+    return [r for r in every if ("reward_mean" in r) != validation]
+
+
+def step_seconds(record: dict) -> float:
+    """A step's training-loop time: getting its samples (generating, or waiting for the
+    queue), the update and the weight sync; ``samples_per_s`` was measured over it."""
+    return record["time_rollout_s"] + record["time_update_s"] + record["time_weight_sync_s"]
+
+
+def time_to_target(rows: list[dict], target: float, window: int = WINDOW) -> float | None:
+    """Training-loop seconds until the reward's ``window``-step moving mean first reaches
+    ``target`` (counted to the end of that step); None if it never does."""
+    elapsed = 0.0
+    for i, record in enumerate(rows):
+        elapsed += step_seconds(record)
+        recent = rows[max(0, i + 1 - window) : i + 1]
+        if len(recent) == window and sum(r["reward_mean"] for r in recent) / window >= target:
+            return elapsed
+    return None
+
+
+def final_reward(rewards: list[float]) -> float:
+    """The mean of the last 10% of per-step rewards (at least one)."""
+    tail = rewards[-max(1, len(rewards) // 10) :]
+    return sum(tail) / len(tail)
+
+
+def summarise(rows: list[dict]) -> dict[str, float]:
+    """Loop throughput (samples over loop seconds, not a mean of per-step rates, which
+    over-weights fast steps), sync share, lag and final reward (mean of the last 10% of
+    steps) of ``rows`` (records of one run)."""
+    seconds = [step_seconds(r) for r in rows]
+    samples = sum(r["samples_per_s"] * t for r, t in zip(rows, seconds, strict=True))
+    loop_s = sum(seconds)
+    return {
+        "steps": len(rows),
+        "loop_s": loop_s,
+        "samples_per_s": samples / loop_s if loop_s > 0 else 0.0,
+        "sync_fraction": sum(r["time_weight_sync_s"] for r in rows) / loop_s if loop_s else 0.0,
+        "lag_mean": sum(r["version_lag_mean"] for r in rows) / len(rows),
+        "reward_final": final_reward([r["reward_mean"] for r in rows]),
+    }

@@ -1,0 +1,4 @@
+"""The processes: the Ray cluster, the actor and rollout workers (and the hybrid one), the
+background weight sender, and the job that holds them.
+
+Imports ``config`` and everything below it; never ``modes`` or ``tools``."""

@@ -1,0 +1,273 @@
+"""One job: the Ray workers, scoring and updates, metrics, saves, weight syncs.
+
+Both modes (:mod:`rlwire.trainer.modes.colocated`, :mod:`rlwire.trainer.modes.fully_async`) run
+their loop on a :class:`Job`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlwire.ckpt_engine import remove_segments
+
+from ..algorithms.advantages import compute_advantages
+from ..algorithms.correction import GapWatch
+from ..algorithms.micro_batches import rank_shares, row_tokens
+from ..algorithms.reward_kl import kl_in_reward
+from ..algorithms.scoring import Scored, score
+from ..outputs.checkpoint import save_checkpoint
+from ..outputs.metrics import StepMetrics, UpdateMetrics, update_metrics
+from ..outputs.rollout_data import write_rollouts
+from ..rollout import Rollout, rollout_engine_class, split_evenly
+from .cluster import (
+    gpu_layout,
+    placement,
+)
+from .hybrid import HybridWorker
+from .job_start import JobStart
+from .rollout_worker import RolloutWorker
+from .workers import ActorWorker
+
+__all__ = ["Job"]
+
+log = logging.getLogger("rlwire.trainer")
+
+
+class Job(JobStart):
+    """What both modes share: the Ray workers, the metrics file, scoring, updates, saves."""
+
+    def __init__(self, config, run_dir, model_path: str) -> None:
+        """Start the worker processes (they import what they need meanwhile; nothing reads
+        ``model_path`` before :meth:`start`)."""
+        import ray
+
+        self.config, self.run_dir, self.model_path = config, run_dir, model_path
+        self.gap = GapWatch(config.algorithm.rollout_correction)
+        world, workers = config.actor.world_size, config.rollout.num_workers
+        self.world = world
+        self.hybrid = config.hybrid_engine()  # rollout engines inside the actor ranks
+        cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+        layout = gpu_layout(world, 0 if self.hybrid else workers, cluster_gpus, config.trainer.mode)
+        # colocated on GPUs, an engine that can sleep frees its memory while the actor
+        # trains (nothing to free elsewhere, and nothing while generation overlaps training)
+        engine = rollout_engine_class(config.rollout.backend)
+        colocated = config.trainer.mode == "colocated"
+        self.rollout_sleeps = engine.can_sleep and layout is not None and colocated
+        self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
+        place = placement(layout, config.ray.startup_timeout)
+        actor_class = ray.remote(num_cpus=1)(HybridWorker if self.hybrid else ActorWorker)
+        rollout_class = ray.remote(  # type: ignore[call-overload]  # stub: no concurrency_groups
+            num_cpus=1, concurrency_groups=RolloutWorker.CONCURRENCY_GROUPS
+        )(RolloutWorker)
+        self.actors = [
+            actor_class.options(**place("actor", r)).remote(config, model_path, r)
+            for r in range(world)
+        ]
+        self.rollouts = (
+            self.actors  # each rank generates, with the engine in its process
+            if self.hybrid
+            else [
+                rollout_class.options(
+                    name=f"rollout-{i}", namespace=self.namespace, **place("rollout", i)
+                ).remote(config, model_path, i, layout.rollout_share(i) if layout else 1.0)
+                for i in range(workers)
+            ]
+        )
+        # every worker process once
+        self.processes = self.actors if self.hybrid else [*self.actors, *self.rollouts]
+        self.layout = layout
+        self.local_pids: list[int] = []  # the workers on the driver's host (start() sets)
+
+    def start_sync(self, version: int) -> Callable[[], dict[str, Any]]:
+        """Start a weight sync, colocated: the actor's weights to every rollout engine as
+        ``version``. Returns what waits for it: rank 0's report with each engine's
+        (``pulls``). Calls queue on each worker behind those already made."""
+        if self.rollout_sleeps:
+            self.call([r.wake_up.remote() for r in self.rollouts], "waking the rollout engines")
+        if self.hybrid:
+            refs = [a.sync_weights.remote(version) for a in self.actors]
+        else:
+            refs = [
+                *[a.push_weights.remote(version) for a in self.actors],
+                *[r.pull_weights.remote() for r in self.rollouts],
+            ]
+
+        def done() -> dict[str, Any]:
+            # A receiver's failure ends the wait at once with its own error (the sender
+            # would only report a timeout, after ckpt_engine.timeout). No overall deadline:
+            # the engine bounds every wait of the transfer, and a large model may outlast
+            # any fixed budget.
+            reports = self.watch.get(refs, timeout=None, what="weight sync")
+            if self.hybrid:
+                return {**reports[0], "pulls": [r["pull"] for r in reports]}
+            return {**reports[0], "pulls": reports[len(self.actors) :]}
+
+        return done
+
+    def sync(self, version: int) -> dict[str, Any]:
+        """One weight sync, colocated (see :meth:`start_sync`)."""
+        return self.start_sync(version)()
+
+    def start_generation(self, step: int) -> Callable[[], Rollout]:
+        """Start generating step ``step``'s batch: the data's batch ``step``, moved on by the
+        extra batches dynamic sampling took, ``rollout.n`` samples of each prompt, the
+        prompts split over the rollout engines. Returns what waits for it (with the
+        samples' ``examples``; on GPUs the engines are asleep after it)."""
+        config = self.config
+        position = step + self.extra_batches  # the data's batch (and the seeds) to generate
+        examples = self.batches(position)
+        shares = split_evenly(examples, len(self.rollouts))
+        refs = [
+            r.generate.remote(part, _seed(config, position, i))
+            for i, (r, part) in enumerate(zip(self.rollouts, shares, strict=True))
+            if part
+        ]
+        # colocated on GPUs: free the engines' memory for the update
+        sleeps = [r.sleep.remote() for r in self.rollouts] if self.rollout_sleeps else []
+
+        def done() -> Rollout:
+            batch = Rollout.concat(self.call(refs, "generation"))
+            batch.examples = [e for e in examples for _ in range(config.rollout.n)]
+            if sleeps:
+                self.call(sleeps, "putting the rollout engines to sleep")
+            return batch
+
+        return done
+
+    def generate_more(self, step: int, missing: int = 0) -> Rollout:
+        """Dynamic sampling: the data's next batch, generated now for step ``step`` (the data
+        position moves on by one batch for the rest of the run; a whole batch whatever
+        ``missing``, as verl generates). Sleeping engines (colocated on GPUs) are woken first:
+        the generation before this one put them to sleep."""
+        self.extra_batches += 1
+        if self.rollout_sleeps:
+            self.call([r.wake_up.remote() for r in self.rollouts], "waking the rollout engines")
+        return self.start_generation(step)()
+
+    def call(self, refs, what: str):
+        """Wait for calls to the workers, bounded by ``ray.task_timeout``; a failed or dead
+        worker stops the run at once with one line naming the call."""
+        return self.watch.get(refs, timeout=self.task_timeout, what=what)
+
+    def close(self) -> None:
+        """End every worker process now, without interpreter finalization.
+
+        ``ray.kill`` exits the process at once. A normal exit would finalize the
+        interpreter while the process group's gloo worker threads may still be dropping
+        Python references, which aborts the process ("terminate called without an active
+        exception"). Everything the run produced is written by the time this is called.
+        """
+        import ray
+
+        for worker in self.processes:
+            ray.kill(worker, no_restart=True)
+        # An engine killed before every receiver mapped its shared memory (a run stopped
+        # mid-sync) never unlinked it: remove what this host's workers left, once they exit.
+        remove_segments(self.local_pids, wait=10.0)
+
+    def update(
+        self, batch: Rollout, lag: float = 0.0, scored: Scored | None = None
+    ) -> UpdateMetrics:
+        """Score ``batch`` and run the update (see :meth:`start_update`)."""
+        return self.start_update(batch, lag, scored)()
+
+    def start_update(
+        self, batch: Rollout, lag: float = 0.0, scored: Scored | None = None
+    ) -> Callable[[], UpdateMetrics]:
+        """Score ``batch`` (with its ``examples``; unless ``scored`` already: dynamic
+        sampling), compute advantages and start the update
+        on every actor rank, each on its shard (``actor.ppo_mini_batch_size`` and
+        ``actor.ppo_epochs`` set its optimizer steps); ``lag``: the samples' mean version
+        lag behind the weights updated (the staleness-aware step size). Returns what waits
+        for it."""
+        n, algorithm = self.config.rollout.n, self.config.algorithm
+        scored = score(self.config, self.reward_fn, batch) if scored is None else scored
+        rewards, reward_extra, reward_s = scored.rewards, scored.extra, scored.seconds
+        batch.rewards = rewards
+        penalised = rewards
+        if algorithm.use_kl_in_reward:  # the actor's and the reference's log-probs first
+            penalised, reward_extra = kl_in_reward(self, batch, rewards, reward_extra)
+        batch.advantages = compute_advantages(algorithm, penalised, batch.response_mask, n)
+        # The actors need tensors only: the strings stay here.
+        tensors = dataclasses.replace(batch, texts=[], examples=[], trajectories=None)
+        if self.config.trainer.balance_batch and self.world > 1:  # equal tokens per rank
+            lengths = row_tokens(tensors.prompt_mask, tensors.response_mask)
+            shares = rank_shares(lengths, self.world)
+            shards = [tensors.select(torch.tensor(rows)) for rows in shares]
+        else:
+            shards = [tensors.shard(r, self.world) for r in range(self.world)]
+        refs = [a.train.remote(s, lag) for a, s in zip(self.actors, shards, strict=True)]
+
+        def done() -> UpdateMetrics:
+            results = self.call(refs, "update")
+            return update_metrics(batch, rewards, reward_extra, reward_s, results)
+
+        return done
+
+    def record(self, metrics: StepMetrics, bar, batch: Rollout) -> None:
+        """A step's line of ``metrics.jsonl``, in the log and to every logger (and its
+        samples in ``trainer.rollout_data_dir``); a warning line when the off-policy gap
+        outgrows the correction (:class:`GapWatch`)."""
+        self._write(metrics.to_json(), f"step {metrics.step}")
+        if self.config.trainer.rollout_data_dir is not None:
+            write_rollouts(
+                self.config.trainer.rollout_data_dir, metrics.step, batch, self.config.rollout.n
+            )
+        bar.set_postfix(reward=f"{metrics.reward_mean:.3f}")
+        warning = self.gap.observe(
+            metrics.step, metrics.rollout_is_truncated_fraction, metrics.kl_behaviour_proximal
+        )
+        if warning is not None:
+            log.warning("%s", warning)
+            print(f"rlwire-train: warning: {warning}", file=sys.stderr)
+
+    def validate(self, done: int, waiting: Callable[[], dict[str, float]]) -> None:
+        """Wait for a validation of the weights after ``done`` updates (queued earlier) and
+        record it: a ``val/...`` line of ``metrics.jsonl``, the log and every logger."""
+        self._write({"step": done, **waiting()}, f"validation after {done} updates")
+
+    def _write(self, values: dict[str, Any], what: str) -> None:
+        line = json.dumps(values)
+        with self.metrics_path.open("a") as f:
+            f.write(line + "\n")
+        log.info("%s %s", what, line)
+        for tracker in self.trackers:
+            tracker.log(values, values["step"])
+
+    def export_model(self) -> None:
+        """The final policy as a Hugging Face directory, ``hf_model/`` in the run directory
+        (merged, with LoRA; the adapter in PEFT's format in ``adapter/``)."""
+        target = str(self.run_dir / "hf_model")
+        adapter = str(self.run_dir / "adapter") if self.config.actor.lora.enabled else None
+        self.call([a.export_hf.remote(target, adapter) for a in self.actors], "writing hf_model")
+
+    def save_due(self, done: int) -> bool:
+        """Whether a checkpoint is written after ``done`` updates."""
+        every, last = self.config.trainer.save_every, self.config.trainer.steps
+        return bool(every and done % every == 0) or done == last
+
+    def save(self, done: int, **state: Any) -> None:
+        """Checkpoint ``checkpoints/step_<done>`` (see
+        :func:`rlwire.trainer.outputs.checkpoint.save_checkpoint`); ``state``: the mode's own part
+        of
+        ``trainer_state.json``."""
+        kl = self.kl_ctrl.value
+        save_checkpoint(self, done, extra_batches=self.extra_batches, kl_ctrl_value=kl, **state)
+
+    def save_if_due(self, done: int) -> None:
+        if self.save_due(done):
+            self.save(done)
+
+
+def _seed(config, step: int, worker: int) -> int:
+    """Rollout worker ``worker``'s sampling seed at ``step``."""
+    return config.trainer.seed * 7919 + step + worker * 1_000_003

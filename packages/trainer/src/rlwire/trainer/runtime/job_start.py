@@ -1,0 +1,192 @@
+"""Starting a job: the model in every worker, a resumed checkpoint, the checkpoint engine's
+group. The start-up half of :class:`~rlwire.trainer.runtime.job.Job`, which mixes it in."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..algorithms.reward_kl import KLController
+from ..config.root import TrainerConfig
+from ..errors import RunError
+from ..outputs.checkpoint import load_checkpoint
+from ..outputs.loggers import Tracker
+from .cluster import (
+    GpuLayout,
+    Handle,
+    Watch,
+    cause,
+    engine_backend,
+    first_line,
+    shm_bytes_needed,
+)
+
+__all__ = ["JobStart"]
+
+log = logging.getLogger("rlwire.trainer")
+
+
+class JobStart:
+    """:meth:`start`, once the workers exist (``Job.__init__`` sets ``config``, ``run_dir``,
+    ``model_path``, ``world``, ``hybrid``, ``layout``, ``actors``, ``rollouts``,
+    ``processes``)."""
+
+    config: TrainerConfig
+    run_dir: Path
+    model_path: str
+    world: int
+    hybrid: bool
+    layout: GpuLayout | None
+    actors: list[Handle]
+    rollouts: list[Handle]
+    processes: list[Handle]
+
+    def start(self, batches, reward_fn, resume, trackers: list[Tracker], validation=()) -> None:
+        """Load the model in every worker (``model_path`` exists now), resume if ``resume``
+        is given (a checkpoint directory and its trainer state:
+        :mod:`rlwire.trainer.outputs.checkpoint`),
+        and join the checkpoint engine."""
+        import ray
+
+        config, layout, model_path = self.config, self.layout, self.model_path
+        world, workers = self.world, config.rollout.num_workers
+        self.trackers = trackers
+        self.batches, self.reward_fn = batches, reward_fn
+        self.val_examples = list(validation)  # held-out prompts (validation.source)
+        gpus = f", sharing {layout.gpus} GPU(s)" if layout else ""
+        try:
+            if config.model.path == "tiny":
+                ray.get(self.actors[0].build_model.remote(), timeout=config.ray.startup_timeout)
+            master = ray.get(self.actors[0].address.remote(), timeout=config.ray.startup_timeout)
+            ready = [] if self.hybrid else [r.load_engine.remote() for r in self.rollouts]
+            if layout is not None:  # on GPUs the rollout engines measure free memory first
+                ray.get(ready, timeout=config.ray.startup_timeout)
+            ray.get(
+                [*[a.setup.remote(master) for a in self.actors], *ready],
+                timeout=config.ray.startup_timeout,
+            )
+        except ray.exceptions.GetTimeoutError:
+            members = (
+                f"{world} actor ranks (each with its rollout engine)"
+                if self.hybrid
+                else f"{world} actor ranks and {workers} rollout worker(s)"
+            )
+            raise RunError(
+                f"ray: the {members} (1 CPU each"
+                f"{gpus}) did not start within {config.ray.startup_timeout:g} s; the cluster "
+                f"has {ray.cluster_resources()}"
+            ) from None
+        except ray.exceptions.RayActorError as err:
+            raise RunError(f"ray: a worker failed to start: {first_line(err)}") from None
+        except ray.exceptions.RayTaskError as err:  # setup raised: the engine refused the config
+            raise RunError(f"actor setup failed: {first_line(cause(err))}") from None
+        # Every later call to a worker: bounded, and a dead worker stops the run at once.
+        names = {a._actor_id.hex(): f"actor rank {r}" for r, a in enumerate(self.actors)}
+        if not self.hybrid:
+            names.update(
+                {w._actor_id.hex(): f"rollout worker {i}" for i, w in enumerate(self.rollouts)}
+            )
+        self.watch = Watch([], names)
+        self.task_timeout = config.ray.task_timeout
+        described = self.watch.get(  # what the actor engine reports once (Megatron: DDP)
+            self.actors[0].describe.remote(), timeout=config.ray.startup_timeout, what="setup"
+        )
+        for line in described["info"]:
+            log.info("%s", line)
+        for warning in described["warnings"]:
+            log.warning("%s", warning)
+            print(f"rlwire-train: warning: {warning}", file=sys.stderr)
+        self.start_step = 0
+        self.extra_batches = 0  # generation batches beyond one per step (dynamic sampling)
+        self.kl_ctrl = KLController(config.algorithm.kl_ctrl)  # beta of the KL in reward
+        self.resumed: dict[str, Any] = {}  # the checkpoint's trainer_state.json
+        if resume is not None:
+            self._resume(*resume)
+        if layout is not None:  # bundle indices, and the GPU ids Ray gave each process
+            ids = self.watch.get(
+                [w.gpu_ids.remote() for w in self.processes],
+                timeout=config.ray.startup_timeout,
+                what="setup",
+            )
+            log.info(
+                "GPUs: actor ranks on bundles %s (Ray GPU ids %s), rollout workers on %s (%s)",
+                layout.actors,
+                ids[:world],
+                layout.rollouts,
+                ids[world:],
+            )
+        where = self.watch.get(
+            [w.node.remote() for w in self.processes],
+            timeout=config.ray.startup_timeout,
+            what="setup",
+        )
+        nodes = [node for node, _ in where]
+        here = ray.get_runtime_context().get_node_id()  # the driver's: close() sweeps there
+        self.local_pids = [pid for node, pid in where if node == here]
+        names = {node: f"node {i}" for i, node in enumerate(dict.fromkeys(nodes))}
+        log.info(
+            "nodes: actor ranks on %s, rollout workers on %s; actor group store at %s:%d",
+            [names[n] for n in nodes[:world]],
+            "the actor ranks" if self.hybrid else [names[n] for n in nodes[world:]],
+            *master,
+        )
+        self.engine_backend = self._engine_setup(layout, len(names) == 1, model_path)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        if self.metrics_path.exists():  # a fresh run's, or steps after the checkpoint
+            lines = self.metrics_path.read_text().splitlines()
+            kept = [line for line in lines if _step(line) <= self.start_step]
+            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def _resume(self, checkpoint, saved: dict[str, Any]) -> None:
+        """Load ``checkpoint`` on every actor rank (resharded to this world size)."""
+        self.resumed, self.start_step = saved, saved["step"]
+        self.extra_batches = saved.get("extra_batches", 0)
+        self.kl_ctrl = KLController(self.config.algorithm.kl_ctrl, saved.get("kl_ctrl_value"))
+        load_checkpoint(self, checkpoint, saved)
+
+    def _engine_setup(self, layout, one_host: bool, model_path: str) -> str:
+        """Join every member to the checkpoint engine; its backend. Hybrid: each rank hands
+        over to its own rollout engine in memory (``naive``); otherwise actor rank 0 sends,
+        rollout worker i receives as rank 1 + i."""
+        config = self.config
+        timeout = config.ray.startup_timeout + config.ckpt_engine.timeout
+        if self.hybrid:
+            log.info("checkpoint engine: naive (rollout engines in the actor ranks' processes)")
+            self.watch.get(
+                [a.engine_init_hybrid.remote() for a in self.actors],
+                timeout=timeout,
+                what="checkpoint engine setup",
+            )
+            return "naive"
+        backend = engine_backend(
+            config.ckpt_engine.backend,
+            layout,
+            one_host=one_host,
+            shm_bytes=shm_bytes_needed(model_path, config.ckpt_engine.bucket_size),
+        )
+        log.info("checkpoint engine: %s", backend)
+        metadata = self.watch.get(
+            self.actors[0].engine_prepare.remote(backend),
+            timeout=config.ray.startup_timeout,
+            what="checkpoint engine setup",
+        )
+        if "host" in metadata:  # store-controlled backends: where receivers connect
+            log.info("checkpoint engine master at %s:%d", metadata["host"], metadata["port"])
+        size = 1 + len(self.rollouts)
+        self.watch.get(
+            [
+                *[r.engine_init.remote(backend, size, metadata) for r in self.rollouts],
+                *[a.engine_init.remote(backend, size, metadata) for a in self.actors],
+            ],
+            timeout=timeout,
+            what="checkpoint engine setup",
+        )
+        return backend
+
+
+def _step(line: str) -> int:
+    """The step of a metrics line."""
+    return json.loads(line)["step"]

@@ -1,0 +1,171 @@
+"""An actor rank's weights to the rollout workers through the checkpoint engine: rank 0
+sends, the other ranks join the gathers; blocking (colocated, one-step off) or in the
+background (fully async). Mixed into :class:`~rlwire.trainer.runtime.workers.ActorWorker`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import torch
+
+from ..rollout import WeightsDigest, rollout_engine_class
+from .worker_process import host
+
+__all__ = ["WeightPush"]
+
+
+class WeightPush:
+    """The push half of an actor rank (``ActorWorker`` sets ``config``, ``rank``, ``actor``,
+    ``engine``, ``shared``, ``_sending``, ``sync_device`` and ``_resident``)."""
+
+    # --- weights to the rollout worker -----------------------------------------------------
+    def engine_prepare(self, backend: str) -> dict:
+        from rlwire.ckpt_engine import registry
+
+        if self.rank != 0:
+            return {}
+        # Receivers of a store-controlled backend reach the master's store at this node.
+        capabilities = registry.capabilities(backend)
+        where = {"host": host()} if capabilities.uses_store else {}
+        delta = self.config.ckpt_engine.delta
+        takes = rollout_engine_class(self.config.rollout.backend).takes_deltas
+        if delta == "auto" and not (capabilities.delta and takes):
+            delta = "off"  # no mirror to keep when no delta can be sent
+        self.engine = registry.new(
+            backend,
+            is_master=True,
+            bucket_size=self.config.ckpt_engine.bucket_size,
+            timeout=self.config.ckpt_engine.timeout,
+            delta=delta,
+            **where,
+        )
+        return self.engine.prepare()
+
+    def engine_init(self, backend: str, world_size: int, metadata: dict) -> None:
+        from rlwire.ckpt_engine import registry
+
+        if self.rank != 0:  # trainer ranks other than 0 take part in gathers only
+            self.engine = registry.new(
+                backend,
+                is_master=False,
+                bucket_size=self.config.ckpt_engine.bucket_size,
+                timeout=self.config.ckpt_engine.timeout,
+            )
+            self.engine.init_process_group(rank=-1, world_size=world_size, master_metadata=metadata)
+            return
+        self.engine.init_process_group(rank=0, world_size=world_size, master_metadata=metadata)
+
+    def _full_weights(self):
+        """(name, full tensor) for what a sync sends: every parameter and buffer, or with
+        LoRA the adapter (:meth:`ActorEngine.named_sync_weights`); a collective on every rank.
+
+        Tensors go where the engine's buckets live: the device for the CUDA backends
+        (``nccl``, ``cuda_ipc``), else :attr:`sync_device` (the host, or this device for
+        the hybrid engine's in-process hand-over)."""
+        target = getattr(self.engine, "device", None) or self.sync_device
+        for name, value in self.actor.named_sync_weights():
+            yield name, value.to(target)
+
+    def push_weights(self, version: int) -> dict[str, Any]:
+        """Send the full weights as ``version`` (see :meth:`_push`)."""
+        return asyncio.run(self._push(version))
+
+    def _push(self, version: int) -> Coroutine[Any, Any, dict[str, Any]]:
+        """Send the full weights as ``version`` (rank 0; the others join the gathers): a
+        coroutine, to run alone or beside a receiver in this process (a method declared
+        ``async`` would make Ray run the whole class as an async actor).
+
+        With a zero-copy backend (``shm``) rank 0 keeps one persistent copy of the full
+        weights in the engine's shared arena, laid out on the first sync: each sync copies
+        every gathered tensor into its place there and sends without packing; the receivers
+        read it in place."""
+        digest = self._digest()
+
+        async def send() -> dict[str, Any]:
+            start = time.perf_counter()
+            with self._resident(optimizer=False):
+                items = self._gathered(digest)
+                if self._zero_copy():
+                    items = self._into_arena(items)
+                stats = await self.engine.send_weights(items, version=version)
+            # gathering the full weights (and copying them into the arena) beyond the engine
+            return _report(stats, time.perf_counter() - start - stats.seconds, digest)
+
+        return send()
+
+    def start_push(self, version: int) -> None:
+        """Send the full weights as ``version`` without holding this rank (fully-async mode):
+        every rank gathers them now; rank 0 keeps them as a snapshot (the ``shm`` arena, or a
+        copy: one copy of the weights more on rank 0) and sends it from a thread of its own
+        while the next calls (updates) run; the rollout workers take it at their next
+        boundary. One send in flight: the previous one ends before the snapshot is taken
+        (the arena is its source until then; the driver finishes every push first)."""
+        timeout = self.config.ckpt_engine.timeout + 30
+        if self.rank != 0:  # the gathers only
+            self.push_weights(version)
+            return
+        self._sending.finish(timeout=timeout)
+        digest = self._digest()
+        start = time.perf_counter()
+        with self._resident(optimizer=False):
+            items = self._gathered(digest)
+            if self._zero_copy():
+                snapshot = self._into_arena(items)
+            else:
+                snapshot = [(name, value.detach().clone()) for name, value in items]
+        gathered_s = time.perf_counter() - start
+
+        async def send() -> dict[str, Any]:
+            stats = await self.engine.send_weights(snapshot, version=version)
+            return _report(stats, gathered_s, digest)
+
+        self._sending.start(send, timeout=timeout)
+
+    def finish_push(self) -> dict[str, Any]:
+        """Wait for the send :meth:`start_push` began (bounded by ``ckpt_engine.timeout``
+        per wait in the engine); what :meth:`push_weights` reports (``{}`` on ranks but 0)."""
+        return self._sending.finish(timeout=self.config.ckpt_engine.timeout + 30) or {}
+
+    def _digest(self) -> WeightsDigest | None:
+        """A digest to fill while gathering, with ``ckpt_engine.digest`` (rank 0 reports)."""
+        return WeightsDigest() if self.config.ckpt_engine.digest and self.rank == 0 else None
+
+    def _gathered(self, digest: WeightsDigest | None):
+        """:meth:`_full_weights`, added to ``digest`` on the way."""
+        for name, value in self._full_weights():
+            if digest is not None:
+                digest.add(name, value)
+            yield name, value
+
+    def _zero_copy(self) -> bool:
+        from rlwire.ckpt_engine import registry
+
+        return self.rank == 0 and registry.capabilities(self.engine.name).zero_copy
+
+    def _into_arena(self, gathered) -> list[tuple[str, torch.Tensor]]:
+        """Copy the gathered weights into the shared arena (laid out on first use); the
+        arena's tensors, to send."""
+        if self.shared is None:
+            self.shared = {name: value.detach().contiguous().clone() for name, value in gathered}
+            self.engine.share_weights(self.shared.items())
+        else:
+            for name, value in gathered:
+                self.shared[name].copy_(value)
+        return list(self.shared.items())
+
+
+def _report(stats, export_s: float, digest: WeightsDigest | None) -> dict[str, Any]:
+    """A push's report: the engine's ``stats``, the seconds spent gathering the weights
+    beyond it, and the digest of what was sent."""
+    return {
+        "time_weight_export_s": max(0.0, export_s),
+        "weight_sync_s": stats.seconds,
+        "weight_sync_gbps": stats.gbps,
+        "weight_sync_bytes": stats.bytes,
+        "weight_sync_wire_bytes": stats.wire_bytes,
+        "weight_sync_delta_density": stats.density,
+        "digest": digest.hexdigest() if digest is not None else None,
+    }

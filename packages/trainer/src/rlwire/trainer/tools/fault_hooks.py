@@ -1,0 +1,230 @@
+"""In-process hooks of the fault campaign (:mod:`rlwire.trainer.tools.faults`), installed in every
+process of a run as its ``sitecustomize``: the campaign copies this file under that name
+into a folder it puts first on ``PYTHONPATH`` (Ray's workers inherit the driver's
+environment, so the hooks reach the actor ranks and the rollout workers too; the campaign
+checks that their events arrive). Standard library only: it runs at interpreter start-up.
+Imported under its own name it does nothing.
+
+What it does, steered by environment variables:
+
+- ``RLWIRE_FAULT_EVENTS=PATH``: the phase methods of ``ActorWorker`` (``train``: update,
+  ``save``: save, ``push_weights``/``start_push``: push) and ``RolloutWorker``
+  (``generate``: generation, ``pull_weights``/``stage_weights``: push) append a line to
+  PATH at their start and end: time, pid, role (``actor<rank>``, ``rollout<index>``),
+  phase, the occurrence's number in that process, ``b`` or ``e``. Each ``__init__`` appends
+  an ``init`` line (the process's role and pid).
+- ``RLWIRE_FAULT_STRETCH=ROLE:PHASE:N:SECONDS``: occurrence ``N`` of PHASE in ROLE is
+  slowed to about SECONDS: occurrence ``N - 1`` counts its Python line events
+  (``sys.settrace``), occurrence ``N`` sleeps ``SECONDS / count`` at each one. A kill at a
+  uniformly random time inside it then lands at a random line of the phase's real code
+  (time spent inside one C call, a torch kernel or torch's own file writer, is not
+  stretched, so points inside those are under-sampled).
+- ``RLWIRE_FAULT_ENOSPC=FRAGMENT``: a file opened for writing through ``open`` /
+  ``io.open`` (``pathlib`` too) whose path contains FRAGMENT is created, and its first
+  ``write`` raises ``OSError(ENOSPC)``, as a full disk does; an ``enospc`` line is logged.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import io
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType, ModuleType
+from typing import Any
+
+PHASES = {
+    "rlwire.trainer.runtime.workers": (
+        "ActorWorker",
+        {"train": "update", "save": "save", "push_weights": "push", "start_push": "push"},
+    ),
+    "rlwire.trainer.runtime.rollout_worker": (
+        "RolloutWorker",
+        {"generate": "generation", "pull_weights": "push", "stage_weights": "push"},
+    ),
+}
+"""Module -> (class, {method: phase}) wrapped at import."""
+
+_counts: dict[tuple[str, str], int] = {}
+_lines: dict[tuple[str, str, int], int] = {}
+_lock = threading.Lock()
+
+
+def emit(**fields: Any) -> None:
+    """One event line (a single ``write`` on an ``O_APPEND`` file: lines never interleave)."""
+    path = os.environ.get("RLWIRE_FAULT_EVENTS")
+    if not path:
+        return
+    line = json.dumps({"t": time.time(), "pid": os.getpid(), **fields}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _role(obj: object) -> str:
+    rank = getattr(obj, "rank", None)
+    return f"rollout{getattr(obj, 'index', '?')}" if rank is None else f"actor{rank}"
+
+
+def _stretch_plan(role: str, phase: str, n: int) -> tuple[bool, float | None]:
+    """(count this occurrence's lines, seconds to stretch it to) from RLWIRE_FAULT_STRETCH."""
+    spec = os.environ.get("RLWIRE_FAULT_STRETCH", "")
+    if spec.count(":") != 3:
+        return False, None
+    who, what, number, seconds = spec.split(":")
+    if (who, what) != (role, phase):
+        return False, None
+    target = int(number)
+    return n == target - 1, float(seconds) if n == target else None
+
+
+class _Tracer:
+    """Counts line events of the frames called while it is set; sleeps ``pause`` at each."""
+
+    def __init__(self, pause: float) -> None:
+        self.pause, self.lines, self.owed = pause, 0, 0.0
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> _Tracer:
+        if event == "line":
+            self.lines += 1
+            self.owed += self.pause
+            if self.owed >= 0.002:  # a sleep takes ~0.1 ms at least: pay the pauses in bulk
+                start = time.perf_counter()
+                time.sleep(self.owed)
+                self.owed -= time.perf_counter() - start
+        return self
+
+
+def _wrap(method: Callable[..., Any], phase: str) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(self: object, *args: Any, **kwargs: Any) -> Any:
+        role = _role(self)
+        with _lock:
+            n = _counts[role, phase] = _counts.get((role, phase), 0) + 1
+        count, seconds = _stretch_plan(role, phase, n)
+        tracer = None
+        if count or seconds is not None:
+            lines = _lines.get((role, phase, n - 1), 0)
+            tracer = _Tracer(seconds / lines if seconds and lines else 0.0)
+        emit(role=role, phase=phase, n=n, ev="b", stretched=seconds)
+        previous = sys.gettrace()
+        if tracer is not None:
+            sys.settrace(tracer)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if tracer is not None:
+                sys.settrace(previous)
+                _lines[role, phase, n] = tracer.lines
+            emit(role=role, phase=phase, n=n, ev="e", lines=tracer and tracer.lines)
+
+    return call
+
+
+def _wrap_init(method: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(method)
+    def init(self: object, *args: Any, **kwargs: Any) -> None:
+        method(self, *args, **kwargs)
+        emit(role=_role(self), ev="init")
+
+    return init
+
+
+def _patch(module: ModuleType) -> None:
+    cls_name, methods = PHASES[module.__name__]
+    cls: Any = getattr(module, cls_name)
+    for name, phase in methods.items():
+        _set(cls, name, _wrap(getattr(cls, name), phase))
+    _set(cls, "__init__", _wrap_init(cls.__init__))
+
+
+def _set(cls: Any, name: str, wrapper: Callable[..., Any]) -> None:
+    """``cls.name = wrapper``, named as the class's own method: Ray pickles the worker class
+    by reference, which holds only while ``module.qualname`` finds this very function (a
+    method inherited from a mixin would otherwise name the mixin's unwrapped one, and the
+    wrapper would be pickled by value, its lock with it)."""
+    wrapper.__module__, wrapper.__qualname__ = cls.__module__, f"{cls.__qualname__}.{name}"
+    setattr(cls, name, wrapper)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Patches the worker modules right after they execute, wherever they are imported."""
+
+    def find_spec(
+        self, name: str, path: Any = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if name not in PHASES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this one only
+        return spec
+
+
+class _Full:
+    """A file on a full disk: created, and every write fails with ENOSPC; everything else
+    (``tell``, ``flush``, ``fileno``, closing) is the real file's."""
+
+    def __init__(self, real: Any, path: str) -> None:
+        self.real, self.path = real, path
+
+    def write(self, data: Any) -> int:
+        emit(ev="enospc", path=self.path)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def __enter__(self) -> _Full:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.real.close()
+
+
+def _full_disk(fragment: str) -> None:
+    real_open = io.open
+
+    def guarded(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(file, mode, *args, **kwargs)
+        if isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+"):
+            path = os.fsdecode(file)
+            if fragment in path:
+                return _Full(handle, path)
+        return handle
+
+    builtins.open = io.open = guarded
+
+
+def install() -> None:
+    if os.environ.get("RLWIRE_FAULT_EVENTS"):
+        sys.meta_path.insert(0, _Finder())
+    fragment = os.environ.get("RLWIRE_FAULT_ENOSPC")
+    if fragment:
+        _full_disk(fragment)
+
+
+if __name__ == "sitecustomize":
+    install()

@@ -1,0 +1,401 @@
+"""The fault campaign: kill a process of a short run at a random point of a phase, run the
+same command again, and check that nothing was lost, repeated, left behind or damaged.
+
+    python -m rlwire.trainer.tools.faults --trials N --seed S [--out DIR] [--special enospc corrupt]
+
+Each trial runs the embedded tiny job (``rlwire-train`` with no data or model given: 8
+steps, a checkpoint every 2, 2 kept, ``actor.world_size`` 2; :mod:`rlwire.trainer.tools.fault_runs`)
+as a subprocess in one-step off-policy or fully-async mode, SIGKILLs an actor rank, the
+rollout worker or the driver during generation, an update, a weight push or a checkpoint
+save, then runs the same command to completion. The trials walk the 24 combinations in
+shuffled rounds (seeded): ``--trials 48`` is every combination twice.
+
+**Phases.** The runs carry :mod:`rlwire.trainer.tools.fault_hooks` as their ``sitecustomize``:
+each phase method of the Ray workers logs its start and end (``ActorWorker.train``:
+update, ``.save``: save; ``RolloutWorker.generate``: generation, ``.pull_weights`` /
+``.stage_weights``, the receiving end of a push, which spans the transfer: push), so
+phases are observed exactly. They are short (10-100 ms on the tiny job), so the chosen
+occurrence (a random one, counted in the phase's marker process: actor rank 0 for update
+and save, rollout worker 0 for generation and push) is stretched to about
+:data:`STRETCH_S` s by slowing its Python lines, and the kill comes a uniformly random
+delay within that after its start: a random point of its code (time inside one C call is
+not stretched, so it is under-sampled). ``landed``: the process existed and the phase had
+not ended when it was killed.
+
+**Checks** (:mod:`rlwire.trainer.tools.fault_checks`): the second run exits 0 with steps 1..8 in
+``metrics.jsonl`` and ``hf_model/`` exported; no prompt group lost or trained twice (fully
+async: the steps' ``group_indices`` with the final checkpoint's pending groups, and each
+trained prompt is the data's at its index; one-step off-policy records no indices: each
+step's prompts, from ``trainer.rollout_data_dir``, matched to the data's batches);
+``weight_version`` never goes back; after each run, no shm segment of the ckpt engine made
+by one of its processes is in ``/dev/shm`` and none of its processes is alive 20 s on (found
+by a marker in their environment or their Ray temp dir; then killed by pid, and the
+segments removed; after a SIGKILLed driver, whose own shutdown never runs, Ray's agents
+may take 120 s);
+every file of every checkpoint seen complete is byte-identical after each run, unless the
+retention policy removed the checkpoint; a killed worker stops the first run with one
+``rlwire-train: error:`` line and no traceback.
+
+**Special trials** (``--special``, registry :data:`SPECIALS`): ``enospc``, every write under
+``checkpoints/step_4/`` fails with ENOSPC (the hooks' full disk): the run must stop with one
+line naming it, the earlier checkpoints intact, and the same command without it must
+complete. ``corrupt``, one trial per file kind of a checkpoint: the driver is killed once
+``step_4`` is complete, bytes are flipped in a file of the latest complete checkpoint, and
+the same command must refuse with one line naming the file, or resume from an earlier
+checkpoint and complete (``outcome`` says which happened). ``stranger``: a process without
+the group's secret writes the checkpoint engine's bucket metadata during the run
+(:mod:`rlwire.trainer.tools.fault_stranger`): the run must stop naming the refused message,
+and the same command without it must complete.
+
+Writes ``DIR/trials.jsonl`` and ``DIR/table.md`` and prints the table; a failed trial's
+directory (run directory, events, both runs' output) is kept. Exit 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import fault_checks as checks
+from .fault_runs import SAVE_EVERY, STEPS, Trial, Watched, final_checks, kill, stop_line, watch
+from .fault_stranger import stranger_between, stranger_fault, stranger_verdict
+
+__all__ = ["SPECIALS", "Special", "main", "plan", "run_trial"]
+
+MODES = ("one_step_off", "fully_async")
+TARGETS = ("actor", "rollout", "driver")
+PHASES = ("generation", "update", "push", "save")
+MARKER = {"generation": "rollout0", "update": "actor0", "push": "rollout0", "save": "actor0"}
+"""The process whose occurrences of a phase are counted, stretched and watched."""
+OCCURRENCES = {"generation": (3, 7), "update": (3, 7), "push": (3, 7), "save": (2, 4)}
+"""The occurrence hit is drawn from these: a checkpoint is complete before it."""
+STRETCH_S = 1.5
+CORRUPTIBLE = ("trainer_state.json", "actor/.metadata", "actor/__0_0.distcp", "rng/actor_rank0.pt")
+
+
+def plan(trials: int, seed: int, world: int = 2) -> list[Trial]:
+    """``trials`` kill trials: mode x target x phase in shuffled rounds, a random actor rank,
+    occurrence and delay each."""
+    rng = random.Random(seed)
+    grid = list(itertools.product(MODES, TARGETS, PHASES))
+    order: list[tuple[str, str, str]] = []
+    while len(order) < trials:
+        order += rng.sample(grid, len(grid))
+    planned = []
+    for i, (mode, target, phase) in enumerate(order[:trials]):
+        who = {"actor": f"actor{rng.randrange(world)}", "rollout": "rollout0"}.get(target, target)
+        occurrence, delay = rng.randint(*OCCURRENCES[phase]), rng.uniform(0.02, 0.98) * STRETCH_S
+        planned.append(
+            Trial(
+                name=f"t{i:03d}",
+                mode=mode,
+                target=who,
+                phase=phase,
+                seed=seed * 1000 + i,
+                world=world,
+                occurrence=occurrence,
+                delay=round(delay, 3),
+            )
+        )
+    return planned
+
+
+def phase_kill(trial: Trial, env: dict[str, str]) -> Callable[[Watched], dict | None]:
+    """Stretch the chosen occurrence (the hooks) and kill the target ``trial.delay`` s after
+    its start."""
+    role = MARKER[trial.phase]
+    env["RLWIRE_FAULT_STRETCH"] = f"{role}:{trial.phase}:{trial.occurrence}:{STRETCH_S}"
+
+    def fault(run: Watched) -> dict | None:
+        begin = run.find(role, trial.phase, trial.occurrence, "b")
+        if begin is None or time.time() < begin["t"] + trial.delay:
+            return None
+        pid = run.proc.pid if trial.target == "driver" else run.roles.get(trial.target)
+        at, existed = time.time(), kill(pid)
+        return {"at": at, "monotonic": time.monotonic(), "existed": existed, "pid": pid}
+
+    return fault
+
+
+def landed(trial: Trial, run: Watched, done: dict | None) -> bool:
+    """Whether the kill hit a live process inside the chosen occurrence of the phase."""
+    if not done or not done["existed"]:
+        return False
+    end = run.find(MARKER[trial.phase], trial.phase, trial.occurrence, "e")
+    return end is None or end["t"] > done["at"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Special:
+    """A special trial: its trials for a seed, its fault on the first run (it may set the
+    run's environment; it returns what :func:`rlwire.trainer.tools.fault_runs.watch` polls, or
+    None), what it does and records between the runs, and its verdict on the record
+    (``special_failures``: check name -> failed)."""
+
+    trials: Callable[[int, int], list[Trial]]
+    fault: Callable[[Trial, dict[str, str]], Callable[[Watched], dict | None] | None]
+    between: Callable[[Trial, Watched, dict], dict[str, Any]]
+    verdict: Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _enospc_fault(trial: Trial, env: dict[str, str]) -> None:
+    env["RLWIRE_FAULT_ENOSPC"] = f"/checkpoints/step_{trial.occurrence * SAVE_EVERY}/"
+
+
+def _enospc_between(trial: Trial, run: Watched, digests: dict) -> dict[str, Any]:
+    by = {e["pid"] for e in run.events if e["ev"] == "enospc"}
+    roles = sorted(role for role, pid in run.roles.items() if pid in by)
+    step = run.run_dir / "checkpoints" / f"step_{trial.occurrence * SAVE_EVERY}"
+    return {"landed": bool(roles), "enospc_in": roles, "saved_anyway": (step / "COMPLETE").exists()}
+
+
+def _enospc_verdict(r: dict[str, Any]) -> dict[str, Any]:
+    named = any(s in r["stop_line"] for s in ("No space left", "ENOSPC", "Errno 28"))
+    return {
+        "special_failures": {
+            "ENOSPC never reached a worker": not r["landed"],
+            "ENOSPC: the first run did not stop": r["rc1"] == 0,
+            "ENOSPC: the stop line does not name it": not named,
+            "ENOSPC: the failed save was marked complete": r["saved_anyway"],
+        }
+    }
+
+
+def _corrupt_fault(trial: Trial, env: dict[str, str]) -> Callable[[Watched], dict | None]:
+    def fault(run: Watched) -> dict | None:
+        if not (run.run_dir / "checkpoints" / "step_4" / "COMPLETE").exists():
+            return None
+        return {"at": time.time(), "monotonic": time.monotonic(), "existed": kill(run.proc.pid)}
+
+    return fault
+
+
+def _corrupt_between(trial: Trial, run: Watched, digests: dict) -> dict[str, Any]:
+    """Flip 16 bytes (seeded place) of the file in the latest complete checkpoint."""
+    latest = max((run.run_dir / "checkpoints").glob("step_*/COMPLETE"), key=_step_of).parent
+    path = latest / trial.phase.removeprefix("resume ")
+    data = bytearray(path.read_bytes())
+    at = random.Random(trial.seed).randrange(max(1, len(data) - 16))
+    data[at : at + 16] = bytes(b ^ 0xFF for b in data[at : at + 16])
+    path.write_bytes(bytes(data))
+    digests[latest.name] = checks.digest_checkpoint(latest)  # the rerun must leave it so
+    return {"landed": True, "corrupted": f"{latest.name}/{path.relative_to(latest)}"}
+
+
+def _step_of(path: Path) -> int:
+    return int(path.parent.name.split("_")[1])
+
+
+def _corrupt_verdict(r: dict[str, Any]) -> dict[str, Any]:
+    step = r["corrupted"].split("/")[0]
+    if r["resumed_from"] == step:
+        outcome = "loaded it, " + ("completed" if r["rc2"] == 0 else "then failed")
+    elif r["rc2"] == 0:
+        outcome = f"resumed from {r['resumed_from'] or 'nothing'}, completed"
+    elif r["second_traceback"]:
+        outcome = "traceback"
+    else:
+        named = r["corrupted"] in r["second_line"]  # step_N/actor/.metadata, not __0.metadata
+        outcome = "refused" + (", naming the file" if named else "")
+    ok = ("refused, naming the file", f"resumed from {r['resumed_from'] or 'nothing'}, completed")
+    return {
+        "outcome": outcome,
+        "refused_ok": outcome == ok[0],
+        "special_failures": {f"corrupt checkpoint: {outcome}": outcome not in ok},
+    }
+
+
+SPECIALS: dict[str, Special] = {
+    "enospc": Special(
+        trials=lambda seed, world: [
+            Trial(
+                name="enospc",
+                mode=MODES[seed % 2],
+                target="enospc",
+                phase="save",
+                seed=seed * 1000 + 900,
+                world=world,
+                occurrence=2,
+            )
+        ],
+        fault=_enospc_fault,
+        between=_enospc_between,
+        verdict=_enospc_verdict,
+    ),
+    "stranger": Special(
+        trials=lambda seed, world: [
+            Trial(
+                name="stranger",
+                mode=MODES[seed % 2],
+                target="stranger",
+                phase="push",
+                seed=seed * 1000 + 950,
+                world=world,
+            )
+        ],
+        fault=stranger_fault,
+        between=stranger_between,
+        verdict=stranger_verdict,
+    ),
+    "corrupt": Special(
+        trials=lambda seed, world: [
+            Trial(
+                name=f"corrupt{i}",
+                mode=MODES[(seed + i) % 2],
+                target="corrupt",
+                phase=f"resume {file}",
+                seed=seed * 1000 + 910 + i,
+                world=world,
+            )
+            for i, file in enumerate(CORRUPTIBLE)
+        ],
+        fault=_corrupt_fault,
+        between=_corrupt_between,
+        verdict=_corrupt_verdict,
+    ),
+}
+"""Special trials by name (``--special``)."""
+
+
+def run_trial(trial: Trial, out: Path, hooks: Path) -> dict[str, Any]:
+    """One trial: the first run with its fault, the same command again, every check."""
+    base = out / trial.name
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    started = time.monotonic()
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("RLWIRE_FAULT")}
+    path = os.pathsep.join(filter(None, [str(hooks), plain.get("PYTHONPATH")]))
+    env = {**plain, "PYTHONPATH": path, "RLWIRE_FAULT_EVENTS": str(base / "events1.jsonl")}
+    special = SPECIALS.get(trial.target)
+    fault = special.fault(trial, env) if special else phase_kill(trial, env)
+    digests: dict[str, dict[str, str]] = {}
+    first = Watched(trial, base, 1, env)
+    first.start()
+    one = watch(first, digests, fault)
+    driver_killed = trial.target in ("driver", "corrupt")  # its Ray agents linger a while
+    lingering, shm1 = first.leftovers(lingering=driver_killed)
+    damaged1, _ = checks.damaged_files(digests, first.run_dir / "checkpoints")
+    r: dict[str, Any] = {**dataclasses.asdict(trial), "rc1": first.proc.returncode}
+    r["stop_line"], clean = stop_line(first.err)
+    r["clean_stop"] = clean or trial.target in ("driver", "corrupt")
+    r["landed"] = landed(trial, first, one["fault"]) if not special else False
+    r["fault_at_s"] = round(one["fault"]["monotonic"] - first.started, 1) if one["fault"] else None
+    if special:
+        r.update(special.between(trial, first, digests))
+    second = Watched(trial, base, 2, plain)  # the same command, without the hooks
+    second.start()
+    two = watch(second, digests)
+    procs2, shm2 = second.leftovers()
+    procs1 = first.outlived(lingering)
+    damaged2, gone = checks.damaged_files(digests, second.run_dir / "checkpoints")
+    log = (second.run_dir / "train.log").read_text().splitlines()
+    resumed = [
+        line.split("resumed from ")[1].split(" at step")[0]
+        for line in log
+        if "resumed from " in line
+    ]
+    r.update(
+        rc2=second.proc.returncode,
+        second_line=stop_line(second.err)[0],
+        second_traceback="Traceback" in second.err.read_text(errors="replace"),
+        hang=one["hang"] or two["hang"],
+        resumed_from=Path(resumed[-1]).name if resumed else None,
+        shm_leftovers=len(shm1) + len(shm2),
+        process_leftovers=len(procs1) + len(procs2),
+        lingered=sorted(set(lingering.values())) if driver_killed else [],
+        leftover_detail=[*shm1, *shm2, *procs1.values(), *procs2.values()],
+        damaged=sorted(set(damaged1 + damaged2)),
+        pruned=gone,
+        **final_checks(trial, second.run_dir),
+    )
+    r["hf_model"] = (second.run_dir / "hf_model" / "config.json").exists()
+    r["completed"] = r["rc2"] == 0 and r["steps"] == list(range(1, STEPS + 1))
+    if special:
+        r.update(special.verdict(r))
+    r["seconds"] = round(time.monotonic() - started, 1)
+    r["failed"] = failures(r)
+    for number, run in enumerate((first, second), 1):
+        logs = Path(run.ray_tmp, "ray", "session_latest", "logs")
+        if r["failed"] and logs.is_dir():  # the workers' own errors, for the report
+            shutil.copytree(
+                logs, base / f"ray_logs{number}", ignore=shutil.ignore_patterns("events")
+            )
+        shutil.rmtree(run.ray_tmp, ignore_errors=True)
+    return r
+
+
+def failures(r: dict[str, Any]) -> list[str]:
+    """The checks a trial failed (none: it passed)."""
+    done = r["completed"]
+    failed = {
+        "fault never happened": r["fault_at_s"] is None and not r["landed"],
+        "not completed": not done and not r.get("refused_ok"),
+        "hang": r["hang"],
+        "completed without hf_model/": done and not r["hf_model"],
+        "groups lost": done and r["lost"] != 0,
+        "groups repeated": done and r["repeated"] != 0,
+        "steps missing or repeated": done and bool(r["missing_steps"] or r["extra_steps"]),
+        "trained prompts not the data's": r["prompt_mismatches"] != 0,
+        "weight version went back": r["versions_back"] != 0,
+        "leftovers": r["shm_leftovers"] + r["process_leftovers"] > 0,
+        "checkpoint damaged": bool(r["damaged"]),
+        "first run did not stop with one line": not r["clean_stop"],
+        **r.get("special_failures", {}),
+    }
+    return [name for name, bad in failed.items() if bad]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlwire.trainer.tools.faults", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--trials", type=int, default=3, help="kill trials (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="the plan's and the runs' seeds")
+    parser.add_argument("--out", type=Path, default=Path("runs/faults"), help="output folder")
+    parser.add_argument("--special", nargs="*", default=[], choices=sorted(SPECIALS))
+    parser.add_argument("--world-size", type=int, default=2, help="actor.world_size")
+    parser.add_argument("--keep", action="store_true", help="keep every trial's directory")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    hooks = out / "hooks"
+    hooks.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(__file__).with_name("fault_hooks.py"), hooks / "sitecustomize.py")
+    trials = plan(args.trials, args.seed, args.world_size)
+    for name in args.special:
+        trials += SPECIALS[name].trials(args.seed, args.world_size)
+    results = []
+    with (out / "trials.jsonl").open("w") as record:
+        for i, trial in enumerate(trials, 1):
+            r = run_trial(trial, out, hooks)
+            results.append(r)
+            record.write(json.dumps(r) + "\n")
+            record.flush()
+            verdict = "ok" if not r["failed"] else "FAILED: " + "; ".join(r["failed"])
+            what = f"{trial.mode} {trial.target} {trial.phase}"
+            print(
+                f"[{i}/{len(trials)}] {what} #{trial.occurrence} +{trial.delay:.2f} s: landed "
+                f"{r['landed']}, rc {r['rc1']}/{r['rc2']}, {r['seconds']:.0f} s: {verdict}",
+                flush=True,
+            )
+            if not r["failed"] and not args.keep:
+                shutil.rmtree(out / trial.name, ignore_errors=True)
+    table = checks.summary_table(results)
+    (out / "table.md").write_text(table)
+    print(table)
+    failed = sum(bool(r["failed"]) for r in results)
+    print(f"{len(results)} trials, {failed} failed: {out / 'trials.jsonl'}, {out / 'table.md'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
