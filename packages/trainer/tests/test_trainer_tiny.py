@@ -114,3 +114,22 @@ def test_the_paced_engine_samples_as_hf_and_takes_its_set_time_per_decoding_step
     same = plain.generate(["a:", "b:"], seed=3)
     assert torch.equal(out.response_ids, same.response_ids)
     assert torch.equal(out.logprobs, same.logprobs)
+
+
+def test_the_modes_bench_plots_each_runs_reward_over_loop_time(tmp_path):
+    import matplotlib.image
+
+    from rlwire.trainer.outputs.plot import plot_modes
+
+    def run(rewards: list[float], step_s: float) -> list[dict]:
+        times = {"time_rollout_s": step_s / 2, "time_update_s": step_s / 2}
+        return [{"reward_mean": r, "time_weight_sync_s": 0.0, **times} for r in rewards]
+
+    curves = {
+        "colocated": {0: run([0.1, 0.3, 0.5], 2.0), 1: run([0.2, 0.2], 2.0)},
+        "fully_async": {0: run([0.1, 0.4, 0.6], 1.0), 1: run([0.3, 0.5], 1.0)},
+    }
+    out = plot_modes(curves, tmp_path / "modes.png")
+    assert out == tmp_path / "modes.png"
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert (width, height) == (1000, 400)  # one 5x4-inch panel per seed at 100 dpi

@@ -1,14 +1,15 @@
 """The run's plot: reward (and the validation reward) and policy loss per step, from
 ``metrics.jsonl``; with multi-turn rollouts also the turns, tool calls and tool errors per
-trajectory and the tool time per call."""
+trajectory and the tool time per call. And the modes benchmark's plot: each run's reward
+over training-loop time, per seed."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .summary import records
+from .summary import WINDOW, records, step_seconds
 
-__all__ = ["plot_run"]
+__all__ = ["plot_modes", "plot_run"]
 
 
 def plot_run(run_dir: str | Path) -> Path:
@@ -69,3 +70,35 @@ def _agent_panel(axis, steps: list[int], rows: list[dict]) -> None:
     right = axis.twinx()
     right.plot(steps, [1000 * r["tool_time_s"] for r in rows], ":", color="tab:gray")
     right.set_ylabel("ms per tool call (dotted)")
+
+
+def plot_modes(curves: dict[str, dict[int, list[dict]]], path: Path) -> Path:
+    """Render the modes benchmark's curves to ``path``: for each seed a panel of every run's
+    reward (its :data:`~rlwire.trainer.outputs.summary.WINDOW`-step moving mean) against
+    the training-loop seconds elapsed (``curves``: run label -> seed -> the run's records)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = sorted({seed for by_seed in curves.values() for seed in by_seed})
+    fig, axes = plt.subplots(1, len(seeds), figsize=(5 * len(seeds), 4), squeeze=False)
+    for axis, seed in zip(axes[0], seeds, strict=True):
+        for label, by_seed in curves.items():
+            rows = by_seed.get(seed, [])
+            elapsed, seconds, mean = 0.0, [], []
+            for i, row in enumerate(rows):
+                elapsed += step_seconds(row)
+                recent = rows[max(0, i + 1 - WINDOW) : i + 1]
+                seconds.append(elapsed)
+                mean.append(sum(r["reward_mean"] for r in recent) / len(recent))
+            axis.plot(seconds, mean, label=label)
+        axis.set_title(f"seed {seed}")
+        axis.set_xlabel("training-loop seconds")
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"reward ({WINDOW}-step moving mean)")
+    axes[0][-1].legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

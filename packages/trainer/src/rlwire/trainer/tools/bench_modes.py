@@ -8,6 +8,7 @@ import statistics
 import time
 from pathlib import Path
 
+from ..outputs.plot import plot_modes
 from ..outputs.summary import WINDOW, summarise, time_to_target
 from ..outputs.summary import records as summary_records
 
@@ -160,6 +161,8 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
             f"| {min(r['reward'] for r in mine):.2f}x | {times} |"
         )
     _print_bounds(runs, seeds, rows, costs, engines)
+    curves = {label: {seed: kept[label, seed] for seed in seeds} for label, _ in runs}
+    print(f"\nreward over training-loop time: {plot_modes(curves, root / 'modes.png')}")
     return 0
 
 
