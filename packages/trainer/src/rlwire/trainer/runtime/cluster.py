@@ -12,8 +12,14 @@ from typing import Any
 from ..config.root import TrainerConfig
 from ..errors import RunError
 
+Handle = Any
+"""A Ray actor handle (``ray.remote(Class)`` then ``.remote(...)``). Ray types a handle as
+``ActorHandle[Class] | type[Class]``, whose methods have ``.remote`` only where the class
+decorates them with ``@ray.method``; the trainer's workers do not, so handles stay untyped."""
+
 __all__ = [
     "GpuLayout",
+    "Handle",
     "Watch",
     "cause",
     "check_reachable",
