@@ -307,7 +307,7 @@ def _merge(cls: type, base: Any, updates: Mapping[str, Any], prefix: str) -> Any
             )
         name = fields[key]
         hint_type = hints[name]
-        if dataclasses.is_dataclass(hint_type):
+        if isinstance(hint_type, type) and dataclasses.is_dataclass(hint_type):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
             values[name] = _merge(hint_type, values[name], value, f"{full}.")

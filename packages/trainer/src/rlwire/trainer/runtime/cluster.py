@@ -12,8 +12,14 @@ from typing import Any
 from ..config.root import TrainerConfig
 from ..errors import RunError
 
+Handle = Any
+"""A Ray actor handle (``ray.remote(Class)`` then ``.remote(...)``). Ray types a handle as
+``ActorHandle[Class] | type[Class]``, whose methods have ``.remote`` only where the class
+decorates them with ``@ray.method``; the trainer's workers do not, so handles stay untyped."""
+
 __all__ = [
     "GpuLayout",
+    "Handle",
     "Watch",
     "cause",
     "check_reachable",
@@ -52,9 +58,8 @@ def ray_environment() -> None:
     import ray._private.ray_constants as constants
 
     # Ray may have been imported before us (by the caller): its constant is already read.
-    constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = constants.env_bool(
-        "RAY_ENABLE_UV_RUN_RUNTIME_ENV", True
-    )
+    env_bool = constants.env_bool  # type: ignore[attr-defined]  # imported there, not re-exported
+    constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = env_bool("RAY_ENABLE_UV_RUN_RUNTIME_ENV", True)
 
 
 def init_ray(config: TrainerConfig) -> None:
@@ -96,7 +101,7 @@ def stop_ray() -> None:
     node = getattr(getattr(ray, "_private", None), "worker", None)
     node = getattr(node, "_global_node", None)
     processes = getattr(node, "all_processes", None)
-    if isinstance(processes, dict) and node.is_head():
+    if node is not None and isinstance(processes, dict) and node.is_head():
         for info in processes.get("monitor", []):
             with contextlib.suppress(OSError, AttributeError):
                 info.process.kill()
