@@ -400,7 +400,9 @@ def _field_docs(cls: type) -> dict[str, str]:
     import textwrap
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    definition = tree.body[0]
+    assert isinstance(definition, ast.ClassDef)  # the source of a class
+    body = definition.body
     docs: dict[str, str] = {}
     for node, following in zip(body, body[1:], strict=False):
         if (
