@@ -63,6 +63,7 @@ class ActorEngine(abc.ABC):
         self.model_path = model_path
         self.device = device
         self.model: torch.nn.Module
+        self.optimizer: Any  # torch's, or Megatron's (param_groups, but not a torch Optimizer)
         self.reference: torch.nn.Module | None = None
 
     # --- training ---------------------------------------------------------------------

@@ -40,8 +40,9 @@ class _FSDPEngine(ActorEngine):
 
     def __init__(self, config, model_path: str, device: torch.device) -> None:
         super().__init__(config, model_path, device)
-        model = load_hf_model(model_path, config.model.dtype, device)
-        model.gradient_checkpointing_disable()
+        hf_model = load_hf_model(model_path, config.model.dtype, device)
+        hf_model.gradient_checkpointing_disable()
+        model: torch.nn.Module = hf_model
         self.lora = config.actor.lora if config.actor.lora.enabled else None
         self._info: list[str] = []
         if self.lora is not None:
@@ -162,10 +163,12 @@ class FSDP2Engine(_FSDPEngine):
             if self.config.actor.mixed_precision
             else MixedPrecisionPolicy()
         )
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        unwrap = getattr(model, "get_base_model", None)  # PEFT's wrapper (LoRA)
+        base: Any = unwrap() if unwrap is not None else model  # the Hugging Face model
         for layer in base.model.layers:
             fully_shard(layer, mp_policy=mp)
-        return fully_shard(model, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)  # in place: its class is now also an FSDPModule
+        return model
 
 
 class FSDP1Engine(_FSDPEngine):
@@ -185,8 +188,11 @@ class FSDP1Engine(_FSDPEngine):
         return FSDP(model, device_id=self.device, mixed_precision=mp, use_orig_params=True)
 
     def optimizer_step(self) -> float:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
         # FSDP1's .grad are plain local shards: only its own method reduces over the ranks.
         grad_clip = self.config.actor.optim.grad_clip
+        assert isinstance(self.model, FSDP)  # what _wrap made
         grad_norm = self.model.clip_grad_norm_(grad_clip if grad_clip > 0 else math.inf)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
@@ -35,6 +35,9 @@ from torch.overrides import TorchFunctionMode
 from ..models.modeling import load_hf_model
 from .base import ActorEngine
 from .megatron_state import full_optimizer_state, load_full_optimizer_state
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["MegatronActor", "MegatronEngine", "cpu_shim", "megatron_configs", "optimizer_settings"]
 
@@ -145,7 +148,7 @@ class MegatronActor:
     """The model under Megatron DDP and its Megatron optimizer, on one data-parallel rank."""
 
     def __init__(
-        self, config, model: torch.nn.Module, device: torch.device, *, optimizer: bool = True
+        self, config, model: PreTrainedModel, device: torch.device, *, optimizer: bool = True
     ) -> None:
         """Wrap ``model`` in Megatron DDP, then (unless ``optimizer=False``: the DDP
         wrapper alone, for inspecting its buffers) build Megatron's optimizer."""
@@ -184,6 +187,7 @@ class MegatronActor:
     def step(self) -> float:
         """Reduce the accumulated gradients, step, clear the buffers; the grad norm."""
         self.model.finish_grad_sync()
+        assert self.optimizer is not None, "MegatronActor(optimizer=False) does not step"
         with cpu_shim(self.device):
             ok, grad_norm, _ = self.optimizer.step()
         self.model.zero_grad_buffer()

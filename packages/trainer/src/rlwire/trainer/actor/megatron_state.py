@@ -31,7 +31,7 @@ def _optimizers(optimizer) -> list:
 def _main_params(opt) -> dict[torch.nn.Parameter, torch.Tensor]:
     """The plain optimizer's model parameter -> the main parameter its Adam steps."""
     if hasattr(opt, "float16_groups"):  # bf16/fp16 model parameters with fp32 main copies
-        mapping = {}
+        mapping: dict[torch.nn.Parameter, torch.Tensor] = {}
         for model_group, main_group in zip(
             opt.float16_groups, opt.fp32_from_float16_groups, strict=True
         ):

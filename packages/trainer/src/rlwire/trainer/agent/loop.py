@@ -54,7 +54,7 @@ class Conversation:
         model = logprobs is not None
         self.ids += ids
         self.mask += [int(model)] * len(ids)
-        self.logprobs += logprobs if model else [0.0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.versions += versions
         self.record.turns.append(Turn(role, start, len(self.ids), text))
 

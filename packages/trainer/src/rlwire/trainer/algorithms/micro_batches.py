@@ -69,8 +69,8 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
         merged.sort(key=lambda group: (-group[0], group[1][:1]))
         heapq.heappush(heap, (merged[-1][0] - merged[0][0], tie, merged))
         tie += 1
-    groups = [sorted(rows) for _, rows in heap[0][2]]
-    return sorted(groups, key=lambda rows: rows[0] if rows else math.inf)
+    result = [sorted(rows) for _, rows in heap[0][2]]
+    return sorted(result, key=lambda rows: rows[0] if rows else math.inf)
 
 
 def rank_shares(lengths: Sequence[int], world: int) -> list[list[int]]:
@@ -87,7 +87,8 @@ def rank_shares(lengths: Sequence[int], world: int) -> list[list[int]]:
     if world < 1 or len(lengths) % world:
         raise ValueError(f"rank_shares: {len(lengths)} rows do not split over {world} ranks")
     size = len(lengths) // world
-    sums, shares = [0] * world, [[] for _ in range(world)]
+    sums = [0] * world
+    shares: list[list[int]] = [[] for _ in range(world)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         rank = min((r for r in range(world) if len(shares[r]) < size), key=lambda r: sums[r])
         sums[rank] += lengths[i]

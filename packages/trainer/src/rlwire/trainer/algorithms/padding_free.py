@@ -39,7 +39,7 @@ def attention_implementation(model: torch.nn.Module) -> str | None:
     """The Hugging Face attention implementation of ``model``, through wrappers that hold it
     as ``.module`` (FSDP1, Megatron's DDP) or forward attributes (PEFT); None when none is
     found."""
-    seen = model
+    seen: torch.nn.Module | None = model
     while seen is not None:
         config = getattr(seen, "config", None)
         kind = getattr(config, "_attn_implementation", None)

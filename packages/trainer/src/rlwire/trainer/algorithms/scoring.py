@@ -45,6 +45,7 @@ def score(config, reward_fn, batch: Rollout) -> Scored:
     start = time.perf_counter()
     columns: dict[str, torch.Tensor] = {}
     if config.agent.environment is not None:  # an environment class scores its trajectories
+        assert batch.trajectories is not None, "agent.environment: samples without trajectories"
         rewards = torch.tensor([sum(t.rewards) for t in batch.trajectories], dtype=torch.float32)
         bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
         if bad:
@@ -126,6 +127,7 @@ def fill(
             )
         batch = generate_more(required - kept)
     whole = Rollout.concat(parts).select(slice(0, required * n))
+    assert whole.rewards is not None  # every part's set above
     extra: dict[str, Any] = {}
     for key in dict.fromkeys(k for e in extras for k in e):  # over the batches giving it
         given = [e[key] for e in extras if key in e]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ Rows = slice | torch.Tensor
 """A micro-batch: consecutive rows, or a token-budget group's row indices."""
 
 
-def _micro_batches(rollout: Rollout, rows: int, max_tokens: int | None, group) -> list[Rows]:
+def _micro_batches(rollout: Rollout, rows: int, max_tokens: int | None, group) -> Sequence[Rows]:
     """The rollout's micro-batches (:func:`rlwire.trainer.algorithms.micro_batches.split_rows`)."""
     return split_rows(
         rollout.prompt_mask, rollout.response_mask, rows=rows, max_tokens=max_tokens, group=group
@@ -128,7 +129,7 @@ def grpo_update(
     max_tokens: int | None = None,
     remove_padding: bool = False,
     group=None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """One optimizer step over this rank's share of the rollout.
 
     ``old_logprobs`` None: the update is exactly on-policy (see
@@ -223,6 +224,7 @@ def grpo_update(
     if optimizer_step is not None:
         grad_norm = optimizer_step()
     else:
+        assert optimizer is not None, "grpo_update: an optimizer or an optimizer_step"
         grad_norm = clip_and_step(model, optimizer, grad_clip)
     optimizer_s = time.perf_counter() - start
     return {
@@ -244,10 +246,10 @@ def ppo_update(
     *,
     mini_batch_size: int,
     epochs: int,
-    update: Callable[..., dict[str, float]],
+    update: Callable[..., dict[str, Any]],
     scale_of: Callable[[torch.Tensor], LossScale] | None = None,
     **per_row: torch.Tensor | None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """``epochs`` passes over the rollout in mini-batches of ``mini_batch_size`` rows, one
     optimizer step each (verl's ``ppo_mini_batch_size`` and ``ppo_epochs``).
 
@@ -270,7 +272,8 @@ def ppo_update(
             cut = {k: None if v is None else v[rows] for k, v in per_row.items()}
             old = None if proximal is None else proximal[rows]
             part = rollout.select(rows)
-            mask = part.response_mask if cut.get("loss_mask") is None else cut["loss_mask"]
+            loss_mask = cut.get("loss_mask")
+            mask = part.response_mask if loss_mask is None else loss_mask
             scale = None if scale_of is None else scale_of(mask)
             steps.append(update(rollout=part, old_logprobs=old, scale=scale, **cut))
     means = ("policy_loss", "clip_fraction", "entropy", "kl_ref", "grad_norm")

@@ -307,7 +307,7 @@ def _merge(cls: type, base: Any, updates: Mapping[str, Any], prefix: str) -> Any
             )
         name = fields[key]
         hint_type = hints[name]
-        if dataclasses.is_dataclass(hint_type):
+        if isinstance(hint_type, type) and dataclasses.is_dataclass(hint_type):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
             values[name] = _merge(hint_type, values[name], value, f"{full}.")
@@ -400,7 +400,9 @@ def _field_docs(cls: type) -> dict[str, str]:
     import textwrap
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    definition = tree.body[0]
+    assert isinstance(definition, ast.ClassDef)  # the source of a class
+    body = definition.body
     docs: dict[str, str] = {}
     for node, following in zip(body, body[1:], strict=False):
         if (

@@ -28,6 +28,8 @@ from ..rollout import Example
 from .tasks import BUILTIN_TASKS, builtin_task
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from ..config.root import TrainerConfig
 
 __all__ = ["DataConfig", "load_data", "load_validation"]
@@ -129,7 +131,7 @@ class _Renderer:
 
     def __init__(self, model_path: Path, source: Path, key: str) -> None:
         self.model_path, self.source, self.key = model_path, source, key
-        self._tokenizer = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
 
     @property
     def tokenizer(self):
@@ -153,7 +155,7 @@ class _Renderer:
             counts += map(len, self.tokenizer(chunk, add_special_tokens=False)["input_ids"])
         return counts
 
-    def __call__(self, messages: list, where: str) -> str:
+    def __call__(self, messages: list | tuple, where: str) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise RunError(
                 f"{self.key}: {self.source} {where}: the prompt is a list of chat messages "
@@ -340,6 +342,7 @@ def load_validation(config: TrainerConfig, model_path: Path) -> list[Example]:
     """The held-out prompts of ``validation.source``: every row of a file, or
     ``validation.prompts`` of a built-in task drawn apart from any training batch."""
     source = config.validation.source
+    assert source is not None, "validation.source: not set (the driver checks)"
     found = _source(source, "validation.source")
     if not isinstance(found, Path):  # training draws seed x 1_000_003 + step, step >= 0
         seed = config.trainer.seed * 1_000_003 - 1

@@ -90,4 +90,6 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
 
 def checkpoint_step(checkpoint: Path) -> int:
     """The step a ``checkpoints/step_<n>`` directory was saved at."""
-    return int(_STEP_DIR.match(checkpoint.name)[1])
+    match = _STEP_DIR.match(checkpoint.name)
+    assert match is not None, f"{checkpoint}: not a step_<n> directory"
+    return int(match[1])

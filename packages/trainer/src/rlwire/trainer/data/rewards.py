@@ -235,10 +235,10 @@ def load_reward(config: TrainerConfig) -> Reward:
     try:
         if target.endswith(".py"):
             module_spec = importlib.util.spec_from_file_location("rlwire_user_reward", target)
-            if module_spec is None or not Path(target).is_file():
+            if module_spec is None or module_spec.loader is None or not Path(target).is_file():
                 raise ImportError(f"no file {target}")
             module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+            module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(target)
         fn = getattr(module, name)

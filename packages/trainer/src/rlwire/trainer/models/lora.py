@@ -16,8 +16,12 @@ import dataclasses
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from peft import PeftMixedModel, PeftModel
 
 __all__ = [
     "LoraSection",
@@ -84,7 +88,7 @@ class LoraSection:
 
         return LoraConfig(
             r=self.rank,
-            lora_alpha=self.alpha,
+            lora_alpha=self.alpha,  # type: ignore[arg-type]  # PEFT says int; scales by alpha / r
             target_modules=self.target_modules,
             lora_dropout=self.dropout,
             bias="none",
@@ -94,7 +98,7 @@ class LoraSection:
         )
 
 
-def wrap(model: torch.nn.Module, section: LoraSection) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, section: LoraSection) -> PeftModel | PeftMixedModel:
     """``model`` with LoRA adapters (PEFT's ``get_peft_model``): only their parameters train.
 
     Raises:

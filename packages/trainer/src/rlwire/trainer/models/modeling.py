@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["load_hf_model", "preload_hf", "save_hf_model"]
 
@@ -16,12 +20,12 @@ def preload_hf() -> None:
     import transformers.modeling_utils  # noqa: F401
 
 
-def load_hf_model(path: str, dtype: str, device: torch.device) -> torch.nn.Module:
+def load_hf_model(path: str, dtype: str, device: torch.device) -> PreTrainedModel:
     """A Hugging Face causal LM from ``path`` in ``dtype`` (``"float32"``, ...) on ``device``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    return model.to(device)
+    return model.to(device)  # type: ignore[arg-type]  # typeshed: @wraps(Module.to) loses self
 
 
 def save_hf_model(

@@ -38,6 +38,7 @@ def run_colocated(job: Job, bar) -> None:
         job.validate(job.start_step, held_out)
     t0 = time.perf_counter()
     for step in range(job.start_step, steps):
+        assert following is not None  # started for every step of the range
         batch = following()
         scored, extra = None, {}
         if filtering:  # dynamic sampling: more batches, same weights, until it is full

@@ -25,7 +25,7 @@ from ..data.validation import validation_due, validation_metrics, validation_tas
 from ..errors import RunError
 from ..outputs.metrics import step_record
 from ..rollout import Rollout
-from ..runtime.cluster import Watch
+from ..runtime.cluster import Handle, Watch
 from ..runtime.job import Job
 from .sample_queue import SampleQueue
 
@@ -51,7 +51,7 @@ def run_fully_async(job: Job, bar) -> None:
     filtering = config.algorithm.filter_groups.enable
     trigger = cfg.trigger_parameter_sync_step
     Queue = ray.remote(num_cpus=0)(SampleQueue)
-    queue = Queue.options(name="sample-queue", namespace=job.namespace).remote(
+    queue: Handle = Queue.options(name="sample-queue", namespace=job.namespace).remote(
         batches=job.batches,
         groups_per_step=required,
         trigger_sync=trigger,
@@ -165,6 +165,7 @@ def run_fully_async(job: Job, bar) -> None:
                     ),
                 )
                 batch, scored = fill(config, job.reward_fn, batch, more)
+                assert scored.kept_groups is not None  # fill() sets it
                 versions = [versions[i] for i in scored.kept_groups]
                 indices = [indices[i] for i in scored.kept_groups]
                 extra = {

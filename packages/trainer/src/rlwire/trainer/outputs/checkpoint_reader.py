@@ -68,9 +68,10 @@ class SafeReader(FileSystemReader):
                 raise RunError(f"{path}: not a DCP metadata file ({err})") from None
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise RunError(f"{path}: holds a {type(metadata).__name__}, not DCP's Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            metadata.storage_meta = storage_meta = dcp_metadata.StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 

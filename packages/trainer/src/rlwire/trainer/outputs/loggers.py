@@ -100,7 +100,7 @@ class _WandB(Tracker):
             project=section.project_name,
             name=section.experiment_name or run_dir.name,
             dir=str(run_dir),
-            mode=mode,
+            mode=mode,  # type: ignore[arg-type]  # WANDB_MODE as set: wandb checks it
             config=settings,
         )
 

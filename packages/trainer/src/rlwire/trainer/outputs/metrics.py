@@ -238,12 +238,15 @@ def step_record(
         version_lag_mean=sum(lags) / len(lags),
         version_lag_max=max(lags),
         **(_digests(synced, synced["pulls"]) if synced["pulls"] else {}),
-        **(_conversations(batch) if batch.trajectories is not None else {}),
+        **_conversations(batch),
         **extra,
     )
 
 
-def _conversations(batch: Rollout) -> dict[str, float]:
+def _conversations(batch: Rollout) -> dict[str, Any]:
+    """The multi-turn metrics of ``batch`` (none for single-turn samples)."""
+    if batch.trajectories is None:
+        return {}
     return trajectory_metrics(batch.trajectories, response_lengths(batch.response_mask).tolist())
 
 

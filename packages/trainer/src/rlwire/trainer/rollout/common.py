@@ -132,14 +132,18 @@ class Rollout:
     def sample_versions(self) -> torch.Tensor:
         """``(B,)``: each sample's version, that of its oldest token."""
         real = self.response_mask.bool()
-        return torch.where(real, self.versions, torch.iinfo(torch.int64).max).min(dim=1).values
+        return torch.where(real, self._versions(), torch.iinfo(torch.int64).max).min(dim=1).values
 
     def version_spans(self) -> torch.Tensor:
         """``(B,)``: newest minus oldest token version of each sample (0 unless the sample
         was continued across a weight sync)."""
         real = self.response_mask.bool()
-        newest = torch.where(real, self.versions, torch.iinfo(torch.int64).min).max(dim=1).values
+        newest = torch.where(real, self._versions(), torch.iinfo(torch.int64).min).max(dim=1).values
         return newest - self.sample_versions()
+
+    def _versions(self) -> torch.Tensor:
+        assert self.versions is not None, "Rollout.versions: not stamped (the rollout worker does)"
+        return self.versions
 
     @classmethod
     def concat(cls, parts: list[Rollout]) -> Rollout:
@@ -171,7 +175,7 @@ class Rollout:
             trajectories=(
                 None
                 if any(p.trajectories is None for p in parts)
-                else [t for p in parts for t in p.trajectories]
+                else [t for p in parts for t in p.trajectories or ()]
             ),
             rewards=joined("rewards"),
             advantages=joined("advantages"),

@@ -101,7 +101,11 @@ def hf_extend(
     new_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_ids.unsqueeze(-1))
     new_mask = _response_mask(new_ids, tokenizer.eos_token_id)
     eos = tokenizer.eos_token_id
-    ended = (new_ids == eos).any(dim=1) if eos is not None else torch.zeros(len(batch), dtype=bool)
+    ended = (
+        (new_ids == eos).any(dim=1)
+        if eos is not None
+        else torch.zeros(len(batch), dtype=torch.bool)
+    )
     response_ids = torch.cat([batch.response_ids, new_ids.cpu()], dim=1)
     mask = torch.cat([batch.response_mask, new_mask.cpu()], dim=1)
     logprobs = torch.cat([batch.logprobs, (new_logprobs.squeeze(-1) * new_mask).cpu()], dim=1)
@@ -167,9 +171,9 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
         from transformers import AutoTokenizer
 
         super().__init__(config, model_path, device, gpu_share=gpu_share, index=index)
-        model = load_hf_model(model_path, config.model.dtype, device)
+        model: torch.nn.Module = load_hf_model(model_path, config.model.dtype, device)
         # With LoRA the same PEFT adapters as the actor's; syncs carry them alone, by name.
-        self.adapter: dict[str, torch.Tensor] | None = None
+        self.adapter: dict[str, torch.nn.Parameter] | None = None
         if config.actor.lora.enabled:
             model = lora.wrap(model, config.actor.lora)
             self.adapter = lora.adapter_targets(model)

@@ -35,9 +35,9 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -74,6 +74,15 @@ def transfer_init_info(
 
 class WeightReloadExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); ``self`` is that worker."""
+
+    if TYPE_CHECKING:  # the worker's, declared for the type checker only
+
+        def reload_weights(
+            self,
+            *,
+            weights_iterator: Iterator[tuple[str, torch.Tensor]],
+            is_checkpoint_format: bool,
+        ) -> None: ...
 
     def rlwire_reload_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
@@ -209,6 +218,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
         version removed from the engine and from disk."""
         from vllm.lora.request import LoRARequest
 
+        assert self._adapters is not None  # made in __init__ with actor.lora
         directory = self._adapters / f"v{version}"
         lora.save_adapter(weights, self.config.actor.lora, self.model_path, directory)
         previous, self.lora_request = (

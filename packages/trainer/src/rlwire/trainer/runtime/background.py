@@ -54,6 +54,7 @@ class Background:
         if thread.is_alive():
             self._thread = thread  # still ours: a later finish may wait again
             raise TimeoutError(f"{self.what}: not finished within {timeout:g} s")
+        assert self._outcome is not None, f"{self.what}: its thread ended without an outcome"
         ok, value = self._outcome
         if not ok:
             raise value

@@ -58,9 +58,8 @@ def ray_environment() -> None:
     import ray._private.ray_constants as constants
 
     # Ray may have been imported before us (by the caller): its constant is already read.
-    constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = constants.env_bool(
-        "RAY_ENABLE_UV_RUN_RUNTIME_ENV", True
-    )
+    env_bool = constants.env_bool  # type: ignore[attr-defined]  # imported there, not re-exported
+    constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = env_bool("RAY_ENABLE_UV_RUN_RUNTIME_ENV", True)
 
 
 def init_ray(config: TrainerConfig) -> None:
@@ -102,7 +101,7 @@ def stop_ray() -> None:
     node = getattr(getattr(ray, "_private", None), "worker", None)
     node = getattr(node, "_global_node", None)
     processes = getattr(node, "all_processes", None)
-    if isinstance(processes, dict) and node.is_head():
+    if node is not None and isinstance(processes, dict) and node.is_head():
         for info in processes.get("monitor", []):
             with contextlib.suppress(OSError, AttributeError):
                 info.process.kill()

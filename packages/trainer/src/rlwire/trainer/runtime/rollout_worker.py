@@ -7,14 +7,23 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from ..agent.loop import build_loop
+from ..agent.loop import AgentLoop, build_loop
 from ..config.root import TrainerConfig
 from ..errors import RunError
-from ..rollout import Example, Rollout, Sampling, rollout_engine_class
+from ..rollout import (
+    Example,
+    PartialRolloutEngine,
+    Rollout,
+    RolloutEngine,
+    Sampling,
+    SleepingRolloutEngine,
+    StagingRolloutEngine,
+    rollout_engine_class,
+)
 from .worker_process import WorkerProcess, set_threads
 
 __all__ = ["RolloutWorker"]
@@ -43,9 +52,9 @@ class RolloutWorker(WorkerProcess):
         self.model_path = model_path
         self.index = index
         self.gpu_share = gpu_share
-        self.backend = None
-        self.engine = None
-        self.agent = None  # the agent loop (agent.enable)
+        self.backend: RolloutEngine | None = None
+        self.engine: Any = None  # the receiver's handle, from the rollout engine's join()
+        self.agent: AgentLoop | None = None  # the agent loop (agent.enable)
         self.version = -1
         self._slot = threading.Condition()  # the staged update, from stage_weights to run
         self._staged: tuple[int, Callable[[], int]] | BaseException | None = None
@@ -55,14 +64,22 @@ class RolloutWorker(WorkerProcess):
         directory exists)."""
         engine_class = rollout_engine_class(self.config.rollout.backend)
         # several engines on one GPU split their share (vLLM: gpu_memory_utilization)
-        self.backend = engine_class(
+        self.backend = backend = engine_class(
             self.config, self.model_path, self.device, gpu_share=self.gpu_share, index=self.index
         )
-        model = getattr(self.backend, "model", None)  # the hf engine's; vLLM's is its own
+        model = getattr(backend, "model", None)  # the hf engine's; vLLM's is its own
         if isinstance(model, torch.nn.Module):
             set_threads(self.config, model)
         if self.config.agent.enable:
-            self.agent = build_loop(self.config, self.backend, self.model_path)
+            self.agent = build_loop(self.config, backend, self.model_path)
+
+    def _loaded(self) -> RolloutEngine:
+        """The rollout engine (built by :meth:`load_engine`). Its optional methods (the
+        casts below) are called only where its class's flags say it has them: ``sleep``
+        and ``wake_up`` (``can_sleep``), ``start`` and ``extend`` (``can_continue``),
+        ``stage`` (``stages_updates``)."""
+        assert self.backend is not None, f"rollout worker {self.index}: load_engine() first"
+        return self.backend
 
     def engine_init(
         self, backend: str, world_size: int, metadata: dict, rank: int | None = None
@@ -70,7 +87,7 @@ class RolloutWorker(WorkerProcess):
         """Join the checkpoint engine as a receiver: rank ``rank``, by default ``1 + index``
         (actor rank 0 sends to every rollout worker), through the rollout engine's
         :meth:`~rlwire.trainer.rollout.RolloutEngine.join`."""
-        self.engine = self.backend.join(
+        self.engine = self._loaded().join(
             backend,
             rank=1 + self.index if rank is None else rank,
             world_size=world_size,
@@ -86,8 +103,8 @@ class RolloutWorker(WorkerProcess):
         :meth:`rlwire.trainer.runtime.workers.ActorWorker._push`)."""
 
         async def receive() -> dict[str, Any]:
-            self.version = await self.backend.apply(self.engine)
-            digest = self.backend.digest() if self.config.ckpt_engine.digest else None
+            self.version = await self._loaded().apply(self.engine)
+            digest = self._loaded().digest() if self.config.ckpt_engine.digest else None
             return {"version": self.version, "digest": digest}
 
         return receive()
@@ -95,10 +112,10 @@ class RolloutWorker(WorkerProcess):
     def sleep(self) -> None:
         """Colocated on GPUs, for a :class:`~rlwire.trainer.rollout.SleepingRolloutEngine`:
         free device memory while the actor trains (the driver asks only then)."""
-        self.backend.sleep()
+        cast(SleepingRolloutEngine, self._loaded()).sleep()
 
     def wake_up(self) -> None:
-        self.backend.wake_up()
+        cast(SleepingRolloutEngine, self._loaded()).wake_up()
 
     def generate(
         self, examples: list[Example], seed: int, sampling: Sampling | None = None
@@ -112,7 +129,7 @@ class RolloutWorker(WorkerProcess):
         else:
             prompts = [e.prompt for e in examples]
             args = (prompts, seed) if sampling is None else (prompts, seed, sampling)
-            out = self.backend.generate(*args)  # a third party's engine may take two only
+            out = self._loaded().generate(*args)  # a third party's engine may take two only
             out.versions = torch.full_like(out.response_ids, self.version)
         _stamp_seconds(out, time.perf_counter() - start)
         return out
@@ -134,6 +151,7 @@ class RolloutWorker(WorkerProcess):
                 f"validation.do_sample=true and validation.temperature={rollout.temperature}"
             )
         n = rollout.n if sampling is None else sampling.n
+        assert self.agent is not None, "agent.enable: no agent loop (load_engine() builds it)"
         return self.agent.run(
             examples, n, seed, version=lambda: self.version, chunk=chunk, between=between
         )
@@ -158,14 +176,15 @@ class RolloutWorker(WorkerProcess):
             out = self._converse(examples, seed, None, chunk, between)
             _stamp_seconds(out, time.perf_counter() - start - synced_s)
             return out
-        pending = self.backend.start([e.prompt for e in examples])
+        backend = cast(PartialRolloutEngine, self._loaded())
+        pending = backend.start([e.prompt for e in examples])
         pending.versions = torch.zeros_like(pending.response_ids)
         index = torch.arange(len(pending))  # each pending row's place in the result
         done: dict[int, Rollout] = {}
         left, piece = cfg.rollout.max_new_tokens, 0
         while True:
             before = pending.response_ids.shape[1]
-            grown, ended = self.backend.extend(pending, min(chunk, left), seed + piece * 7_919)
+            grown, ended = backend.extend(pending, min(chunk, left), seed + piece * 7_919)
             new = grown.response_ids.shape[1] - before
             stamp = torch.full((len(grown), new), self.version, dtype=torch.int64)
             grown.versions = torch.cat([pending.versions, stamp], dim=1)
@@ -188,7 +207,8 @@ class RolloutWorker(WorkerProcess):
         its next boundary. An engine that cannot stage (a third party's without
         :class:`~rlwire.trainer.rollout.StagingRolloutEngine`) receives at the boundary
         instead, as the sender's peer then. Returns whether it staged the update."""
-        if not self.backend.stages_updates:
+        backend = self._loaded()
+        if not backend.stages_updates:
             return False
         with self._slot:
             if self._staged is not None:
@@ -197,7 +217,7 @@ class RolloutWorker(WorkerProcess):
                     "previous update was written in"
                 )
         try:
-            commit = asyncio.run(self.backend.stage(self.engine))
+            commit = asyncio.run(cast(StagingRolloutEngine, backend).stage(self.engine))
             staged: tuple[int, Callable[[], int]] | BaseException = (version, commit)
         except BaseException as err:  # handed to run(), which stops with it
             staged = err
@@ -218,6 +238,7 @@ class RolloutWorker(WorkerProcess):
                     f"{timeout:g} s of reaching a boundary"
                 )
             staged, self._staged = self._staged, None
+        assert staged is not None  # what wait_for waited for
         if isinstance(staged, BaseException):
             raise staged
         expected, commit = staged
@@ -226,7 +247,7 @@ class RolloutWorker(WorkerProcess):
             raise RuntimeError(
                 f"rollout worker {self.index}: received version {self.version}, expected {expected}"
             )
-        digest = self.backend.digest() if self.config.ckpt_engine.digest else None
+        digest = self._loaded().digest() if self.config.ckpt_engine.digest else None
         return {"version": self.version, "digest": digest}
 
     def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
@@ -238,7 +259,7 @@ class RolloutWorker(WorkerProcess):
 
         def sync(version: int) -> dict[str, Any]:
             start = time.perf_counter()
-            if self.backend.stages_updates:  # received meanwhile: written in here
+            if self._loaded().stages_updates:  # received meanwhile: written in here
                 info = self._take_staged(version, staged_s)
             else:
                 info = self.pull_weights()

@@ -7,12 +7,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Coroutine
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..config.root import TrainerConfig
 from ..rollout import WeightsDigest, rollout_engine_class
+from .background import Background
 from .worker_process import host
+
+if TYPE_CHECKING:
+    from rlwire.ckpt_engine import CheckpointEngine
+
+    from ..actor import ActorEngine
 
 __all__ = ["WeightPush"]
 
@@ -20,6 +28,21 @@ __all__ = ["WeightPush"]
 class WeightPush:
     """The push half of an actor rank (``ActorWorker`` sets ``config``, ``rank``, ``actor``,
     ``engine``, ``shared``, ``_sending``, ``sync_device`` and ``_resident``)."""
+
+    config: TrainerConfig
+    rank: int
+    engine: CheckpointEngine | None
+    """Rank 0's sender from :meth:`engine_prepare`; the other ranks' from :meth:`engine_init`."""
+    shared: dict[str, torch.Tensor] | None
+    sync_device: torch.device
+    _sending: Background
+
+    if TYPE_CHECKING:  # ActorWorker's, declared for the type checker only
+
+        @property
+        def actor(self) -> ActorEngine: ...
+
+        def _resident(self, *, optimizer: bool) -> AbstractContextManager[None]: ...
 
     # --- weights to the rollout worker -----------------------------------------------------
     def engine_prepare(self, backend: str) -> dict:
@@ -34,7 +57,7 @@ class WeightPush:
         takes = rollout_engine_class(self.config.rollout.backend).takes_deltas
         if delta == "auto" and not (capabilities.delta and takes):
             delta = "off"  # no mirror to keep when no delta can be sent
-        self.engine = registry.new(
+        self.engine = engine = registry.new(
             backend,
             is_master=True,
             bucket_size=self.config.ckpt_engine.bucket_size,
@@ -42,21 +65,26 @@ class WeightPush:
             delta=delta,
             **where,
         )
-        return self.engine.prepare()
+        return engine.prepare()
 
     def engine_init(self, backend: str, world_size: int, metadata: dict) -> None:
         from rlwire.ckpt_engine import registry
 
         if self.rank != 0:  # trainer ranks other than 0 take part in gathers only
-            self.engine = registry.new(
+            self.engine = engine = registry.new(
                 backend,
                 is_master=False,
                 bucket_size=self.config.ckpt_engine.bucket_size,
                 timeout=self.config.ckpt_engine.timeout,
             )
-            self.engine.init_process_group(rank=-1, world_size=world_size, master_metadata=metadata)
+            engine.init_process_group(rank=-1, world_size=world_size, master_metadata=metadata)
             return
-        self.engine.init_process_group(rank=0, world_size=world_size, master_metadata=metadata)
+        self._engine().init_process_group(rank=0, world_size=world_size, master_metadata=metadata)
+
+    def _engine(self) -> CheckpointEngine:
+        """The checkpoint engine this rank joined."""
+        assert self.engine is not None, f"actor rank {self.rank}: no checkpoint engine yet"
+        return self.engine
 
     def _full_weights(self):
         """(name, full tensor) for what a sync sends: every parameter and buffer, or with
@@ -82,7 +110,7 @@ class WeightPush:
         weights in the engine's shared arena, laid out on the first sync: each sync copies
         every gathered tensor into its place there and sends without packing; the receivers
         read it in place."""
-        digest = self._digest()
+        digest, engine = self._digest(), self._engine()
 
         async def send() -> dict[str, Any]:
             start = time.perf_counter()
@@ -90,7 +118,7 @@ class WeightPush:
                 items = self._gathered(digest)
                 if self._zero_copy():
                     items = self._into_arena(items)
-                stats = await self.engine.send_weights(items, version=version)
+                stats = await engine.send_weights(items, version=version)
             # gathering the full weights (and copying them into the arena) beyond the engine
             return _report(stats, time.perf_counter() - start - stats.seconds, digest)
 
@@ -117,9 +145,10 @@ class WeightPush:
             else:
                 snapshot = [(name, value.detach().clone()) for name, value in items]
         gathered_s = time.perf_counter() - start
+        engine = self._engine()
 
         async def send() -> dict[str, Any]:
-            stats = await self.engine.send_weights(snapshot, version=version)
+            stats = await engine.send_weights(snapshot, version=version)
             return _report(stats, gathered_s, digest)
 
         self._sending.start(send, timeout=timeout)
@@ -143,14 +172,15 @@ class WeightPush:
     def _zero_copy(self) -> bool:
         from rlwire.ckpt_engine import registry
 
-        return self.rank == 0 and registry.capabilities(self.engine.name).zero_copy
+        return self.rank == 0 and registry.capabilities(self._engine().name).zero_copy
 
     def _into_arena(self, gathered) -> list[tuple[str, torch.Tensor]]:
         """Copy the gathered weights into the shared arena (laid out on first use); the
         arena's tensors, to send."""
         if self.shared is None:
             self.shared = {name: value.detach().contiguous().clone() for name, value in gathered}
-            self.engine.share_weights(self.shared.items())
+            shm = self._engine()  # zero_copy: the shm backend
+            shm.share_weights(self.shared.items())  # type: ignore[attr-defined]  # not on the base
         else:
             for name, value in gathered:
                 self.shared[name].copy_(value)

@@ -16,7 +16,9 @@ import datetime
 import functools
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,7 +50,7 @@ class ActorWorker(WeightPush, WorkerProcess):
         super().__init__(config)
         self.model_path = model_path
         self.rank = rank
-        self.actor: ActorEngine | None = None
+        self._actor: ActorEngine | None = None  # setup() builds it
         self.engine = None
         self.shared: dict[str, torch.Tensor] | None = None  # zero-copy: the arena's tensors
         self._sending = Background("weight push")  # fully async: the send in flight
@@ -57,6 +59,12 @@ class ActorWorker(WeightPush, WorkerProcess):
         # for a receiver in another process; the hybrid engine's in-process receiver reads
         # them on this device (HybridWorker).
         self.sync_device = torch.device("cpu")
+
+    @property
+    def actor(self) -> ActorEngine:
+        """The actor engine (built by :meth:`setup`)."""
+        assert self._actor is not None, f"actor rank {self.rank}: setup() has not run"
+        return self._actor
 
     # --- setup ---------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
@@ -80,15 +88,15 @@ class ActorWorker(WeightPush, WorkerProcess):
         )
         seed_everything(cfg.trainer.seed)
         engine_class = actor_engine_class(cfg.actor.strategy)
-        self.actor = engine_class(cfg, self.model_path, self.device)
-        set_threads(cfg, self.actor.model)
+        self._actor = actor = engine_class(cfg, self.model_path, self.device)
+        set_threads(cfg, actor.model)
 
     def describe(self) -> dict[str, list[str]]:
         """What the actor engine wants logged once at start (info lines and warnings)."""
         return self.actor.describe()
 
     # --- a training step -----------------------------------------------------------------
-    def train(self, batch: Rollout, lag: float = 0.0) -> dict[str, float]:
+    def train(self, batch: Rollout, lag: float = 0.0) -> dict[str, Any]:
         """Proximal log-probs (a forward pass, unless ``bypass_mode``, or the update is
         exactly on-policy and they are the training forward's own), the off-policy
         correction against the behaviour log-probs, the staleness-aware step size for a
@@ -114,8 +122,9 @@ class ActorWorker(WeightPush, WorkerProcess):
             proximal = _evaluated(actor.model, forward)
         old_logprob_s = time.perf_counter() - start
         with actor.reference_policy() as reference:  # for the KL loss (not the KL in reward)
-            loss_kl = reference is not None and cfg.algorithm.kl_coef > 0
-            ref = _evaluated(reference, forward) if loss_kl else None
+            ref = None
+            if reference is not None and cfg.algorithm.kl_coef > 0:
+                ref = _evaluated(reference, forward)
         ref_s = time.perf_counter() - start - old_logprob_s
         correct = functools.partial(
             correction_weights,
@@ -203,6 +212,7 @@ class ActorWorker(WeightPush, WorkerProcess):
         forward = self._logprobs_of(rollout)
         proximal = _evaluated(actor.model, forward)
         with actor.reference_policy() as reference:
+            assert reference is not None, "algorithm.use_kl_in_reward: no reference policy"
             ref = _evaluated(reference, forward)
         if cfg.actor.offload:
             actor.offload()
@@ -237,7 +247,7 @@ class ActorWorker(WeightPush, WorkerProcess):
         return float(both[0] / both[1].clamp(min=1))
 
     @contextlib.contextmanager
-    def _resident(self, *, optimizer: bool):
+    def _resident(self, *, optimizer: bool) -> Iterator[None]:
         """The model (and the optimizer state) on the device for the block, when offloaded
         between phases: exporting weights and saving gather shards with device collectives."""
         if not self.config.actor.offload:
@@ -264,6 +274,7 @@ class ActorWorker(WeightPush, WorkerProcess):
                         weights, self.model_path, Path(directory), self.config.model.dtype
                     )
                 else:
+                    assert adapter is not None  # kind "adapter" comes only with one
                     save_adapter(weights, self.config.actor.lora, self.model_path, Path(adapter))
 
     # --- checkpoints -----------------------------------------------------------------------

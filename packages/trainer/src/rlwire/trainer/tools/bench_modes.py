@@ -146,11 +146,11 @@ def compare_modes(args: argparse.Namespace, root: Path) -> int:
     costs = {}
     for label, _ in runs:
         mine = [rows[label, s] for s in seeds]
-        reached = [r["to_target"] for r in mine if r["to_target"] is not None]
+        ratios = [r["to_target"] for r in mine if r["to_target"] is not None]
         times = (
-            f"{statistics.mean(reached):.2f}x | {max(reached):.2f}x"
-            + ("" if len(reached) == len(mine) else f" ({len(mine) - len(reached)} not reached)")
-            if reached
+            f"{statistics.mean(ratios):.2f}x | {max(ratios):.2f}x"
+            + ("" if len(ratios) == len(mine) else f" ({len(mine) - len(ratios)} not reached)")
+            if ratios
             else "not reached | -"
         )
         steps = [r for s in seeds for r in kept[label, s]]

@@ -58,7 +58,7 @@ def _batch(config, model, tokenizer, seed: int):
 
 def _variants(config, budgets: list[int]) -> list[tuple[str, dict]]:
     rows = config.micro_batch_rows()
-    out = [(f"padded, fixed rows ({rows} a micro-batch)", {})]
+    out: list[tuple[str, dict]] = [(f"padded, fixed rows ({rows} a micro-batch)", {})]
     for budget in budgets:
         out.append((f"token budget {budget}", {"max_tokens": budget}))
         out.append(

@@ -34,6 +34,7 @@ from ..config.root import TrainerConfig, load_config
 from ..data.dataset import load_data
 from ..data.rewards import load_reward
 from ..models.tiny import build_tiny_model
+from ..rollout import HFEngine
 from ..runtime.hybrid import HybridWorker
 from ..runtime.worker_process import free_port
 
@@ -133,7 +134,9 @@ def run_check(config: TrainerConfig, model_path: str) -> tuple[list[dict], int]:
                     "offloaded_bytes": offloaded,
                 }
             )
-        return rows, sum(p.numel() for p in worker.rollout.backend.model.parameters())
+        engine = worker.rollout.backend
+        assert isinstance(engine, HFEngine)  # check_config's rollout.backend=hf
+        return rows, sum(p.numel() for p in engine.model.parameters())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

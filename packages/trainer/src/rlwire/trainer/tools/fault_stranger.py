@@ -41,7 +41,7 @@ def stranger_fault(trial: Trial, env: dict[str, str]) -> Callable[[Watched], dic
         store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
         for seq in range(AHEAD):  # unsigned: no tag, as a process without the secret writes
             forged = BucketMeta(index=seq, version=10**6, nbytes=0, entries=[], last=True)
-            store.set(f"meta/{seq}", forged.to_bytes())
+            store.set(f"meta/{seq}", forged.to_bytes())  # type: ignore[arg-type]  # stub: str only
         return {"at": time.time(), "monotonic": time.monotonic(), "existed": True}
 
     return fault
