@@ -90,6 +90,36 @@ def test_trainer_state_round_trip_and_refusals(tmp_path):
         read_trainer_state(directory, config)
 
 
+def test_a_damaged_checkpoint_file_is_named_before_anything_loads(tmp_path):
+    """A flipped byte in a tensor file loads silently (the fault campaign found DCP's shard and
+    an RNG file resumed with damage); the manifest names the file first."""
+    from rlwire.trainer.outputs.checkpoint import write_manifest
+
+    config = load_config()
+    directory = _state(tmp_path)
+    (directory / "rng").mkdir()
+    (directory / "rng" / "actor_rank0.pt").write_bytes(bytes(range(256)))
+    write_manifest(directory)
+    manifest = json.loads((directory / "MANIFEST.json").read_text())
+    assert sorted(manifest) == ["rng/actor_rank0.pt", "trainer_state.json"]
+    assert manifest["rng/actor_rank0.pt"]["bytes"] == 256
+    assert read_trainer_state(directory, config)["format"] == FORMAT
+    damaged = bytearray(range(256))
+    damaged[100] ^= 0xFF  # same size, one byte changed
+    (directory / "rng" / "actor_rank0.pt").write_bytes(bytes(damaged))
+    with pytest.raises(RunError) as err:
+        read_trainer_state(directory, config)
+    assert str(err.value) == (
+        f"trainer.resume: {directory / 'rng' / 'actor_rank0.pt'} differs from the checkpoint's "
+        "MANIFEST.json (the file is damaged); resume from another checkpoint "
+        "(trainer.resume=PATH) or start again"
+    )
+    (directory / "MANIFEST.json").unlink()  # a checkpoint from before manifests: no check
+    (directory / "trainer_state.json").write_bytes(b'{"format": 2, "step": \xdd}')
+    with pytest.raises(RunError, match=r"trainer_state.json is damaged \(.*\); resume from"):
+        read_trainer_state(directory, config)
+
+
 class _RunsCode:
     """What a checkpoint from elsewhere could hold: unpickling it calls ``_ran``."""
 

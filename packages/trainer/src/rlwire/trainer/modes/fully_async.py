@@ -217,9 +217,9 @@ def run_fully_async(job: Job, bar) -> None:
         if steps > job.start_step and validation_due(config, steps):  # the final weights
             finish_sync(start_sync(steps))  # (never synced for training: none is after them)
             validate(steps)
-        ray.get(queue.stop.remote(), timeout=wait_s)
-        watch.loops = []  # their ends are expected now
-        ray.get(loops, timeout=wait_s)
+        watch.get(queue.stop.remote(), timeout=wait_s, what="stopping the sample queue")
+        watch.loops = []  # their ends are expected now: a worker dead by then is named
+        watch.get(loops, timeout=wait_s, what="stopping the rollout loops")
     finally:
         ray.kill(queue)
 

@@ -11,6 +11,9 @@ process saves and restores.
       trainer_state.json      format, step (= the weight version), the actor's world size,
                               strategy and LoRA rank, the mode; fully async: the data position
                               and the prompt groups started but not trained
+      MANIFEST.json           every file above with its size and SHA-256: a file damaged
+                              since (a flipped byte in a tensor loads silently otherwise) is
+                              named when the checkpoint is resumed
       COMPLETE                written last, by the driver, once every rank returned
 
 A save that is cut off (a process killed while writing) leaves a directory without
@@ -27,6 +30,7 @@ data position follows the step.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import pickle
@@ -48,6 +52,8 @@ __all__ = [
     "read_trainer_state",
     "save_actor",
     "save_checkpoint",
+    "check_manifest",
+    "write_manifest",
     "write_trainer_state",
 ]
 
@@ -56,8 +62,52 @@ FORMAT = 2
 the world size that wrote it) is refused with a line that says so."""
 
 _STATE = "trainer_state.json"
+_MANIFEST = "MANIFEST.json"
 
 log = logging.getLogger("rlwire.trainer")
+
+
+def _digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """``MANIFEST.json``: every file of checkpoint ``directory`` (before ``COMPLETE``) with
+    its size and SHA-256."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != _MANIFEST)
+    entries = {
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _digest(p)}
+        for p in files
+    }
+    (directory / _MANIFEST).write_text(json.dumps(entries, indent=1) + "\n")
+
+
+def check_manifest(directory: Path) -> None:
+    """One line naming the first file of ``directory`` that is missing or differs from
+    its ``MANIFEST.json`` (a checkpoint written before manifests is taken as it is)."""
+    path = directory / _MANIFEST
+    if not path.exists():
+        return
+    try:
+        entries = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RunError(f"trainer.resume: {path} is damaged ({err}); {_ELSEWHERE}") from None
+    for name, entry in entries.items():
+        file = directory / name
+        if not file.is_file():
+            raise RunError(f"trainer.resume: {file} is missing; {_ELSEWHERE}")
+        if file.stat().st_size != entry["bytes"] or _digest(file) != entry["sha256"]:
+            raise RunError(
+                f"trainer.resume: {file} differs from the checkpoint's MANIFEST.json (the "
+                f"file is damaged); {_ELSEWHERE}"
+            )
+
+
+_ELSEWHERE = "resume from another checkpoint (trainer.resume=PATH) or start again"
 
 
 def write_trainer_state(directory: Path, state: dict[str, Any]) -> None:
@@ -78,7 +128,11 @@ def read_trainer_state(directory: Path, config) -> dict[str, Any]:
                 "start again (trainer.resume=never)"
             )
         raise RunError(f"trainer.resume: {directory} has no {_STATE}: not an rlwire checkpoint")
-    state = json.loads(path.read_text())
+    check_manifest(directory)
+    try:
+        state = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RunError(f"trainer.resume: {path} is damaged ({err}); {_ELSEWHERE}") from None
     if state.get("format") != FORMAT:
         raise RunError(
             f"trainer.resume: {directory} is checkpoint format {state.get('format')!r}; this "
@@ -168,6 +222,7 @@ def save_checkpoint(job, done: int, **state: Any) -> None:
             **state,
         },
     )
+    write_manifest(target)
     (target / "COMPLETE").write_text(str(done))
     keep = config.trainer.max_checkpoints_to_keep
     if keep is not None:
