@@ -290,3 +290,23 @@ def test_a_full_disk_must_be_named_by_the_stop_line():
         "rlwire-train: error: saving: actor rank 0: [Errno 28] No space left on device"
     )
     assert not any(_enospc_verdict(record)["special_failures"].values())
+
+
+@pytest.mark.parametrize(
+    ("stderr", "returncode", "clean"),
+    [
+        ("rlwire-train: error: update: actor rank 1 died (ActorDiedError: ...)\n", 2, True),
+        ("Traceback (most recent call last):\n  ...\nray.exceptions.ActorDiedError: x\n", 1, False),
+        ("", 0, True),  # a worker killed after the last step that needed it: the run finished
+        ("Traceback (most recent call last):\n  ...\n", 0, False),
+        ("some warning\n", 2, False),
+    ],
+)
+def test_a_first_run_ends_cleanly_with_one_error_line_or_finished(
+    tmp_path, stderr, returncode, clean
+):
+    from rlwire.trainer.tools.fault_runs import stop_line
+
+    path = tmp_path / "run1.err"
+    path.write_text(stderr)
+    assert stop_line(path, returncode)[1] is clean

@@ -203,13 +203,15 @@ def watch(
     return {"fault": done, "hang": False}
 
 
-def stop_line(path: Path) -> tuple[str, bool]:
-    """A run's last line on stderr, and whether it stopped cleanly: that line is
-    ``rlwire-train: error: ...`` and no traceback was printed."""
+def stop_line(path: Path, returncode: int | None = None) -> tuple[str, bool]:
+    """A run's last line on stderr, and whether it ended cleanly: no traceback, and either
+    that line is ``rlwire-train: error: ...`` or the run finished (``returncode`` 0: a
+    worker killed after the last step that needed it)."""
     text = path.read_text(errors="replace")
     lines = [line for line in text.splitlines() if line.strip()]
     last = lines[-1] if lines else ""
-    return last, last.startswith("rlwire-train: error:") and "Traceback" not in text
+    stopped = last.startswith("rlwire-train: error:") or returncode == 0
+    return last, stopped and "Traceback" not in text
 
 
 def final_checks(trial: Trial, run_dir: Path) -> dict[str, Any]:

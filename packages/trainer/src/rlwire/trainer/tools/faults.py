@@ -34,7 +34,8 @@ segments removed; after a SIGKILLed driver, whose own shutdown never runs, Ray's
 may take 120 s);
 every file of every checkpoint seen complete is byte-identical after each run, unless the
 retention policy removed the checkpoint; a killed worker stops the first run with one
-``rlwire-train: error:`` line and no traceback.
+``rlwire-train: error:`` line and no traceback (or, killed after the last step that needed
+it, lets the run finish with exit 0).
 
 **Special trials** (``--special``, registry :data:`SPECIALS`): ``enospc``, every write under
 ``checkpoints/step_4/`` fails with ENOSPC (the hooks' full disk): the run must stop with one
@@ -286,7 +287,7 @@ def run_trial(trial: Trial, out: Path, hooks: Path) -> dict[str, Any]:
     lingering, shm1 = first.leftovers(lingering=driver_killed)
     damaged1, _ = checks.damaged_files(digests, first.run_dir / "checkpoints")
     r: dict[str, Any] = {**dataclasses.asdict(trial), "rc1": first.proc.returncode}
-    r["stop_line"], clean = stop_line(first.err)
+    r["stop_line"], clean = stop_line(first.err, first.proc.returncode)
     r["clean_stop"] = clean or trial.target in ("driver", "corrupt")
     r["landed"] = landed(trial, first, one["fault"]) if not special else False
     r["fault_at_s"] = round(one["fault"]["monotonic"] - first.started, 1) if one["fault"] else None
