@@ -319,8 +319,9 @@ class Watch:
         try:
             ray.get(ref, timeout=_READY_GET_S)  # ready: ray.wait returned it
         except Exception as err:  # the worker's own error, or Ray's ActorDiedError
+            reason = cause(err)  # the worker's exception, not Ray's wrapper of it
             raise RunError(
-                f"rollout worker {worker} stopped: {type(err).__name__}: {first_line(err)}; "
-                f"{_INTACT}"
+                f"rollout worker {worker} stopped: {type(reason).__name__}: "
+                f"{first_line(reason)}; {_INTACT}"
             ) from None
         raise RunError(f"rollout worker {worker} left its loop before the run ended")
