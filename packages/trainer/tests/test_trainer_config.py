@@ -145,7 +145,7 @@ def test_bad_files(tmp_path):
 def test_readme_reference_is_generated_from_the_dataclasses():
     from pathlib import Path
 
-    from rlwire.trainer.config.root import describe_config
+    from rlwire.trainer.config import describe_config
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert describe_config() in readme

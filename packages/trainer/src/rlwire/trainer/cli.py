@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as err:
             return _fail(str(err))
         return 0
-    from .config.root import PRESETS, ConfigError, describe_config, load_config, to_dict
+    from .config import PRESETS, ConfigError, describe_config, load_config, to_dict
 
     presets = "; ".join(f"{name}: {' '.join(items)}" for name, items in PRESETS.items())
     parser = argparse.ArgumentParser(

@@ -1,5 +1,6 @@
-"""The trainer's configuration: the sections (:mod:`rlwire.trainer.config.sections`) in one tree;
-YAML files and dotted overrides.
+"""The trainer's configuration: the sections (:mod:`rlwire.trainer.config.sections`) in one tree,
+the presets, and ``load_config`` (YAML files and dotted overrides, read by
+:mod:`rlwire.trainer.config.overrides`).
 
 Every default lives in its section's dataclass, once. ``load_config(path, overrides)`` starts from
 the defaults, merges a YAML file, then ``dotted.key=value`` overrides, and
@@ -9,12 +10,7 @@ closest match; a wrong type or out-of-range value fails naming the key.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
-import enum
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +22,7 @@ from ..checks import check
 from ..data.tasks import builtin_task
 from ..data.validation import ValidationConfig
 from ..rollout.base import rollout_engine_class
+from .overrides import flatten, merge, nest, parse_item, parse_scalar, to_dict
 from .sections import (
     ActorConfig,
     AlgorithmConfig,
@@ -59,7 +56,7 @@ lengths with a long tail) at a learning rate where one update moves the policy a
 far per token as a real LLM run's (docs/trainer/modes.md, "Realistic-regime job")."""
 
 # The sections themselves are public in rlwire.trainer.config.sections.
-__all__ = ["PRESETS", "ConfigError", "TrainerConfig", "describe_config", "load_config", "to_dict"]
+__all__ = ["PRESETS", "ConfigError", "TrainerConfig", "load_config", "to_dict"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -223,131 +220,6 @@ class TrainerConfig:
         return self.actor.micro_batch_size or self.mini_batch_rows()
 
 
-def _key(field_name: str) -> str:
-    """A field's key in files and overrides: ``async_`` (a Python keyword) is ``async``."""
-    return field_name.rstrip("_")
-
-
-def _plain(value: Any) -> Any:
-    """A value as YAML and JSON write it: enums (a library's policy) by their value."""
-    if dataclasses.is_dataclass(value):
-        return to_dict(value)
-    return value.value if isinstance(value, enum.Enum) else value
-
-
-def to_dict(config: Any) -> dict:
-    """A nested plain dict of a config (for YAML, JSON and ``--print-config``)."""
-    return {_key(f.name): _plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
-
-
-def _parse_scalar(text: str) -> Any:
-    """YAML's reading of an override value; numbers YAML 1.1 leaves as strings (``3e-4``) too."""
-    import yaml
-
-    value = yaml.safe_load(text) if text.strip() else ""
-    if isinstance(value, str):
-        number = _number(value)
-        return value if number is None else number
-    return value
-
-
-def _number(text: str) -> int | float | None:
-    """``text`` as an int or a float, or None when it is neither."""
-    for kind in (int, float):
-        with contextlib.suppress(ValueError):
-            return kind(text)
-    return None
-
-
-def _coerce(key: str, annotation: Any, value: Any) -> Any:
-    hint = annotation
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None:
-            return None
-        hint = options[0]
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _number(value) is not None:
-            return float(value)  # YAML 1.1 reads "3e-4" in a file as a string
-    elif hint is str:
-        if isinstance(value, bool):  # YAML 1.1 reads a bare on/off (yes/no) as a boolean
-            return "on" if value else "off"
-        if isinstance(value, (str, int, float)):
-            return str(value)
-    elif typing.get_origin(hint) is dict:
-        if isinstance(value, Mapping):
-            return dict(value)
-        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-    else:
-        return value
-    raise ConfigError(f"{key}: {value!r} is not a {hint.__name__}")
-
-
-def _merge(cls: type, base: Any, updates: Mapping[str, Any], prefix: str) -> Any:
-    fields = {_key(f.name): f.name for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    values = {name: getattr(base, name) for name in fields.values()}
-    for key, value in updates.items():
-        full = f"{prefix}{key}"
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"{full}: unknown key; valid keys under {prefix.rstrip('.') or 'the top level'}: "
-                f"{', '.join(sorted(fields))}{hint}"
-            )
-        name = fields[key]
-        hint_type = hints[name]
-        if isinstance(hint_type, type) and dataclasses.is_dataclass(hint_type):
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
-            values[name] = _merge(hint_type, values[name], value, f"{full}.")
-        else:
-            values[name] = _coerce(full, hint_type, value)
-    try:
-        return cls(**values)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as err:
-        # A library's config names its own fields ("GradSyncConfig.policy: ..."): ours.
-        message = str(err).replace(f"{cls.__name__}.", prefix)
-        if message != str(err):
-            raise ConfigError(message) from None
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {err}") from err
-
-
-def _nest(dotted: Mapping[str, Any]) -> dict:
-    tree: dict = {}
-    for key, value in dotted.items():
-        node = tree
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{key}: conflicts with a value set for {part}")
-        node[parts[-1]] = value
-    return tree
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def load_config(
     path: str | Path | None = None, overrides: Sequence[str] = (), *, preset: str | None = None
 ) -> TrainerConfig:
@@ -365,7 +237,7 @@ def load_config(
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"--preset: {preset!r} is unknown; use one of {sorted(PRESETS)}")
-        flat.update(_item(i) for i in PRESETS[preset])
+        flat.update(parse_item(i) for i in PRESETS[preset])
     if path is not None:
         try:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -375,71 +247,14 @@ def load_config(
             raise ConfigError(f"--config: {path} is not valid YAML: {err}") from err
         if not isinstance(loaded, Mapping):
             raise ConfigError(f"--config: {path} must hold a mapping of sections")
-        flat.update(_flatten(loaded))
+        flat.update(flatten(loaded))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r}: expected dotted.key=value")
-        flat[key.strip()] = _parse_scalar(text)
+        flat[key.strip()] = parse_scalar(text)
     ours = translate(flat)
     task = builtin_task(ours.get("data.source", DataConfig().source))
     if task is not None:  # the task's own settings, under everything the run sets
-        ours = {**dict(_item(i) for i in task.defaults), **ours}
-    return _merge(TrainerConfig, TrainerConfig(), _nest(ours), "")
-
-
-def _item(text: str) -> tuple[str, Any]:
-    key, _, value = text.partition("=")
-    return key, _parse_scalar(value)
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """The docstrings written under each field of ``cls`` (read from its source)."""
-    import ast
-    import inspect
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    definition = tree.body[0]
-    assert isinstance(definition, ast.ClassDef)  # the source of a class
-    body = definition.body
-    docs: dict[str, str] = {}
-    for node, following in zip(body, body[1:], strict=False):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
-
-
-def describe_config() -> str:
-    """A Markdown reference of every section and key: type, default and documentation."""
-    lines: list[str] = []
-    root = TrainerConfig()
-
-    def section(obj: Any, prefix: str) -> None:
-        cls = type(obj)
-        hints = typing.get_type_hints(cls)
-        docs = _field_docs(cls)
-        rows, nested = [], []
-        for f in dataclasses.fields(cls):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                nested.append((value, f"{prefix}{_key(f.name)}."))
-                continue
-            kind = getattr(hints[f.name], "__name__", str(hints[f.name])).replace("|", "or")
-            key, doc = f"{prefix}{_key(f.name)}", docs.get(f.name, "")
-            rows.append(f"| `{key}` | {kind} | `{_plain(value)!r}` | {doc} |")
-        if rows:
-            lines.append(f"\n### `{prefix.rstrip('.')}`\n")
-            lines.append("| key | type | default | meaning |\n|---|---|---|---|")
-            lines.extend(rows)
-        for child, child_prefix in nested:
-            section(child, child_prefix)
-
-    section(root, "")
-    return "\n".join(lines).strip() + "\n"
+        ours = {**dict(parse_item(i) for i in task.defaults), **ours}
+    return merge(TrainerConfig, TrainerConfig(), nest(ours), "")

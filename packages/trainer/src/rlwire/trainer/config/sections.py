@@ -4,8 +4,8 @@ validating its own values (``ConfigError`` names the key, the value and what is 
 by one part of the trainer live beside it and are re-exported here: ``actor``
 (:mod:`rlwire.trainer.actor.config`), ``data`` (:mod:`rlwire.trainer.data.dataset`), ``algorithm``
 (:mod:`rlwire.trainer.algorithms.advantages`) and its ``rollout_correction``
-(:mod:`rlwire.trainer.algorithms.correction`), ``actor.lora``
-(:mod:`rlwire.trainer.models.lora`)."""
+(:mod:`rlwire.trainer.algorithms.correction`), ``rollout`` (:mod:`rlwire.trainer.rollout.config`),
+``actor.lora`` (:mod:`rlwire.trainer.models.lora`)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, DELTA_MODES, parse_bucket_size
 from ..actor.config import ActorConfig, MegatronSection, OptimConfig
 from ..algorithms.advantages import AlgorithmConfig
 from ..algorithms.shaping import OverlongBufferConfig
-from ..checks import ConfigError, check, check_choice, check_engine
+from ..checks import ConfigError, check, check_choice
 from ..data.dataset import DataConfig
 from ..outputs.loggers import LOGGERS
-from ..rollout.base import ROLLOUT_ENGINES, rollout_engine_class
+from ..rollout.config import RolloutConfig, VLLMSection
 
 __all__ = [
     "ActorConfig",
@@ -66,116 +66,6 @@ class RewardConfig:
     ``algorithm.filter_groups.metric`` may name one). verl's
     ``custom_reward_function.path`` and ``.name`` are accepted."""
     overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class VLLMSection:
-    kv_cache_memory_bytes: int | None = None
-    """KV-cache size of each vLLM engine in bytes. None: on GPUs sized from
-    ``gpu_memory_utilization``; on CPUs 64 MiB (enough for the tiny job; sizing from
-    memory would claim most of the machine)."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of the GPU's memory vLLM may use (weights and KV cache; vLLM checks at start
-    that this much is free), split evenly between the rollout workers on one GPU."""
-    max_model_len: int | None = None
-    """Longest prompt + response (None: the model's own limit)."""
-    enforce_eager: bool = True
-    """No CUDA graphs / compilation: fast start, slower decoding on GPUs."""
-    request_timeout: float = 600.0
-    """``vllm_server``: seconds any HTTP call to a server may take before the run stops
-    with a line naming the server."""
-
-    def __post_init__(self) -> None:
-        check(
-            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-            "rollout.vllm.kv_cache_memory_bytes",
-            self.kv_cache_memory_bytes,
-            "use an int > 0 or null",
-        )
-        check(
-            0 < self.gpu_memory_utilization <= 1,
-            "rollout.vllm.gpu_memory_utilization",
-            self.gpu_memory_utilization,
-            "use a float in (0, 1]",
-        )
-        check(
-            self.request_timeout > 0,
-            "rollout.vllm.request_timeout",
-            self.request_timeout,
-            "use seconds > 0",
-        )
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class RolloutConfig:
-    backend: str = "hf"
-    """Generation engine: ``hf`` (Hugging Face ``generate`` on a plain copy of the
-    policy), ``vllm`` (a live ``vllm.LLM`` engine; extra ``rlwire-trainer[vllm]``),
-    ``vllm_server`` (``vllm serve`` servers over HTTP: see ``rollout.server_urls``),
-    ``paced`` (``hf`` at a set wall time per decoding step, ``rollout.paced_step_s``: a
-    stand-in for an engine off the trainer's CPUs, for benchmarks and tests), or a
-    dotted path ``package.module:Class`` to a ``rlwire.trainer.rollout.RolloutEngine``
-    subclass (imported when the config loads, and in every rollout worker)."""
-    num_workers: int = 1
-    """Rollout workers (Ray actors), each with its own engine; all receive every weight
-    update through the checkpoint engine."""
-    n: int = 8
-    """Samples per prompt (the GRPO group size)."""
-    max_new_tokens: int = 8
-    """Tokens generated per sample."""
-    temperature: float = 1.0
-    """Sampling temperature (> 0)."""
-    hybrid_engine: bool | None = None
-    """Run each rollout engine inside an actor rank's process (verl's
-    ``actor_rollout_ref.hybrid_engine``), one per rank: a weight sync is a hand-over in
-    memory (the ``naive`` checkpoint engine), one call per rank, and there is no rollout
-    process to start. None: on where it can be: colocated mode, a rollout backend that can
-    share the actor's process (``hf``; ``vllm`` runs in its own), ``rollout.num_workers``
-    equal to ``actor.world_size``, ``ckpt_engine.backend`` ``auto`` or ``naive`` and
-    ``ckpt_engine.delta`` not ``on``; false: rollout workers of their own."""
-    vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
-    server_urls: list[str] | None = None
-    """``vllm_server``: running servers, one per rollout worker (``http://host:port``;
-    started with the flags docs/trainer/rollout-backends.md names). None: each rollout
-    worker starts one on its node."""
-    paced_step_s: float = 0.004
-    """``rollout.backend=paced`` only: wall seconds per decoding step of every generation
-    call; the ``hf`` engine's generation, with the rest of that time waited out without
-    using the CPU, as a GPU engine or a remote server looks to the trainer (benchmarks
-    and tests of overlap)."""
-
-    def __post_init__(self) -> None:
-        check_engine(self.backend, "rollout.backend", ROLLOUT_ENGINES, rollout_engine_class)
-        check(self.paced_step_s >= 0, "rollout.paced_step_s", self.paced_step_s, "use >= 0")
-        check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
-        check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")
-        check(
-            self.max_new_tokens >= 1,
-            "rollout.max_new_tokens",
-            self.max_new_tokens,
-            "use an int >= 1",
-        )
-        check(self.temperature > 0, "rollout.temperature", self.temperature, "use a float > 0")
-        urls = self.server_urls
-        if urls is not None:
-            check(
-                self.backend == "vllm_server",
-                "rollout.server_urls",
-                urls,
-                "set it with rollout.backend=vllm_server only",
-            )
-            check(
-                all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls),
-                "rollout.server_urls",
-                urls,
-                "use http://host:port URLs",
-            )
-            check(
-                len(urls) == self.num_workers,
-                "rollout.server_urls",
-                urls,
-                f"give one per rollout worker (rollout.num_workers={self.num_workers})",
-            )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

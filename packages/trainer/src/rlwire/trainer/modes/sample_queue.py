@@ -59,7 +59,53 @@ def max_stale_groups(groups_per_step: int, trigger_sync: int, staleness_threshol
     return int(groups_per_step * trigger_sync * (1 + staleness_threshold))
 
 
-class SampleQueue:
+async def _wait(
+    cond: asyncio.Condition, predicate: Callable[[], bool] | None, timeout: float
+) -> bool:
+    """Wait (``cond`` held) until ``predicate()``, or any notification when it is None;
+    False on timeout."""
+    waiting = cond.wait() if predicate is None else cond.wait_for(predicate)
+    try:
+        await asyncio.wait_for(waiting, timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
+class ValidationRelay:
+    """Validation between syncs: each worker runs its share of the held-out prompts at its
+    next boundary, before generating more; the driver waits for all of them. Mixed into
+    :class:`SampleQueue` (which sets ``cond``)."""
+
+    cond: asyncio.Condition
+
+    def __init__(self) -> None:
+        self.validating: dict[int, dict] = {}  # worker -> its validation task, not yet taken
+        self.validated: dict[int, Any] = {}
+        self.validations = 0  # tasks of the current validation
+
+    async def request_validation(self, tasks: list[dict | None]) -> None:
+        """Worker ``i`` runs ``tasks[i]`` (``prompts``, ``seed``, ``sampling``; None: nothing)
+        at its next boundary, before generating more."""
+        async with self.cond:
+            self.validating = {i: t for i, t in enumerate(tasks) if t is not None}
+            self.validations, self.validated = len(self.validating), {}
+            self.cond.notify_all()
+
+    async def put_validation(self, worker: int, rollout: Any) -> None:
+        async with self.cond:
+            self.validated[worker] = rollout
+            self.cond.notify_all()
+
+    async def validation_result(self, timeout: float) -> list | None:
+        """The workers' validation rollouts in worker order once all are in; None on
+        timeout."""
+        async with self.cond:
+            done = await _wait(self.cond, lambda: len(self.validated) == self.validations, timeout)
+            return [self.validated[w] for w in sorted(self.validated)] if done else None
+
+
+class SampleQueue(ValidationRelay):
     """The bounded, versioned queue of prompt groups (see the module docstring)."""
 
     def __init__(
@@ -109,9 +155,7 @@ class SampleQueue:
         self.taken: dict[int, int] = {}  # trainer version -> groups taken for that update
         self.paused_s = [0.0] * num_workers
         self.sync_wait_s = [0.0] * num_workers  # at a boundary, until the weights were in
-        self.validating: dict[int, dict] = {}  # worker -> its validation task, not yet taken
-        self.validated: dict[int, Any] = {}
-        self.validations = 0  # tasks of the current validation
+        ValidationRelay.__init__(self)
 
     # --- the rollout workers' side -------------------------------------------------------
     def _may_generate(self, worker: int) -> bool:
@@ -154,7 +198,7 @@ class SampleQueue:
                         break
                     left = self.poll - (time.perf_counter() - start)
                     waited = time.perf_counter()
-                    woke = left > 0 and await self._wait(None, left)
+                    woke = left > 0 and await _wait(self.cond, None, left)
                     paused += time.perf_counter() - waited  # held by the bound
                     if not woke:
                         return {"kind": "wait"}
@@ -245,7 +289,7 @@ class SampleQueue:
                 left = timeout - (time.perf_counter() - start)
                 if left <= 0:
                     return {"timeout": True, "queued": len(self.queue), "dropped": dropped}
-                await self._wait(None, min(left, self.poll))
+                await _wait(self.cond, None, min(left, self.poll))
             # The oldest weights first (a worker that took new weights goes on while another
             # still finishes its chunk of older ones), then in data order.
             ordered = sorted(self.queue, key=lambda q: (q.version, q.index))
@@ -296,21 +340,11 @@ class SampleQueue:
             self.stale = len(self.queue) + self.in_flight + sum(self.taken.values())
             self.cond.notify_all()
 
-    async def _wait(self, predicate: Callable[[], bool] | None, timeout: float) -> bool:
-        """Wait (lock held) until ``predicate()``, or any notification when it is None;
-        False on timeout."""
-        waiting = self.cond.wait() if predicate is None else self.cond.wait_for(predicate)
-        try:
-            await asyncio.wait_for(waiting, timeout)
-        except TimeoutError:
-            return False
-        return True
-
     async def wait_synced(self, version: int, timeout: float) -> list[dict] | None:
         """Each worker's sync info once all hold weights ``version``; None on timeout."""
         async with self.cond:
-            done = await self._wait(
-                lambda: self.sync_to is None and self.version == version, timeout
+            done = await _wait(
+                self.cond, lambda: self.sync_to is None and self.version == version, timeout
             )
             return list(self.sync_info) if done else None
 
@@ -325,27 +359,6 @@ class SampleQueue:
             later = [i for groups in self.taken_groups.values() for i in groups]
             pending = sorted({*self.open, *later, *self.redo})
             return {"next_group": self.next_group, "pending": pending}
-
-    # --- validation (between syncs; the driver waits for it) -----------------------------------
-    async def request_validation(self, tasks: list[dict | None]) -> None:
-        """Worker ``i`` runs ``tasks[i]`` (``prompts``, ``seed``, ``sampling``; None: nothing)
-        at its next boundary, before generating more."""
-        async with self.cond:
-            self.validating = {i: t for i, t in enumerate(tasks) if t is not None}
-            self.validations, self.validated = len(self.validating), {}
-            self.cond.notify_all()
-
-    async def put_validation(self, worker: int, rollout: Any) -> None:
-        async with self.cond:
-            self.validated[worker] = rollout
-            self.cond.notify_all()
-
-    async def validation_result(self, timeout: float) -> list | None:
-        """The workers' validation rollouts in worker order once all are in; None on
-        timeout."""
-        async with self.cond:
-            done = await self._wait(lambda: len(self.validated) == self.validations, timeout)
-            return [self.validated[w] for w in sorted(self.validated)] if done else None
 
     async def stop(self) -> None:
         async with self.cond:

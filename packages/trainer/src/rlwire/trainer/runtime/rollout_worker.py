@@ -4,9 +4,8 @@ checkpoint engine (colocated mode without the hybrid engine, and fully-async mod
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, cast
 
 import torch
@@ -21,15 +20,15 @@ from ..rollout import (
     RolloutEngine,
     Sampling,
     SleepingRolloutEngine,
-    StagingRolloutEngine,
     rollout_engine_class,
 )
+from .weight_stage import WeightStage
 from .worker_process import WorkerProcess, set_threads
 
 __all__ = ["RolloutWorker"]
 
 
-class RolloutWorker(WorkerProcess):
+class RolloutWorker(WeightStage, WorkerProcess):
     """One rollout worker: a generation backend, updated through the checkpoint engine.
 
     Colocated mode calls :meth:`generate` and :meth:`pull_weights` from the driver;
@@ -48,7 +47,8 @@ class RolloutWorker(WorkerProcess):
     def __init__(
         self, config: TrainerConfig, model_path: str, index: int = 0, gpu_share: float = 1.0
     ) -> None:
-        super().__init__(config)
+        WorkerProcess.__init__(self, config)
+        WeightStage.__init__(self)
         self.model_path = model_path
         self.index = index
         self.gpu_share = gpu_share
@@ -56,8 +56,6 @@ class RolloutWorker(WorkerProcess):
         self.engine: Any = None  # the receiver's handle, from the rollout engine's join()
         self.agent: AgentLoop | None = None  # the agent loop (agent.enable)
         self.version = -1
-        self._slot = threading.Condition()  # the staged update, from stage_weights to run
-        self._staged: tuple[int, Callable[[], int]] | BaseException | None = None
 
     def load_engine(self) -> None:
         """Build the generation engine on the model (the driver calls it once the model
@@ -200,55 +198,6 @@ class RolloutWorker(WorkerProcess):
         out = Rollout.concat([done[i] for i in range(len(done))])
         _stamp_seconds(out, time.perf_counter() - start - synced_s)
         return out
-
-    def stage_weights(self, version: int) -> bool:
-        """Fully async, on the ``receive`` concurrency group while :meth:`run` generates:
-        receive update ``version`` beside the weights in use; :meth:`run` writes it in at
-        its next boundary. An engine that cannot stage (a third party's without
-        :class:`~rlwire.trainer.rollout.StagingRolloutEngine`) receives at the boundary
-        instead, as the sender's peer then. Returns whether it staged the update."""
-        backend = self._loaded()
-        if not backend.stages_updates:
-            return False
-        with self._slot:
-            if self._staged is not None:
-                raise RuntimeError(
-                    f"rollout worker {self.index}: version {version} arrived before the "
-                    "previous update was written in"
-                )
-        try:
-            commit = asyncio.run(cast(StagingRolloutEngine, backend).stage(self.engine))
-            staged: tuple[int, Callable[[], int]] | BaseException = (version, commit)
-        except BaseException as err:  # handed to run(), which stops with it
-            staged = err
-        with self._slot:
-            self._staged = staged
-            self._slot.notify_all()
-        if isinstance(staged, BaseException):
-            raise staged
-        return True
-
-    def _take_staged(self, version: int, timeout: float) -> dict[str, Any]:
-        """Write in the update :meth:`stage_weights` received (waiting for it at most
-        ``timeout`` seconds); its version and digest."""
-        with self._slot:
-            if not self._slot.wait_for(lambda: self._staged is not None, timeout):
-                raise TimeoutError(
-                    f"rollout worker {self.index}: weights {version} not received within "
-                    f"{timeout:g} s of reaching a boundary"
-                )
-            staged, self._staged = self._staged, None
-        assert staged is not None  # what wait_for waited for
-        if isinstance(staged, BaseException):
-            raise staged
-        expected, commit = staged
-        self.version = commit()
-        if self.version != expected:
-            raise RuntimeError(
-                f"rollout worker {self.index}: received version {self.version}, expected {expected}"
-            )
-        digest = self._loaded().digest() if self.config.ckpt_engine.digest else None
-        return {"version": self.version, "digest": digest}
 
     def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
         """The fully-async loop: generate, sync, validate or wait as the queue says, until

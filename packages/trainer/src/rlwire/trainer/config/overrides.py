@@ -1,0 +1,160 @@
+"""Reading configuration text into typed section dataclasses: YAML scalars, dotted keys
+nested into sections and merged field by field (an unknown key names the valid ones and the
+closest match; a wrong type names the key), and back to plain dicts.
+
+Generic over any tree of dataclasses; imports the foundation only."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from ..checks import ConfigError
+
+__all__ = [
+    "field_key",
+    "flatten",
+    "merge",
+    "nest",
+    "parse_item",
+    "parse_scalar",
+    "plain",
+    "to_dict",
+]
+
+
+def field_key(field_name: str) -> str:
+    """A field's key in files and overrides: ``async_`` (a Python keyword) is ``async``."""
+    return field_name.rstrip("_")
+
+
+def plain(value: Any) -> Any:
+    """A value as YAML and JSON write it: enums (a library's policy) by their value."""
+    if dataclasses.is_dataclass(value):
+        return to_dict(value)
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def to_dict(config: Any) -> dict:
+    """A nested plain dict of a config (for YAML, JSON and ``--print-config``)."""
+    return {field_key(f.name): plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+def parse_scalar(text: str) -> Any:
+    """YAML's reading of an override value; numbers YAML 1.1 leaves as strings (``3e-4``) too."""
+    import yaml
+
+    value = yaml.safe_load(text) if text.strip() else ""
+    if isinstance(value, str):
+        number = _number(value)
+        return value if number is None else number
+    return value
+
+
+def _number(text: str) -> int | float | None:
+    """``text`` as an int or a float, or None when it is neither."""
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return kind(text)
+    return None
+
+
+def _coerce(key: str, annotation: Any, value: Any) -> Any:
+    hint = annotation
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        hint = options[0]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _number(value) is not None:
+            return float(value)  # YAML 1.1 reads "3e-4" in a file as a string
+    elif hint is str:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare on/off (yes/no) as a boolean
+            return "on" if value else "off"
+        if isinstance(value, (str, int, float)):
+            return str(value)
+    elif typing.get_origin(hint) is dict:
+        if isinstance(value, Mapping):
+            return dict(value)
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    else:
+        return value
+    raise ConfigError(f"{key}: {value!r} is not a {hint.__name__}")
+
+
+def merge(cls: type, base: Any, updates: Mapping[str, Any], prefix: str) -> Any:
+    fields = {field_key(f.name): f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {name: getattr(base, name) for name in fields.values()}
+    for key, value in updates.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{full}: unknown key; valid keys under {prefix.rstrip('.') or 'the top level'}: "
+                f"{', '.join(sorted(fields))}{hint}"
+            )
+        name = fields[key]
+        hint_type = hints[name]
+        if isinstance(hint_type, type) and dataclasses.is_dataclass(hint_type):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
+            values[name] = merge(hint_type, values[name], value, f"{full}.")
+        else:
+            values[name] = _coerce(full, hint_type, value)
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:
+        # A library's config names its own fields ("GradSyncConfig.policy: ..."): ours.
+        message = str(err).replace(f"{cls.__name__}.", prefix)
+        if message != str(err):
+            raise ConfigError(message) from None
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {err}") from err
+
+
+def nest(dotted: Mapping[str, Any]) -> dict:
+    tree: dict = {}
+    for key, value in dotted.items():
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: conflicts with a value set for {part}")
+        node[parts[-1]] = value
+    return tree
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def parse_item(text: str) -> tuple[str, Any]:
+    """``dotted.key=value`` (a preset's or a task's own override) as its key and value."""
+    key, _, value = text.partition("=")
+    return key, parse_scalar(value)

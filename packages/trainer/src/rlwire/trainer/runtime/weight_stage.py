@@ -1,0 +1,82 @@
+"""Fully async: a rollout worker receives the next weights beside the ones it generates
+with, and writes them in at its next boundary. Mixed into
+:class:`~rlwire.trainer.runtime.rollout_worker.RolloutWorker`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+from ..config.root import TrainerConfig
+from ..rollout import RolloutEngine, StagingRolloutEngine
+
+__all__ = ["WeightStage"]
+
+
+class WeightStage:
+    """The staging half of a rollout worker (``RolloutWorker`` sets ``config``, ``index``,
+    ``engine`` and ``version``, and loads the engine :meth:`_loaded` returns)."""
+
+    config: TrainerConfig
+    index: int
+    engine: Any
+    version: int
+
+    if TYPE_CHECKING:  # RolloutWorker's, declared for the type checker only
+
+        def _loaded(self) -> RolloutEngine: ...
+
+    def __init__(self) -> None:
+        self._slot = threading.Condition()  # the staged update, from stage_weights to run
+        self._staged: tuple[int, Callable[[], int]] | BaseException | None = None
+
+    def stage_weights(self, version: int) -> bool:
+        """Fully async, on the ``receive`` concurrency group while :meth:`run` generates:
+        receive update ``version`` beside the weights in use; :meth:`run` writes it in at
+        its next boundary. An engine that cannot stage (a third party's without
+        :class:`~rlwire.trainer.rollout.StagingRolloutEngine`) receives at the boundary
+        instead, as the sender's peer then. Returns whether it staged the update."""
+        backend = self._loaded()
+        if not backend.stages_updates:
+            return False
+        with self._slot:
+            if self._staged is not None:
+                raise RuntimeError(
+                    f"rollout worker {self.index}: version {version} arrived before the "
+                    "previous update was written in"
+                )
+        try:
+            commit = asyncio.run(cast(StagingRolloutEngine, backend).stage(self.engine))
+            staged: tuple[int, Callable[[], int]] | BaseException = (version, commit)
+        except BaseException as err:  # handed to run(), which stops with it
+            staged = err
+        with self._slot:
+            self._staged = staged
+            self._slot.notify_all()
+        if isinstance(staged, BaseException):
+            raise staged
+        return True
+
+    def _take_staged(self, version: int, timeout: float) -> dict[str, Any]:
+        """Write in the update :meth:`stage_weights` received (waiting for it at most
+        ``timeout`` seconds); its version and digest."""
+        with self._slot:
+            if not self._slot.wait_for(lambda: self._staged is not None, timeout):
+                raise TimeoutError(
+                    f"rollout worker {self.index}: weights {version} not received within "
+                    f"{timeout:g} s of reaching a boundary"
+                )
+            staged, self._staged = self._staged, None
+        assert staged is not None  # what wait_for waited for
+        if isinstance(staged, BaseException):
+            raise staged
+        expected, commit = staged
+        self.version = commit()
+        if self.version != expected:
+            raise RuntimeError(
+                f"rollout worker {self.index}: received version {self.version}, expected {expected}"
+            )
+        digest = self._loaded().digest() if self.config.ckpt_engine.digest else None
+        return {"version": self.version, "digest": digest}
