@@ -3,6 +3,11 @@
 The cluster lives in a process of its own, not in pytest's: a test that calls the driver's
 ``run()`` in-process connects to it and disconnects at the end, as any user's driver does.
 Each job kills its own workers when it ends, so jobs do not see each other.
+
+Markers: every test that runs a Ray job (it takes the ``ray_cluster`` fixture, or says
+``@pytest.mark.job``) is marked ``job``; ``floor`` marks the few jobs that CI's floor leg
+(Python 3.12, torch 2.11: ``.ci/run`` step 5) runs besides every test that is not a job.
+The workspace leg runs them all.
 """
 
 from __future__ import annotations
@@ -13,6 +18,20 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "job: runs a Ray job of the trainer (end to end)")
+    config.addinivalue_line(
+        "markers", "floor: a job CI's floor leg runs too (one per strategy and mode it covers)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.job)
+
 
 # Enough CPUs for the largest job here (2 actor ranks + 2 rollout workers, 1 CPU each).
 CPUS = 4

@@ -250,6 +250,7 @@ def untimed(record: dict) -> dict:
     }
 
 
+@pytest.mark.floor
 def test_a_resumed_run_continues_bit_for_bit(
     fsdp2_reference_run, fsdp2_reference, ray_cluster, tmp_path
 ):

@@ -327,6 +327,7 @@ def test_sync_cadence_counts_from_the_global_step_across_a_resume():
 
 
 # --- real runs --------------------------------------------------------------------------------
+@pytest.mark.floor
 def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tmp_path):
     """Two workers, weights pushed every 2nd update, responses continued across each sync.
 

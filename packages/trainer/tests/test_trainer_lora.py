@@ -139,6 +139,7 @@ def _adapter_names(directory: Path) -> list[str]:
         return list(f.keys())
 
 
+@pytest.mark.floor
 def test_lora_run_syncs_only_the_adapter_and_exports_both_forms(ray_cluster, tmp_path):
     """Two FSDP2 ranks train rank-4 adapters with a KL term against the disabled adapter;
     every sync carries the adapter alone (its bytes are the exported adapter's; buckets of

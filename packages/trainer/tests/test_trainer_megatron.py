@@ -97,6 +97,7 @@ def _train(run: Path, cluster: str, *overrides: str) -> tuple[list[dict], str]:
 LOSS_TOLERANCE = 1e-6
 
 
+@pytest.mark.floor
 def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(
     fsdp2_reference, ray_cluster, tmp_path
 ):

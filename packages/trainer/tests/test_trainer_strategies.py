@@ -13,6 +13,7 @@ from conftest import FSDP2_REFERENCE  # noqa: E402
 from trainer_cli import train_cli  # noqa: E402
 
 
+@pytest.mark.floor
 def test_fsdp1_and_fsdp2_agree_on_the_first_step_and_its_gradient_norm(
     fsdp2_reference, ray_cluster, tmp_path
 ):
@@ -87,6 +88,7 @@ def test_hybrid_engines_in_two_fsdp2_ranks_train_exactly_as_separate_rollout_wor
     assert len({r["weight_digest_actor"] for r in runs["true"]}) == 3  # the weights moved
 
 
+@pytest.mark.job  # a cluster of its own
 def test_two_nodes_place_ranks_on_their_gpus_and_nodes_at_node_addresses(tmp_path):
     """Two simulated nodes (``ray.cluster_utils.Cluster``) with one logical GPU each: the
     processes compute on the CPU here, but the placement is Ray's own, asked for as on GPUs."""
