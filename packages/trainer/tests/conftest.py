@@ -87,9 +87,12 @@ def _first_line(process: subprocess.Popen, timeout: float) -> str:
 
 
 # The FSDP2 run that the other strategies are compared with (FSDP1 here, Megatron in
-# test_trainer_megatron.py): run once per session.
+# test_trainer_megatron.py): run once per session. Two rollout engines, one per rank: the
+# hybrid engine (each rank's own process), which test_trainer_strategies.py compares with
+# rollout workers of their own.
 FSDP2_REFERENCE = (
     "actor.world_size=2",
+    "rollout.num_workers=2",
     "actor.optim.grad_clip=0.5",
     "ckpt_engine.digest=true",
     "trainer.save_every=1",
@@ -99,7 +102,7 @@ FSDP2_REFERENCE = (
 @pytest.fixture(scope="session")
 def fsdp2_reference_run(ray_cluster, tmp_path_factory) -> Path:
     """The run directory of 3 steps of FSDP2 on 2 gloo ranks with :data:`FSDP2_REFERENCE`
-    (a checkpoint after every step)."""
+    (a checkpoint after every step; rollout engines in the ranks' processes)."""
     from trainer_cli import train_cli
 
     run = tmp_path_factory.mktemp("fsdp2") / "run"

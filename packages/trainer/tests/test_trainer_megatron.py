@@ -114,8 +114,9 @@ def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(
     assert [r["step"] for r in megatron] == [1, 2]
     for r in megatron:
         assert torch.isfinite(torch.tensor(r["policy_loss"])) and r["grad_norm"] > 0
-        # the rollout worker holds exactly the weights Megatron's engine exported
-        assert r["weight_digest_rollout"] == [r["weight_digest_actor"]]
+        # each rank's rollout engine (hybrid) holds exactly the weights Megatron's engine
+        # exported
+        assert r["weight_digest_rollout"] == [r["weight_digest_actor"]] * 2
     assert megatron[0]["weight_digest_actor"] != megatron[1]["weight_digest_actor"]
     assert megatron[0]["reward_mean"] == fsdp2[0]["reward_mean"]  # the same samples
     assert abs(megatron[0]["policy_loss"] - fsdp2[0]["policy_loss"]) <= LOSS_TOLERANCE
@@ -124,7 +125,11 @@ def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(
     # resume on one rank: the step count, weights and Megatron's distributed optimizer state
     # (saved as full per-parameter states) carry on at another data-parallel size
     resumed, stderr = _train(
-        tmp_path / "megatron", ray_cluster, "trainer.steps=3", "actor.world_size=1"
+        tmp_path / "megatron",
+        ray_cluster,
+        "trainer.steps=3",
+        "actor.world_size=1",
+        "rollout.num_workers=1",  # hybrid again: one rank, one engine in its process
     )
     assert "warning: megatron" not in stderr
     assert [r["step"] for r in resumed] == [1, 2, 3]

@@ -64,6 +64,7 @@ def plugin(tmp_path, monkeypatch) -> Path:
     return folder
 
 
+@pytest.mark.job  # an embedded cluster: its workers inherit PYTHONPATH
 def test_third_party_engines_run_two_steps(plugin, tmp_path, monkeypatch):
     counts = tmp_path / "counts.txt"
     # The workers of the embedded cluster inherit the command's environment.

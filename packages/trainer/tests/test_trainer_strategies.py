@@ -61,31 +61,26 @@ def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy_by_deltas(ray_cluste
 
 
 def test_hybrid_engines_in_two_fsdp2_ranks_train_exactly_as_separate_rollout_workers(
-    ray_cluster, tmp_path
+    fsdp2_reference_run, fsdp2_reference, ray_cluster, tmp_path
 ):
     """Two FSDP2 ranks, two rollout engines: inside the ranks' processes (hybrid, weights
-    handed over in memory) or in processes of their own (the shared-memory engine) give
-    the same samples, losses, gradients and weights, and every engine holds the actor's."""
-    common = (
-        "actor.world_size=2",
-        "rollout.num_workers=2",
-        "ckpt_engine.digest=true",
-        "trainer.steps=3",
-        "trainer.save_every=0",
+    handed over in memory: the reference run) or in processes of their own (the
+    shared-memory engine) give the same samples, losses, gradients and weights, and every
+    engine holds the actor's."""
+    run = tmp_path / "separate"
+    separate, _ = train_cli(
+        run, *FSDP2_REFERENCE, "trainer.steps=3", "rollout.hybrid_engine=false", cluster=ray_cluster
     )
-    runs = {}
-    for hybrid in ("true", "false"):
-        run = tmp_path / f"hybrid-{hybrid}"
-        records, _ = train_cli(run, *common, f"rollout.hybrid_engine={hybrid}", cluster=ray_cluster)
-        runs[hybrid] = records
+    runs = {"true": (fsdp2_reference_run, fsdp2_reference), "false": (run, separate)}
+    for hybrid, (directory, records) in runs.items():
         for r in records:
             assert r["weight_digest_rollout"] == [r["weight_digest_actor"]] * 2, r
-        log = (run / "train.log").read_text()
+        log = (directory / "train.log").read_text()
         assert ("checkpoint engine: naive" in log) == (hybrid == "true")
-    for a, b in zip(runs["true"], runs["false"], strict=True):
+    for a, b in zip(fsdp2_reference, separate, strict=True):
         for key in ("reward_mean", "policy_loss", "grad_norm", "weight_digest_actor"):
             assert a[key] == b[key], key
-    assert len({r["weight_digest_actor"] for r in runs["true"]}) == 3  # the weights moved
+    assert len({r["weight_digest_actor"] for r in fsdp2_reference}) == 3  # the weights moved
 
 
 @pytest.mark.job  # a cluster of its own
