@@ -4,6 +4,7 @@ another (torchrun, gloo), bit for bit; what a run refuses to resume from."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -271,6 +272,47 @@ def test_a_resumed_run_continues_bit_for_bit(
     assert resumed[-1]["weight_digest_actor"] == fsdp2_reference[-1]["weight_digest_actor"]
     final = (tmp_path / "run" / "hf_model" / "model.safetensors").read_bytes()
     assert final == (fsdp2_reference_run / "hf_model" / "model.safetensors").read_bytes()
+
+
+def test_a_run_stopped_before_its_export_was_complete_is_exported_by_the_same_command(
+    fsdp2_reference_run, ray_cluster, tmp_path
+):
+    """Trained to the end and checkpointed, then stopped while writing ``hf_model/`` (here:
+    the export removed, a cut-off one's staging folder left): the same command trains
+    nothing and writes the export from the last checkpoint, byte for byte the one the
+    uninterrupted run wrote; run once more, it finds the run finished."""
+    from rlwire.trainer.outputs.export import exported_step
+
+    run = tmp_path / "run"
+    shutil.copytree(fsdp2_reference_run, run)
+    assert exported_step(run) == 3
+    shutil.rmtree(run / "hf_model")
+    (run / "hf_model.tmp").mkdir()
+    (run / "hf_model.tmp" / "model.safetensors").write_bytes(b"cut off")
+    trained = (run / "metrics.jsonl").read_text()
+    common = (*FSDP2_REFERENCE, "trainer.steps=3")
+    _, out = train_cli(run, *common, cluster=ray_cluster)
+    assert "exported hf_model/ of step 3 (training had finished)" in out, out[-2000:]
+    assert (run / "metrics.jsonl").read_text() == trained  # no step trained again
+    model = "hf_model/model.safetensors"
+    assert (run / model).read_bytes() == (fsdp2_reference_run / model).read_bytes()
+    assert exported_step(run) == 3 and not (run / "hf_model.tmp").exists()
+    _, out = train_cli(run, *common, cluster=ray_cluster)
+    assert "already holds a finished run (3 of trainer.steps=3)" in out
+
+
+def test_the_export_marker_names_a_complete_export_only(tmp_path):
+    from rlwire.trainer.outputs.export import EXPORT_MARKER, exported_step, mark_exported
+
+    assert exported_step(tmp_path) is None  # no hf_model/
+    (tmp_path / "hf_model").mkdir()
+    assert exported_step(tmp_path) is None  # an export from before the marker, or cut off
+    mark_exported(tmp_path, 7)
+    assert exported_step(tmp_path) == 7
+    assert sorted(p.name for p in (tmp_path / "hf_model").iterdir()) == [EXPORT_MARKER]
+    for damaged in ("", "{", '{"step": "7"}', '{"steps": 7}', "[7]"):
+        (tmp_path / "hf_model" / EXPORT_MARKER).write_text(damaged)
+        assert exported_step(tmp_path) is None, damaged
 
 
 def _saving_actor_pids(cluster: str) -> list[int]:

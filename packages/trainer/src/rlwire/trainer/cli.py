@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as err:
         return _fail(str(err))
     summary = result.summary
+    if not summary["steps"]:  # the run had trained to the end: its export was still to do
+        print(f"exported hf_model/ of step {result.start_step} (training had finished)")
+        print(f"run directory: {result.run_dir}")
+        return 0
     print(
         f"trained {summary['steps']} steps in {time.perf_counter() - started:.1f} s "
         f"(training loop {summary['loop_s']:.1f} s, {summary['samples_per_s']:.0f} samples/s); "

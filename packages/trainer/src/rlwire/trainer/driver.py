@@ -20,6 +20,7 @@ from .modes.colocated import run_colocated
 from .modes.fully_async import run_fully_async
 from .modes.one_step_off import run_one_step_off
 from .outputs.checkpoint import read_trainer_state
+from .outputs.export import exported_step
 from .outputs.loggers import open_trackers
 from .outputs.plot import plot_run
 from .outputs.summary import records, summarise
@@ -35,7 +36,10 @@ log = logging.getLogger("rlwire.trainer")
 class RunResult:
     run_dir: Path
     summary: dict[str, float]
-    """:func:`rlwire.trainer.outputs.summary.summarise` over the steps this call trained."""
+    """:func:`rlwire.trainer.outputs.summary.summarise` over the steps this call trained
+    (``{"steps": 0}`` when it only exported)."""
+    start_step: int = 0
+    """The step this call started from (a resumed checkpoint's)."""
 
 
 def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
@@ -59,7 +63,9 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
     if config.trainer.resume == "auto":
         resume_from = latest_checkpoint(run_dir)
         done = checkpoint_step(resume_from) if resume_from is not None else 0
-        if done >= config.trainer.steps:
+        # Trained to the end but stopped before its export was complete: export only.
+        unexported = done == config.trainer.steps and exported_step(run_dir) != done
+        if done >= config.trainer.steps and not unexported:
             raise AlreadyFinished(
                 f"{run_dir} already holds a finished run ({done} of trainer.steps="
                 f"{config.trainer.steps}): nothing to train. To go on, raise trainer.steps; "
@@ -131,10 +137,13 @@ def _train(job: Job, inputs, bar) -> RunResult:
             "one_step_off": run_one_step_off,
             "fully_async": run_fully_async,
         }[config.trainer.mode]
-        loop(job, bar)
+        if job.start_step < config.trainer.steps:
+            loop(job, bar)
+        else:  # resumed at the last step: only the export was left to do
+            log.info("trained to step %d before; the export was not complete", job.start_step)
         _phase(bar, "exporting hf_model/")
         job.export_model()
     finally:
         job.close()
     trained = [r for r in records(run_dir) if r["step"] > job.start_step]
-    return RunResult(run_dir, summarise(trained))
+    return RunResult(run_dir, summarise(trained) if trained else {"steps": 0}, job.start_step)

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from .modeling import replace_directory
 
 if TYPE_CHECKING:
     from peft import PeftMixedModel, PeftModel
@@ -243,12 +246,15 @@ def save_adapter(
     ``PeftModel.from_pretrained`` and by vLLM."""
     from safetensors.torch import save_file
 
-    target.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(target.name + ".tmp")  # swapped in whole, as hf_model/ is
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
     tensors = {name: value.detach().to("cpu").contiguous() for name, value in items}
-    save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = section.peft_config(base_path).to_dict()
     # the modules adapted, as PEFT writes them once resolved (``all-linear`` included)
     config["target_modules"] = sorted(
         {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors}
     )
-    (target / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
+    (staging / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
+    replace_directory(staging, target)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,7 +12,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["load_hf_model", "preload_hf", "save_hf_model"]
+__all__ = ["load_hf_model", "preload_hf", "replace_directory", "save_hf_model"]
 
 
 def preload_hf() -> None:
@@ -50,6 +51,21 @@ def save_hf_model(
             f"the weights do not match {source}'s architecture: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
-    target.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(target)
-    AutoTokenizer.from_pretrained(source).save_pretrained(target)
+    # written beside, then swapped in: a process killed while writing leaves the previous
+    # export (or none), never a directory that loads half of the weights
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(source).save_pretrained(staging)
+    replace_directory(staging, target)
+
+
+def replace_directory(staging: Path, target: Path) -> None:
+    """``staging`` renamed to ``target``, whose old contents are removed (``target`` is
+    complete at every moment a rename can be observed: the old one or the new one)."""
+    old = target.with_name(target.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    staging.rename(target)
+    shutil.rmtree(old, ignore_errors=True)

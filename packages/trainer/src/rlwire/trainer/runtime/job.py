@@ -25,6 +25,7 @@ from ..algorithms.micro_batches import rank_shares, row_tokens
 from ..algorithms.reward_kl import kl_in_reward
 from ..algorithms.scoring import Scored, score
 from ..outputs.checkpoint import save_checkpoint
+from ..outputs.export import mark_exported
 from ..outputs.metrics import StepMetrics, UpdateMetrics, update_metrics
 from ..outputs.rollout_data import write_rollouts
 from ..rollout import Rollout, rollout_engine_class, split_evenly
@@ -249,6 +250,7 @@ class Job(JobStart):
         target = str(self.run_dir / "hf_model")
         adapter = str(self.run_dir / "adapter") if self.config.actor.lora.enabled else None
         self.call([a.export_hf.remote(target, adapter) for a in self.actors], "writing hf_model")
+        mark_exported(self.run_dir, self.config.trainer.steps)  # complete: the loop ran to it
 
     def save_due(self, done: int) -> bool:
         """Whether a checkpoint is written after ``done`` updates."""
