@@ -129,6 +129,13 @@ def test_the_modes_bench_plots_each_runs_reward_over_loop_time(tmp_path):
         "colocated": {0: run([0.1, 0.3, 0.5], 2.0), 1: run([0.2, 0.2], 2.0)},
         "fully_async": {0: run([0.1, 0.4, 0.6], 1.0), 1: run([0.3, 0.5], 1.0)},
     }
+    # the curve drawn: loop seconds to each step's end, the moving mean so far (and its count)
+    from rlwire.trainer.outputs.summary import reward_curve, time_to_target
+
+    rows = run([0.1, 0.4, 0.6], 1.0)
+    assert reward_curve(rows, window=2) == [(1.0, 0.1, 1), (2.0, 0.25, 2), (3.0, 0.5, 2)]
+    assert time_to_target(rows, 0.5, window=2) == 3.0  # a full window only
+    assert time_to_target(rows, 0.1, window=2) == 2.0 and time_to_target(rows, 0.6, 2) is None
     out = plot_modes(curves, tmp_path / "modes.png")
     assert out == tmp_path / "modes.png"
     height, width, _ = matplotlib.image.imread(out).shape

@@ -47,12 +47,12 @@ from ..errors import RunError
 
 __all__ = [
     "FORMAT",
+    "check_manifest",
     "load_actor",
     "load_checkpoint",
     "read_trainer_state",
     "save_actor",
     "save_checkpoint",
-    "check_manifest",
     "write_manifest",
     "write_trainer_state",
 ]
@@ -63,6 +63,7 @@ the world size that wrote it) is refused with a line that says so."""
 
 _STATE = "trainer_state.json"
 _MANIFEST = "MANIFEST.json"
+_ELSEWHERE = "resume from another checkpoint (trainer.resume=PATH) or start again"
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -105,9 +106,6 @@ def check_manifest(directory: Path) -> None:
                 f"trainer.resume: {file} differs from the checkpoint's MANIFEST.json (the "
                 f"file is damaged); {_ELSEWHERE}"
             )
-
-
-_ELSEWHERE = "resume from another checkpoint (trainer.resume=PATH) or start again"
 
 
 def write_trainer_state(directory: Path, state: dict[str, Any]) -> None:

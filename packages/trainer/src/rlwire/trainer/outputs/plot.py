@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .summary import WINDOW, records, step_seconds
+from .summary import WINDOW, records, reward_curve
 
 __all__ = ["plot_modes", "plot_run"]
 
@@ -85,14 +85,8 @@ def plot_modes(curves: dict[str, dict[int, list[dict]]], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(seeds), figsize=(5 * len(seeds), 4), squeeze=False)
     for axis, seed in zip(axes[0], seeds, strict=True):
         for label, by_seed in curves.items():
-            rows = by_seed.get(seed, [])
-            elapsed, seconds, mean = 0.0, [], []
-            for i, row in enumerate(rows):
-                elapsed += step_seconds(row)
-                recent = rows[max(0, i + 1 - WINDOW) : i + 1]
-                seconds.append(elapsed)
-                mean.append(sum(r["reward_mean"] for r in recent) / len(recent))
-            axis.plot(seconds, mean, label=label)
+            curve = reward_curve(by_seed.get(seed, []))
+            axis.plot([t for t, _, _ in curve], [mean for _, mean, _ in curve], label=label)
         axis.set_title(f"seed {seed}")
         axis.set_xlabel("training-loop seconds")
         axis.grid(alpha=0.3)

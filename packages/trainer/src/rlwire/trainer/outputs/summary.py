@@ -6,7 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["WINDOW", "final_reward", "records", "step_seconds", "summarise", "time_to_target"]
+__all__ = [
+    "WINDOW",
+    "final_reward",
+    "records",
+    "reward_curve",
+    "step_seconds",
+    "summarise",
+    "time_to_target",
+]
 
 WINDOW = 10
 """Steps in the reward's moving mean (:func:`time_to_target`)."""
@@ -26,16 +34,22 @@ def step_seconds(record: dict) -> float:
     return record["time_rollout_s"] + record["time_update_s"] + record["time_weight_sync_s"]
 
 
-def time_to_target(rows: list[dict], target: float, window: int = WINDOW) -> float | None:
-    """Training-loop seconds until the reward's ``window``-step moving mean first reaches
-    ``target`` (counted to the end of that step); None if it never does."""
-    elapsed = 0.0
+def reward_curve(rows: list[dict], window: int = WINDOW) -> list[tuple[float, float, int]]:
+    """Per step: the training-loop seconds elapsed by its end, the mean reward of the last
+    ``window`` steps up to it (fewer at the start), and how many steps that mean is over."""
+    curve, elapsed = [], 0.0
     for i, record in enumerate(rows):
         elapsed += step_seconds(record)
         recent = rows[max(0, i + 1 - window) : i + 1]
-        if len(recent) == window and sum(r["reward_mean"] for r in recent) / window >= target:
-            return elapsed
-    return None
+        curve.append((elapsed, sum(r["reward_mean"] for r in recent) / len(recent), len(recent)))
+    return curve
+
+
+def time_to_target(rows: list[dict], target: float, window: int = WINDOW) -> float | None:
+    """Training-loop seconds until the reward's ``window``-step moving mean first reaches
+    ``target`` (counted to the end of that step); None if it never does."""
+    reached = (t for t, mean, n in reward_curve(rows, window) if n == window and mean >= target)
+    return next(reached, None)
 
 
 def final_reward(rewards: list[float]) -> float:
