@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import io
 import json
 import subprocess
 import sys
@@ -15,26 +18,39 @@ def metrics(run: Path) -> list[dict]:
 def train_cli(
     run: Path, *overrides: str, cluster: str | None = None, timeout: float = 600
 ) -> tuple[list[dict], str]:
-    """``rlwire-train`` in a fresh interpreter writing to ``run``; its metrics and its output
-    (stdout, then stderr).
+    """``rlwire-train`` writing to ``run``; its metrics and its output (stdout, then stderr).
 
     ``cluster``: the address of a running Ray cluster to join (the ``ray_cluster``
-    fixture); ``None`` starts one embedded in the command, as the README's command does.
-    Fails the test with the command's output when it does not exit 0.
+    fixture): the command's ``main`` runs in this process, as a user's driver script calling
+    it would, which spares each job a fresh interpreter's imports (about 2.5 s of CPU here);
+    ``None`` runs the command in a fresh interpreter that starts its own cluster, as the
+    README's command does. Fails the test with the command's output when it does not exit 0;
+    a run still going after ``timeout`` s ends the test session with every thread's stack.
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlwire.trainer.cli",
+    argv = [
         "--no-progress",
         f"trainer.output_dir={run}",
         "ray.startup_timeout=300",
         *([f"ray.address={cluster}"] if cluster else []),
         *overrides,
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return metrics(run), result.stdout + result.stderr
+    if cluster is None:
+        cmd = [sys.executable, "-m", "rlwire.trainer.cli", *argv]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        code, out, err = result.returncode, result.stdout, result.stderr
+    else:
+        from rlwire.trainer.cli import main
+
+        stdout, stderr = io.StringIO(), io.StringIO()
+        faulthandler.dump_traceback_later(timeout, exit=True)
+        try:
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                code = main(argv)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        out, err = stdout.getvalue(), stderr.getvalue()
+    assert code == 0, out[-2000:] + err[-4000:]
+    return metrics(run), out + err
 
 
 def checkpoint_state(checkpoint: Path) -> dict:

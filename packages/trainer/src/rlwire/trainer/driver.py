@@ -115,6 +115,7 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
         pool.shutdown()
         log.info("done")
         log.removeHandler(handler)
+        handler.close()
         if plotted is not None:
             plotted.result()  # its error, if any
 
