@@ -1,5 +1,5 @@
 """World-size-independent checkpoints: actor engines save at one world size and load at
-another (torchrun, gloo), bit for bit; what a run refuses to resume from."""
+another (gloo ranks), bit for bit; what a run refuses to resume from."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rlwire.trainer.outputs.checkpoint import FORMAT, read_trainer_state, write_
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import FSDP2_REFERENCE  # noqa: E402
-from reshard import assert_resharded, torchrun  # noqa: E402
+from reshard import assert_resharded, save_or_load  # noqa: E402
 from trainer_cli import train_cli  # noqa: E402
 
 
@@ -24,9 +24,9 @@ from trainer_cli import train_cli  # noqa: E402
 def fsdp_checkpoints(tmp_path_factory) -> Path:
     """FSDP2, FSDP1 and FSDP2 with LoRA saved on 2 ranks, loaded on 1 (and FSDP2 on 4)."""
     directory = tmp_path_factory.mktemp("checkpoints")
-    torchrun(2, "save", directory, "fsdp2", "fsdp", "fsdp2_lora")
-    torchrun(1, "load", directory, "fsdp2", "fsdp", "fsdp2_lora")
-    torchrun(4, "load", directory, "fsdp2")
+    save_or_load(2, "save", directory, "fsdp2", "fsdp", "fsdp2_lora")
+    save_or_load(1, "load", directory, "fsdp2", "fsdp", "fsdp2_lora")
+    save_or_load(4, "load", directory, "fsdp2")
     return directory
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FSDP2_REFERENCE
-from reshard import assert_resharded, run_script, torchrun
+from reshard import assert_resharded, run_script, save_or_load
 from trainer_cli import checkpoint_state, train_cli
 
 pytest.importorskip(
@@ -140,8 +140,8 @@ def test_two_megatron_steps_match_fsdp2_reach_the_rollout_and_resume(
 
 
 def test_megatron_checkpoint_saved_on_two_ranks_loads_on_one(tmp_path):
-    torchrun(2, "save", tmp_path, "megatron")
-    torchrun(1, "load", tmp_path, "megatron")
+    save_or_load(2, "save", tmp_path, "megatron")
+    save_or_load(1, "load", tmp_path, "megatron")
     assert_resharded(tmp_path, "megatron", 2, 1)
 
 

@@ -1,4 +1,5 @@
-"""torchrun worker (gloo, CPU): actor engines saving and loading checkpoints at a world size.
+"""Worker on gloo ranks (CPU): actor engines saving and loading checkpoints at a world size.
+Started by ``reshard.run_script``, or by hand under torchrun:
 
 ``python -m torch.distributed.run --nproc-per-node W trainer_checkpoint_worker.py ACTION DIR
 CASE...``: for each case (``fsdp2``, ``fsdp``, ``fsdp2_lora``, ``megatron``) builds the

@@ -1,4 +1,5 @@
-"""torchrun worker (2 ranks, gloo, CPU): the Megatron actor engine on the tiny model.
+"""Worker on 2 gloo ranks (CPU): the Megatron actor engine on the tiny model (started by
+``reshard.run_script``, or by hand under torchrun).
 
 For each case it builds the engine exactly as ``actor.strategy=megatron`` does and records
 the real ``DistributedDataParallelConfig``, the gradient buffers' dtypes, the optimizer
