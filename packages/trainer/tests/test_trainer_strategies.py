@@ -1,4 +1,5 @@
-"""Actor strategies and dtypes end to end: FSDP1 = FSDP2 on 2 gloo ranks; bfloat16 weights."""
+"""Actor strategies and dtypes end to end: FSDP1 = FSDP2 on 2 gloo ranks (balanced or not);
+bfloat16 weights; hybrid engines = rollout workers; two nodes."""
 
 from __future__ import annotations
 
@@ -14,15 +15,21 @@ from trainer_cli import train_cli  # noqa: E402
 
 
 @pytest.mark.floor
-def test_fsdp1_and_fsdp2_agree_on_the_first_step_and_its_gradient_norm(
+def test_fsdp1_on_balanced_ranks_agrees_with_fsdp2_on_the_first_step_and_its_gradient_norm(
     fsdp2_reference, ray_cluster, tmp_path
 ):
+    """FSDP1 against the FSDP2 reference, one run for two claims: the strategies agree, and
+    ``trainer.balance_batch`` (verl's key), which gives the 2 ranks rows of near-equal tokens
+    instead of consecutive halves (the reference's), trains the same batch: the same loss and
+    gradient over the ranks, up to the order of floating-point sums. (The partition itself:
+    test_trainer_dynamic_bsz.py.)"""
     fsdp2 = fsdp2_reference
     fsdp1, _ = train_cli(
         tmp_path / "fsdp1",
         *FSDP2_REFERENCE,
         "trainer.steps=1",
         "actor.strategy=fsdp",
+        "trainer.balance_batch=true",
         cluster=ray_cluster,
     )
     assert fsdp1[0]["reward_mean"] == fsdp2[0]["reward_mean"]  # the same samples
@@ -131,22 +138,3 @@ def test_two_nodes_place_ranks_on_their_gpus_and_nodes_at_node_addresses(tmp_pat
     engine = re.search(r"checkpoint engine master at ([\d.]+):\d+", log)
     assert store and engine, log[-2000:]
     assert store[1] in node_ips and engine[1] in node_ips and "127.0.0.1" not in node_ips
-
-
-def test_balanced_ranks_train_the_batch_as_consecutive_shares_do(
-    ray_cluster, tmp_path, fsdp2_reference
-):
-    """``trainer.balance_batch`` (verl's key) gives the 2 ranks rows of near-equal tokens
-    instead of consecutive halves: the same batch, the same loss and gradient over the
-    ranks (up to the order of floating-point sums)."""
-    records, _ = train_cli(
-        tmp_path / "run",
-        *FSDP2_REFERENCE,
-        "trainer.steps=1",
-        "trainer.balance_batch=true",
-        cluster=ray_cluster,
-    )
-    mine, reference = records[0], fsdp2_reference[0]
-    assert mine["reward_mean"] == reference["reward_mean"]  # the same samples
-    assert mine["policy_loss"] == pytest.approx(reference["policy_loss"], rel=1e-5, abs=1e-7)
-    assert mine["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
