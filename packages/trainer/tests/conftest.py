@@ -1,8 +1,9 @@
 """One Ray cluster for the trainer's tests that run jobs (starting one costs 10 to 16 s here).
 
-The cluster lives in a process of its own, not in pytest's: a test that calls the driver's
-``run()`` in-process connects to it and disconnects at the end, as any user's driver does.
-Each job kills its own workers when it ends, so jobs do not see each other.
+The cluster lives in a process of its own, not in pytest's: a job joining it runs its driver
+in pytest's process (``trainer_cli.train_cli``, or the driver's ``run()``), which connects
+and disconnects at the end, as any user's driver does. Each job kills its own workers when
+it ends, so jobs do not see each other.
 
 Markers: every test that runs a Ray job (it takes the ``ray_cluster`` fixture, or says
 ``@pytest.mark.job``) is marked ``job``; ``floor`` marks the few jobs that CI's floor leg
