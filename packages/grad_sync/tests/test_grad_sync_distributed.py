@@ -7,6 +7,8 @@ plain tensors and numbers; the assertions run in the pytest process.
 from __future__ import annotations
 
 import contextlib
+import functools
+import multiprocessing
 import time
 
 import pytest
@@ -22,8 +24,15 @@ from rlwire.grad_sync import (
     retained_grad_bytes,
     run_micro_batches,
 )
-from rlwire.grad_sync._launch import spawn
+from rlwire.grad_sync._launch import spawn as _spawn
 from rlwire.grad_sync._wrappers import _param_groups
+
+# Ranks are forked from multiprocessing's fork server, which imports torch and FSDP once
+# (a fresh interpreter per rank imports them again: about 2 s of CPU each here). In one
+# pytest process the fork server is shared: the last preload list set before its first use
+# is the one it has, and a rank imports whatever it lacks.
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp"])
+spawn = functools.partial(_spawn, start_method="forkserver")
 
 MICRO_BATCHES = 4
 DIM, HIDDEN = 32, 64

@@ -3,10 +3,10 @@ one world size and loading at another (``trainer_checkpoint_worker.py``)."""
 
 from __future__ import annotations
 
-import contextlib
+import importlib
+import multiprocessing
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -17,52 +17,77 @@ import torch
 HERE = Path(__file__).parent
 
 
+# Ranks are forked from one server that imported torch, transformers, the tiny model's
+# modeling code and the worker scripts once: a rank starts in milliseconds instead of the
+# 4-5 s of CPU those imports cost a fresh interpreter (7 ranks for the resharding fixture).
+# The server is multiprocessing's, one per pytest process, so the last preload list set
+# before its first use is the one it has (test_ckpt_engine_transfer.py sets one too); a
+# child imports whatever its server lacks, so only the start-up time depends on it.
+_RANKS = multiprocessing.get_context("forkserver")
+_RANKS.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed.fsdp",
+        "transformers",
+        "transformers.models.qwen2.modeling_qwen2",
+        "megatron.core",
+        "trainer_checkpoint_worker",
+        "trainer_megatron_worker",
+    ]
+)
+
+
+def _rank(script: str, argv: list[str], env: dict[str, str], log: str) -> None:
+    """One rank, in a process forked from the server: ``script``'s ``main()`` with the
+    command line and the variables ``torchrun`` would give it, its output going to ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    torch.set_num_threads(1)  # OMP_NUM_THREADS is read when torch loads: in the server
+    importlib.import_module(Path(script).stem).main()
+
+
 def run_script(world: int, script: str, *args: str, timeout: float = 300) -> None:
-    """The worker ``script`` of this folder on ``world`` gloo ranks: one interpreter per rank
-    with the variables ``torchrun`` would give it (``env://``: rank, world size, master
-    address and port; one OpenMP thread), all started at once. Without ``torchrun``'s own
-    interpreter in between: about 2 s less per group here. Fails the test with the output of
-    each rank that did not exit 0 within ``timeout`` s (the first failure stops the others)."""
+    """The worker ``script`` of this folder (its ``main()``) on ``world`` gloo ranks, all
+    started at once, each with the variables ``torchrun`` would give it (``env://``: rank,
+    world size, master address and port; one thread), forked from the server above. Fails
+    the test with the output of each rank that did not exit 0 within ``timeout`` s (as
+    torchrun does, the first failure stops the others)."""
     with socket.socket() as probe:  # a free port for rank 0's store
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     common = {
-        **os.environ,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world),
-        "OMP_NUM_THREADS": "1",
     }
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world)]
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, str(HERE / script), *args],
-                env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=logs[rank],
-                stderr=subprocess.STDOUT,
-            )
-            for rank in range(world)
-        ]
+    with tempfile.TemporaryDirectory() as logs:
+        ranks = []
+        for rank in range(world):
+            env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            log = os.path.join(logs, f"rank{rank}.log")
+            ranks.append(_RANKS.Process(target=_rank, args=(script, list(args), env, log)))
+            ranks[-1].start()
         deadline = time.monotonic() + timeout
-        try:  # as torchrun does: the first rank to fail stops the group
-            while any(p.poll() is None for p in ranks) and time.monotonic() < deadline:
-                if any(p.poll() not in (None, 0) for p in ranks):
+        try:
+            while any(p.is_alive() for p in ranks) and time.monotonic() < deadline:
+                if any(p.exitcode not in (None, 0) for p in ranks):
                     break
                 time.sleep(0.05)
         finally:
             for proc in ranks:
-                if proc.poll() is None:
+                if proc.is_alive():
                     proc.kill()
-                    proc.wait()
-        failed = [r for r, proc in enumerate(ranks) if proc.returncode != 0]
-        report = []
-        for rank in failed:
-            logs[rank].seek(0)
-            report.append(
-                f"--- rank {rank} (exit {ranks[rank].returncode}):\n{logs[rank].read()[-4000:]}"
-            )
+                proc.join()
+        failed = [r for r, proc in enumerate(ranks) if proc.exitcode != 0]
+        report = [
+            f"--- rank {rank} (exit {ranks[rank].exitcode}):\n"
+            + Path(logs, f"rank{rank}.log").read_text()[-4000:]
+            for rank in failed
+        ]
         assert not failed, f"{script} (limit {timeout:g} s):\n" + "\n".join(report)
 
 

@@ -86,13 +86,16 @@ def spawn(
     timeout: float = 120.0,
     threads: int = 1,
     device: str = "cpu",
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
 
     Each process joins a group on a free port (the default group, which ``fn`` may use
     freely): gloo, or with ``device="cuda"`` NCCL, rank ``r`` on GPU ``r`` (modulo the
     GPUs there are; NCCL refuses two ranks on one GPU). ``fn`` must be importable by
-    module name.
+    module name. ``start_method``: ``"spawn"`` (a fresh interpreter per rank) or
+    ``"forkserver"`` (forked from multiprocessing's fork server: what it preloads, such as
+    torch, is imported once, not once per rank; the tests use it).
 
     Returns:
         The value each rank returned, indexed by rank.
@@ -110,7 +113,7 @@ def spawn(
             args=(fn, world_size, free_port(), timeout, out_dir, threads, device, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=start_method,
         )
         deadline = time.monotonic() + timeout
         try:
