@@ -1,4 +1,5 @@
-"""Run under torchrun: build Megatron-Core DDP and report its real buffers.
+"""Build Megatron-Core DDP and report its real buffers, on each rank of a group: run by
+test_megatron_ddp_memory.py (ranks forked from one server), or by hand under torchrun.
 
 Usage: torchrun --standalone --nproc-per-node N megatron_ddp_buffers_worker.py OUT.json [cuda]
 

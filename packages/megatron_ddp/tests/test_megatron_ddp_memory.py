@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import multiprocessing
+import os
+import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from torch.multiprocessing.spawn import start_processes
 
 from rlwire.megatron_ddp import (
     MemoryBreakdown,
@@ -20,6 +24,14 @@ from rlwire.megatron_ddp import (
 from rlwire.megatron_ddp._table import memory_table
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import megatron_ddp_buffers_worker  # noqa: E402
+
+# Ranks are forked from multiprocessing's fork server, which imports torch, megatron-core and
+# the worker once (torchrun started an interpreter of its own and one per rank: 16 s here,
+# against about 5 s). In one pytest process the server is shared: the last preload list set
+# before its first use is the one it has, and a rank imports whatever it lacks.
+multiprocessing.set_forkserver_preload(["torch", "megatron.core", "megatron_ddp_buffers_worker"])
 
 
 @pytest.mark.parametrize("d", [1, 2, 8, 64])
@@ -154,12 +166,40 @@ def test_readme_table_is_the_one_the_package_prints():
 
 
 def _buffers(out: Path, ranks: int, device: str) -> dict:
-    """Megatron-Core DDP's real buffers, built on ``ranks`` torchrun ranks on ``device``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc-per-node", str(ranks), str(HERE / "megatron_ddp_buffers_worker.py")]
-    proc = subprocess.run([*cmd, str(out), device], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    """Megatron-Core DDP's real buffers, built on ``ranks`` ranks on ``device``."""
+    _on_ranks(megatron_ddp_buffers_worker.main, ranks, str(out), device)
     return json.loads(out.read_text())
+
+
+def _on_ranks(main, nproc: int, *args: str, timeout: float = 300) -> None:
+    """``main(*args)`` on ``nproc`` ranks with the variables torchrun would set (``env://``),
+    forked from multiprocessing's fork server (torch imported there once, not per rank).
+    A rank that raises or exits non-zero fails the test with its error; all are killed after
+    ``timeout`` s."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = start_processes(
+        _rank, args=(main, nproc, port, args), nprocs=nproc, join=False, start_method="forkserver"
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ranks.join(timeout=0.2):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{nproc} ranks did not finish within {timeout:g} s")
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+
+
+def _rank(rank: int, main, world: int, port: int, args: tuple[str, ...]) -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
+    env |= {"LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+    os.environ.update(env)
+    torch.set_num_threads(1)  # the fork server read OMP_NUM_THREADS when it imported torch
+    main(*args)
 
 
 @pytest.fixture(scope="module")

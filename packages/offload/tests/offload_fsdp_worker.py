@@ -1,4 +1,5 @@
-"""Run under torchrun: offload/load round trips of FSDP2 and FSDP1 models and their optimizers.
+"""Offload/load round trips of FSDP2 and FSDP1 models and their optimizers, on each rank of a
+group: run by test_offload_fsdp.py (ranks forked from one server), or by hand under torchrun.
 
 Usage: torchrun --standalone --nproc-per-node N offload_fsdp_worker.py WRAPPERS DEVICE OUT.json
   WRAPPERS: comma-separated fsdp2 | fsdp1 | fsdp1_orig_params (one group serves them all)

@@ -3,33 +3,63 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import multiprocessing
+import os
+import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from torch.multiprocessing.spawn import start_processes
 
-WORKER = Path(__file__).resolve().parent / "offload_fsdp_worker.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import offload_fsdp_worker  # noqa: E402
+
+# Ranks are forked from multiprocessing's fork server, which imports torch, FSDP and the
+# worker once (torchrun started an interpreter of its own and one per rank: 6 s a group here,
+# against about 1 s). In one pytest process the server is shared: the last preload list set
+# before its first use is the one it has, and a rank imports whatever it lacks.
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "offload_fsdp_worker"])
 
 
 def _run(wrappers: list[str], device: str, nproc: int, tmp_path: Path) -> dict:
-    """One torchrun group runs every wrapper in turn; returns a report per wrapper."""
+    """One group of ``nproc`` ranks runs every wrapper in turn; returns a report per wrapper."""
     out = tmp_path / f"{device}-{nproc}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(WORKER),
-        ",".join(wrappers),
-        device,
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    _on_ranks(offload_fsdp_worker.main, nproc, ",".join(wrappers), device, str(out))
     return json.loads(out.read_text())
+
+
+def _on_ranks(main, nproc: int, *args: str, timeout: float = 300) -> None:
+    """``main(*args)`` on ``nproc`` ranks with the variables torchrun would set (``env://``),
+    forked from multiprocessing's fork server (torch imported there once, not per rank).
+    A rank that raises or exits non-zero fails the test with its error; all are killed after
+    ``timeout`` s."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = start_processes(
+        _rank, args=(main, nproc, port, args), nprocs=nproc, join=False, start_method="forkserver"
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not ranks.join(timeout=0.2):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{nproc} ranks did not finish within {timeout:g} s")
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+
+
+def _rank(rank: int, main, world: int, port: int, args: tuple[str, ...]) -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
+    env |= {"LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+    os.environ.update(env)
+    torch.set_num_threads(1)  # the fork server read OMP_NUM_THREADS when it imported torch
+    main(*args)
 
 
 def _assert_round_trips(report: dict, *, pinned: bool) -> None:

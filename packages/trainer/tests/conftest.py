@@ -6,9 +6,11 @@ and disconnects at the end, as any user's driver does. Each job kills its own wo
 it ends, so jobs do not see each other.
 
 Markers: every test that runs a Ray job (it takes the ``ray_cluster`` fixture, or says
-``@pytest.mark.job``) is marked ``job``; ``floor`` marks the few jobs that CI's floor leg
-(Python 3.12, torch 2.11: ``.ci/run`` step 5) runs besides every test that is not a job.
-The workspace leg runs them all.
+``@pytest.mark.job``) is marked ``job``; ``floor`` marks the few jobs, one per strategy and
+mode, that run by default (``uv run pytest``, and CI's floor leg on Python 3.12 and torch
+2.11) besides every test that is not a job. The other jobs run with
+``-m "job and not floor"`` (``.ci/run`` step 1b): each costs its workers' imports (about
+5 s of CPU a process here), and all of them together took about 5 minutes.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 def pytest_configure(config):
     config.addinivalue_line("markers", "job: runs a Ray job of the trainer (end to end)")
     config.addinivalue_line(
-        "markers", "floor: a job CI's floor leg runs too (one per strategy and mode it covers)"
+        "markers", "floor: a job run by default (one per strategy and mode it covers)"
     )
 
 
