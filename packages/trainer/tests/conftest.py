@@ -23,13 +23,6 @@ from pathlib import Path
 import pytest
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "job: runs a Ray job of the trainer (end to end)")
-    config.addinivalue_line(
-        "markers", "floor: a job run by default (one per strategy and mode it covers)"
-    )
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):
