@@ -28,9 +28,9 @@ sys.path.insert(0, str(HERE))
 import megatron_ddp_buffers_worker  # noqa: E402
 
 # Ranks are forked from multiprocessing's fork server, which imports torch, megatron-core and
-# the worker once (torchrun started an interpreter of its own and one per rank: 16 s here,
-# against about 5 s). In one pytest process the server is shared: the last preload list set
-# before its first use is the one it has, and a rank imports whatever it lacks.
+# the worker once (torchrun started an interpreter of its own and one per rank: 16.5 s in the
+# workspace run here, against 8-10 s). In one pytest process the server is shared: the last
+# preload list set before its first use is the one it has, and a rank imports what it lacks.
 multiprocessing.set_forkserver_preload(["torch", "megatron.core", "megatron_ddp_buffers_worker"])
 
 

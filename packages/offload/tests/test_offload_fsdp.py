@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offload_fsdp_worker  # noqa: E402
 
 # Ranks are forked from multiprocessing's fork server, which imports torch, FSDP and the
-# worker once (torchrun started an interpreter of its own and one per rank: 6 s a group here,
-# against about 1 s). In one pytest process the server is shared: the last preload list set
+# worker once (torchrun started an interpreter of its own and one per rank: 5-6 s a group here,
+# against 1-3 s). In one pytest process the server is shared: the last preload list set
 # before its first use is the one it has, and a rank imports whatever it lacks.
 multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "offload_fsdp_worker"])
 
