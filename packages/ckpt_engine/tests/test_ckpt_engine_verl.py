@@ -46,6 +46,10 @@ def groups():
     from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 
     ray.init(
+        # "local": its own cluster. Without an address, ray.init joins the one whose address
+        # another process left in /tmp/ray (a test's ray.cluster_utils.Cluster, `ray start`)
+        # and refuses num_cpus there.
+        address="local",
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,

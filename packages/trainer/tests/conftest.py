@@ -39,7 +39,12 @@ _HEAD = textwrap.dedent(
     from rlwire.trainer.runtime.cluster import ray_environment
     ray_environment()
     import ray
-    context = ray.init(num_cpus={CPUS}, include_dashboard=False, logging_level=logging.ERROR)
+    context = ray.init(
+        address="local",  # its own, whatever cluster another process started
+        num_cpus={CPUS},
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+    )
     print(context.address_info["gcs_address"], flush=True)
     sys.stdin.read()  # until pytest closes the pipe
     ray.shutdown()

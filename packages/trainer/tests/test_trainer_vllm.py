@@ -27,7 +27,8 @@ def ray_local():
     ray_environment()
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "local": its own cluster, whatever cluster another process started on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -260,7 +260,8 @@ class TrainerSection:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class RayConfig:
     address: str | None = None
-    """An existing cluster (``ray://...`` or ``host:port``); None: ``RAY_ADDRESS`` or local."""
+    """An existing cluster (``ray://...`` or ``host:port``); None: ``RAY_ADDRESS``, else one of
+    the run's own (even beside one ``ray start`` runs)."""
     num_cpus: int | None = None
     """CPUs of the embedded local cluster (None: all, and at least one per worker)."""
     num_gpus: int | None = None

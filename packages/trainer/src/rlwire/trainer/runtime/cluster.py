@@ -76,7 +76,11 @@ def init_ray(config: TrainerConfig) -> None:
             # worker (actor ranks + rollout workers) even on a smaller machine.
             need = config.actor.world_size + config.rollout.num_workers
             cpus = config.ray.num_cpus or max(os.cpu_count() or 1, need)
+            # "local": a cluster of its own. Without an address, ray.init joins the cluster
+            # whose address `ray start` (or ray.cluster_utils.Cluster) left in /tmp/ray, and
+            # refuses num_cpus there; joining one is what ray.address= says.
             ray.init(
+                address="local",
                 num_cpus=cpus,
                 num_gpus=config.ray.num_gpus,
                 include_dashboard=False,
