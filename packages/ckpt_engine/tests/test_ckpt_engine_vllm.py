@@ -112,21 +112,38 @@ def test_bad_trainer_settings_are_refused_with_what_is_allowed():
         RlwireTrainerInitInfo(rank=0, delta="sometimes")
 
 
-@pytest.mark.parametrize("backend", ["shm", "gloo", "filesystem"])
-def test_three_versions_reach_vllm_LLM_bit_exact(tiny_model, backend):
+BACKENDS = ["shm", "gloo", "filesystem"]
+
+
+@pytest.fixture(scope="module")
+def transfers(tiny_model) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+    """One ``vllm.LLM`` (the generic ``rlwire`` backend) updated through each backend in
+    turn (``vllm_transfer.py``): the process and each backend's report."""
     out = subprocess.run(
-        [sys.executable, str(HERE / "vllm_transfer.py"), str(tiny_model), backend],
+        [sys.executable, str(HERE / "vllm_transfer.py"), str(tiny_model), *BACKENDS],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=400,
         env=_env(),
     )
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("REPORT "))
-    report = json.loads(line[len("REPORT ") :])
+    reports = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("REPORT "):
+            backend, _, body = line[len("REPORT ") :].partition(" ")
+            reports[backend] = json.loads(body)
+    return out, reports
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_three_versions_reach_vllm_LLM_bit_exact(transfers, backend):
+    out, reports = transfers
+    assert backend in reports and out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    report = reports[backend]
     assert report["sender"] == "RlwireTrainerEngine"  # vLLM's factory built ours
     start, updates, reference = report["start"], report["updates"], report["reference"]
-    assert [u["version"] for u in updates] == ["1", "2", "3"]
+    # each backend's sender continues from the version the engine holds
+    first = 4 * BACKENDS.index(backend) + 1
+    assert [u["version"] for u in updates] == [str(first + k) for k in range(3)]
     for update, ref in zip(updates, reference, strict=True):
         # what vLLM serves equals the same weights through its own reload path, bit for bit
         assert update["logprobs"] == ref["logprobs"] and update["tokens"] == ref["tokens"]
@@ -138,17 +155,17 @@ def test_three_versions_reach_vllm_LLM_bit_exact(tiny_model, backend):
     if backend == "filesystem":  # whole snapshots only
         assert all(u["base"] is None for u in updates)
     else:  # 2% of the elements changed: a delta onto the version vLLM holds
-        assert [u["base"] for u in updates[1:]] == [1, 2]
+        assert [u["base"] for u in updates[1:]] == [first, first + 1]
         assert all(u["wire_bytes"] < dense / 10 for u in updates[1:])
-    # an update cut off half-way: refused, named, and vLLM keeps serving version 3
+    # an update cut off half-way: refused, named, and vLLM keeps serving the last version
     assert "the trainer died half-way" in report["cut_off"]
-    assert "vLLM keeps version 3" in report["cut_off"]
+    assert f"vLLM keeps version {first + 2}" in report["cut_off"]
     after = report["after_cut_off"]
-    assert after["version"] == "3" and after["logprobs"] == updates[-1]["logprobs"]
+    assert after["version"] == str(first + 2) and after["logprobs"] == updates[-1]["logprobs"]
     assert after["checksums"] == updates[-1]["checksums"]
     # the next update lands (whole: the failed one left no base), here the original weights
     recovered = report["after_recovery"]
-    assert recovered["version"] == "4" and recovered["base"] is None
+    assert recovered["version"] == str(first + 3) and recovered["base"] is None
     assert (
         recovered["logprobs"] == start["logprobs"] and recovered["checksums"] == start["checksums"]
     )
@@ -168,8 +185,8 @@ def test_with_tensor_parallelism_2_each_rank_takes_its_shard_deltas_included(tin
         env={**_env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("REPORT "))
-    report = json.loads(line[len("REPORT ") :])
+    line = next(x for x in out.stdout.splitlines() if x.startswith("REPORT shm "))
+    report = json.loads(line[len("REPORT shm ") :])
     start, (dense, delta, back) = report["start"], report["updates"]
     assert any(k.startswith("dp0:pp0:pcp0:tp1:") for k in start["checksums"])  # two ranks
     assert [u["version"] for u in (dense, delta, back)] == ["1", "2", "3"]

@@ -2,8 +2,13 @@
 changes its host process): a tiny model served by ``vllm.LLM`` with an rlwire weight
 transfer engine, updated through vLLM's trainer-side API; prints what it saw as JSON.
 
-    python vllm_transfer.py MODEL_DIR BACKEND           # one worker, in-process engine
-    python vllm_transfer.py MODEL_DIR BACKEND --tp 2    # tensor parallelism 2 (processes)
+    python vllm_transfer.py MODEL_DIR BACKEND [BACKEND ...]  # one worker, in-process engine
+    python vllm_transfer.py MODEL_DIR BACKEND --tp 2          # tensor parallelism 2 (processes)
+
+Several backends: one after another into the same engine (started with the generic
+``rlwire`` backend, which takes whichever the trainer's init info names), each through a
+sender of its own whose versions continue from the last one vLLM holds; one engine's start
+(about 25 s on CPU) serves them all.
 """
 
 from __future__ import annotations
@@ -84,19 +89,16 @@ def tensor_parallel(model_dir: str, backend: str, tp: int) -> None:
         report["updates"].append({**seen(), "base": stats.base, "wire_bytes": stats.wire_bytes,
                                   "bytes": stats.bytes})  # fmt: skip
     sender.shutdown()
-    print("REPORT " + json.dumps(report))
+    print(f"REPORT {backend} " + json.dumps(report))
 
 
 def main() -> None:
-    model_dir, backend = sys.argv[1], sys.argv[2]
+    model_dir, backends = sys.argv[1], sys.argv[2:]
     if "--tp" in sys.argv:
-        tensor_parallel(model_dir, backend, int(sys.argv[sys.argv.index("--tp") + 1]))
+        tensor_parallel(model_dir, backends[0], int(sys.argv[sys.argv.index("--tp") + 1]))
         return
     from vllm import LLM, SamplingParams
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.inputs import TokensPrompt
-
-    from rlwire.ckpt_engine.vllm import LLMClient, RlwireTrainerInitInfo
 
     llm = LLM(
         model=model_dir,
@@ -106,8 +108,8 @@ def main() -> None:
         skip_tokenizer_init=True,
         kv_cache_memory_bytes=32 << 20,
         seed=0,
-        # gloo through the generic name: the trainer side's init info picks the backend
-        weight_transfer_config={"backend": "rlwire" if backend == "gloo" else f"rlwire_{backend}"},
+        # the generic name: each sender's init info picks the backend
+        weight_transfer_config={"backend": "rlwire"},
     )
     prompts = [TokensPrompt(prompt_token_ids=[1, 5, 9, 17, 33, 2, 8])]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
@@ -123,6 +125,19 @@ def main() -> None:
             "checksums": sums,
             "version": llm.get_weight_version(),
         }
+
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    for number, backend in enumerate(backends):
+        report = one_backend(llm, seen, base, backend, model_dir, first=4 * number + 1)
+        print(f"REPORT {backend} " + json.dumps(report), flush=True)
+
+
+def one_backend(llm, seen, base, backend: str, model_dir: str, first: int) -> dict:
+    """Three versions from ``first`` on, each compared with vLLM's own reload of the same
+    weights, then an update cut off half-way and the next one landing."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from rlwire.ckpt_engine.vllm import LLMClient, RlwireTrainerInitInfo
 
     report: dict = {"start": seen(), "updates": [], "reference": []}
     info = RlwireTrainerInitInfo(
@@ -141,9 +156,8 @@ def main() -> None:
         info.delta = "off"
     sender = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm))
     report["sender"] = type(sender).__name__
-    base = load_file(os.path.join(model_dir, "model.safetensors"))
-    for weights in versions(base):
-        stats = sender.send_weights(weights.items())
+    for version, weights in enumerate(versions(base), first):
+        stats = sender.send_weights(weights.items(), version=version)
         report["updates"].append(
             {**seen(), "base": stats.base, "bytes": stats.bytes, "wire_bytes": stats.wire_bytes}
         )
@@ -154,7 +168,7 @@ def main() -> None:
         )
         report["reference"].append(seen())
 
-    # a cut-off update: the sender's weights stop half-way; vLLM keeps serving version 3
+    # a cut-off update: the sender's weights stop half-way; vLLM keeps serving the last one
     def broken():
         for i, item in enumerate(base.items()):
             if i == len(base) // 2:
@@ -170,7 +184,7 @@ def main() -> None:
     stats = sender.send_weights(base.items())  # and the next one lands (whole: no base held)
     report["after_recovery"] = {**seen(), "base": stats.base}
     sender.shutdown()
-    print("REPORT " + json.dumps(report))
+    return report
 
 
 if __name__ == "__main__":
