@@ -1,5 +1,9 @@
 """The ``vllm`` rollout backend against a live ``vllm.LLM`` engine (marked ``vllm``: run in an
-environment with vLLM, e.g. by ``.ci/vllm``; deselected by default)."""
+environment with vLLM, e.g. by ``.ci/vllm``; deselected by default).
+
+Every test here runs on conftest's shared Ray cluster: the jobs join it from pytest's
+process (``train_cli(..., cluster=...)``), the tests that drive a rollout worker themselves
+connect for the test (``ray_driver``) and disconnect, killing what they started."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import types
 
 import pytest
 import torch
-from trainer_cli import train_cli
+from trainer_cli import run_cli, train_cli
 
 pytestmark = pytest.mark.vllm
 
@@ -19,21 +23,21 @@ pytestmark = pytest.mark.vllm
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ray_local():
+@pytest.fixture
+def ray_driver(ray_cluster):
+    """Ray, connected to the shared cluster for this test (its actors die as it disconnects)."""
     pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
     from rlwire.trainer.runtime.cluster import ray_environment
 
     ray_environment()
     import ray
 
-    # "local": its own cluster, whatever cluster another process started on this machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address=ray_cluster, log_to_driver=False)
     yield ray
     ray.shutdown()
 
 
-def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local, tmp_path):
+def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_driver, tmp_path):
     """Updates reach vLLM's worker through its weight-transfer engine (``rlwire``), deltas
     included, and vLLM samples from the weights sent."""
     from transformers import AutoModelForCausalLM
@@ -44,7 +48,7 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
     from rlwire.trainer.rollout import Example, sequence_logprobs
     from rlwire.trainer.runtime.rollout_worker import RolloutWorker
 
-    ray = ray_local
+    ray = ray_driver
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
     temperature = 0.7
     config = load_config(
@@ -119,7 +123,7 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_local,
 
 
 def test_vllm_samples_from_the_plain_distribution_whatever_the_generation_config(
-    ray_local, tmp_path
+    ray_driver, tmp_path
 ):
     """A model whose generation_config.json penalises repetition and cuts to the top 5:
     vLLM's (processed) log-probs are still the actor's plain softmax(logits / T) ones."""
@@ -131,7 +135,7 @@ def test_vllm_samples_from_the_plain_distribution_whatever_the_generation_config
     from rlwire.trainer.rollout import Example
     from rlwire.trainer.runtime.rollout_worker import RolloutWorker
 
-    ray = ray_local
+    ray = ray_driver
     model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
     file = model_dir / "generation_config.json"
     penalties = {"do_sample": True, "repetition_penalty": 1.5, "top_k": 5, "min_p": 0.2}
@@ -161,7 +165,7 @@ def test_vllm_samples_from_the_plain_distribution_whatever_the_generation_config
 
 
 @pytest.mark.parametrize("mode", ["fully_async", "colocated"])
-def test_short_run_with_the_vllm_backend(ray_local, mode, tmp_path):
+def test_short_run_with_the_vllm_backend(ray_cluster, mode, tmp_path):
     # fully async with partial rollouts: responses go in chunks of 3 tokens through extend
     partial = ["async.partial_rollout=true", "async.partial_rollout_chunk_tokens=3"]
     records, _ = train_cli(
@@ -170,6 +174,7 @@ def test_short_run_with_the_vllm_backend(ray_local, mode, tmp_path):
         "rollout.backend=vllm",
         "trainer.steps=3",
         *(partial if mode == "fully_async" else []),
+        cluster=ray_cluster,
     )
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
@@ -178,7 +183,7 @@ def test_short_run_with_the_vllm_backend(ray_local, mode, tmp_path):
             assert abs(r["kl_rollout"]) < 1e-3  # vLLM's log-probs = the actor's recomputation
 
 
-def test_a_lora_run_serves_each_synced_adapter_from_vllm(ray_local, tmp_path):
+def test_a_lora_run_serves_each_synced_adapter_from_vllm(ray_cluster, tmp_path):
     """Colocated LoRA with the vllm backend: each sync carries the adapter alone (bytes:
     the exported adapter's), vLLM serves it as its LoRA, and its log-probs stay the actor's
     as the adapter moves (a stale or missing adapter would show in ``kl_rollout``)."""
@@ -191,6 +196,7 @@ def test_a_lora_run_serves_each_synced_adapter_from_vllm(ray_local, tmp_path):
         "actor.lora.rank=8",
         "actor.optim.lr=3e-2",
         "trainer.steps=4",
+        cluster=ray_cluster,
     )
     with safe_open(str(run / "adapter" / "adapter_model.safetensors"), "pt") as f:
         adapter = sum(f.get_tensor(k).numel() * 4 for k in f.keys())  # noqa: SIM118
@@ -200,7 +206,7 @@ def test_a_lora_run_serves_each_synced_adapter_from_vllm(ray_local, tmp_path):
         assert abs(r["kl_rollout"]) < 1e-3, r
 
 
-def test_the_agent_loop_on_vllm_is_token_in_token_out(ray_local, tmp_path):
+def test_the_agent_loop_on_vllm_is_token_in_token_out(ray_driver, tmp_path):
     """The lookup task's conversations on vLLM, in a rollout worker whose engine records each
     ``extend``: every model turn is given exactly the sequence so far (the previous turn's
     context, the tokens the engine returned, then the template's tool turn), the trajectory
@@ -240,7 +246,7 @@ def test_the_agent_loop_on_vllm_is_token_in_token_out(ray_local, tmp_path):
         def recorded(self) -> list:
             return self.extends
 
-    ray = ray_local
+    ray = ray_driver
     model_dir = build_lookup_model(tmp_path / "lookup")
     temperature, budget = 1.2, 24
     config = load_config(
@@ -379,7 +385,7 @@ def _weight_version(url: str) -> str:
         return json.loads(answer.read())["weight_version"]
 
 
-def test_a_run_on_a_running_vllm_server_then_a_second_run_is_refused(served, tmp_path):
+def test_a_run_on_a_running_vllm_server_then_a_second_run_is_refused(served, ray_cluster, tmp_path):
     """Colocated on a server given by URL: token ids in and out, the server's log-probs are
     the actor's, every sync lands (the server's weight version is the last one sent); a
     second run on the same server, which now holds that run's weights, is refused."""
@@ -389,46 +395,35 @@ def test_a_run_on_a_running_vllm_server_then_a_second_run_is_refused(served, tmp
         "rollout.backend=vllm_server",
         f"rollout.server_urls=[{url}]",
     ]
-    records, _ = train_cli(tmp_path / "run", *common, "trainer.steps=3")
+    records, _ = train_cli(tmp_path / "run", *common, "trainer.steps=3", cluster=ray_cluster)
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert r["version_lag_max"] == 0 and abs(r["kl_rollout"]) < 1e-3, r
         assert r["weight_sync_bytes"] > 0
     assert _weight_version(url) == "3"
-    import subprocess
-    import sys
-
-    again = subprocess.run(
-        [sys.executable, "-m", "rlwire.trainer.cli", "--no-progress",
-         f"trainer.output_dir={tmp_path / 'again'}", "ray.startup_timeout=300", *common],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert again.returncode != 0
-    assert f"vllm_server {url} serves weights version 3 that an earlier run sent" in (
-        again.stdout + again.stderr
-    )
+    code, out = run_cli(tmp_path / "again", *common, cluster=ray_cluster)
+    assert code != 0
+    assert f"vllm_server {url} serves weights version 3 that an earlier run sent" in out
 
 
-def test_a_server_that_does_not_answer_stops_the_run_naming_it(tmp_path):
+def test_a_server_that_does_not_answer_stops_the_run_naming_it(ray_cluster, tmp_path):
     pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
     import socket
-    import subprocess
-    import sys
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    run = subprocess.run(
-        [sys.executable, "-m", "rlwire.trainer.cli", "--no-progress",
-         f"trainer.output_dir={tmp_path / 'run'}", "ray.startup_timeout=120",
-         "rollout.backend=vllm_server", f"rollout.server_urls=[{url}]"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode != 0
-    assert f"vllm_server {url}: no answer to /v1/models" in run.stdout + run.stderr
+    code, out = run_cli(
+        tmp_path / "run",
+        "rollout.backend=vllm_server",
+        f"rollout.server_urls=[{url}]",
+        cluster=ray_cluster,
+    )
+    assert code != 0
+    assert f"vllm_server {url}: no answer to /v1/models" in out
 
 
-def test_a_fully_async_run_on_a_vllm_server_it_starts_learns(tmp_path):
+def test_a_fully_async_run_on_a_vllm_server_it_starts_learns(ray_cluster, tmp_path):
     """The trainer starts the server (on the rollout worker's node), generates with partial
     rollouts through it and syncs every step over the weight-transfer routes; the reward of
     the built-in task rises (0.04 -> 0.19 over 40 steps on seed 0; chosen on seed 0,
@@ -443,6 +438,7 @@ def test_a_fully_async_run_on_a_vllm_server_it_starts_learns(tmp_path):
         "trainer.mode=fully_async",
         "trainer.steps=40",
         "actor.optim.lr=1e-2",
+        cluster=ray_cluster,
     )
     rewards = [r["reward_mean"] for r in records]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

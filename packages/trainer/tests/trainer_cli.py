@@ -15,17 +15,17 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def train_cli(
+def run_cli(
     run: Path, *overrides: str, cluster: str | None = None, timeout: float = 600
-) -> tuple[list[dict], str]:
-    """``rlwire-train`` writing to ``run``; its metrics and its output (stdout, then stderr).
+) -> tuple[int, str]:
+    """``rlwire-train`` writing to ``run``: its exit code and its output (stdout, then stderr).
 
     ``cluster``: the address of a running Ray cluster to join (the ``ray_cluster``
     fixture): the command's ``main`` runs in this process, as a user's driver script calling
     it would, which spares each job a fresh interpreter's imports (about 2.5 s of CPU here);
     ``None`` runs the command in a fresh interpreter that starts its own cluster, as the
-    README's command does. Fails the test with the command's output when it does not exit 0;
-    a run still going after ``timeout`` s ends the test session with every thread's stack.
+    README's command does. A run still going after ``timeout`` s ends the test session with
+    every thread's stack.
     """
     argv = [
         "--no-progress",
@@ -37,20 +37,27 @@ def train_cli(
     if cluster is None:
         cmd = [sys.executable, "-m", "rlwire.trainer.cli", *argv]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        code, out, err = result.returncode, result.stdout, result.stderr
-    else:
-        from rlwire.trainer.cli import main
+        return result.returncode, result.stdout + result.stderr
+    from rlwire.trainer.cli import main
 
-        stdout, stderr = io.StringIO(), io.StringIO()
-        faulthandler.dump_traceback_later(timeout, exit=True)
-        try:
-            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-                code = main(argv)
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        out, err = stdout.getvalue(), stderr.getvalue()
-    assert code == 0, out[-2000:] + err[-4000:]
-    return metrics(run), out + err
+    stdout, stderr = io.StringIO(), io.StringIO()
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(argv)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    return code, stdout.getvalue() + stderr.getvalue()
+
+
+def train_cli(
+    run: Path, *overrides: str, cluster: str | None = None, timeout: float = 600
+) -> tuple[list[dict], str]:
+    """:func:`run_cli`, which must exit 0 (else the test fails with the command's output):
+    the run's metrics and its output."""
+    code, out = run_cli(run, *overrides, cluster=cluster, timeout=timeout)
+    assert code == 0, out[-6000:]
+    return metrics(run), out
 
 
 def checkpoint_state(checkpoint: Path) -> dict:
