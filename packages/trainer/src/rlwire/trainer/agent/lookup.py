@@ -114,26 +114,41 @@ def build_lookup_tokenizer():
     return tokenizer
 
 
-def _primer(tokenizer, rng: random.Random, call_share: float) -> tuple[list[int], list[int]]:
-    """One priming conversation's tokens and loss mask (the assistant's tokens)."""
+def _primer(rng: random.Random, call_share: float) -> list[tuple[str, bool]]:
+    """One priming conversation: its pieces of text, each with whether the loss counts it
+    (the assistant's)."""
     key = "".join(rng.choice(LETTERS) for _ in range(KEY_LENGTH))
-    ids: list[int] = []
-    mask: list[int] = []
-
-    def add(text: str, trained: bool) -> None:
-        part = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids.extend(part)
-        mask.extend([int(trained)] * len(part))
-
-    add(f"<|user|>{key}<eos><|assistant|>", False)
+    pieces = [(f"<|user|>{key}<eos><|assistant|>", False)]
     if rng.random() < call_share:
-        add(f"<tool_call>{CALL_HEAD}{key}{CALL_TAIL}</tool_call><eos>", True)
-        add(f"<|tool|><tool_response>{lookup(key)}</tool_response><eos><|assistant|>", False)
+        pieces.append((f"<tool_call>{CALL_HEAD}{key}{CALL_TAIL}</tool_call><eos>", True))
+        pieces.append(
+            (f"<|tool|><tool_response>{lookup(key)}</tool_response><eos><|assistant|>", False)
+        )
         answer = lookup(key)
     else:
         answer = "".join(str(rng.randrange(10)) for _ in range(CODE_LENGTH))
-    add(answer + "<eos>", True)
-    return ids, mask
+    pieces.append((answer + "<eos>", True))
+    return pieces
+
+
+def _encode(
+    tokenizer, conversations: list[list[tuple[str, bool]]]
+) -> list[tuple[list[int], list[int]]]:
+    """Each conversation's tokens and loss mask. Every piece is tokenized alone (as the
+    chat template's turns are), all in one batch call: a call per piece took the tokenizer
+    longer than the training steps took."""
+    texts = [text for pieces in conversations for text, _ in pieces]
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
+    out = []
+    for pieces in conversations:
+        ids: list[int] = []
+        mask: list[int] = []
+        for _, trained in pieces:
+            part = next(encoded)
+            ids.extend(part)
+            mask.extend([int(trained)] * len(part))
+        out.append((ids, mask))
+    return out
 
 
 def _skill(model, tokenizer, keys: list[str]) -> tuple[float, float]:
@@ -178,7 +193,7 @@ def build_lookup_model(
 
         def train(steps: int, share: float) -> None:
             for _ in range(steps):
-                rows = [_primer(tokenizer, rng, share) for _ in range(128)]
+                rows = _encode(tokenizer, [_primer(rng, share) for _ in range(128)])
                 width = max(len(ids) for ids, _ in rows)
                 pad = tokenizer.pad_token_id
                 ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in rows])
