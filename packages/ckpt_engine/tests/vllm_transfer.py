@@ -7,8 +7,8 @@ transfer engine, updated through vLLM's trainer-side API; prints what it saw as 
 
 Several backends: one after another into the same engine (started with the generic
 ``rlwire`` backend, which takes whichever the trainer's init info names), each through a
-sender of its own whose versions continue from the last one vLLM holds; one engine's start
-(about 25 s on CPU) serves them all.
+sender of its own whose versions continue from the last one vLLM holds: one process and one
+engine serve them all (the three backends took 32 s so, 65 s in a process each).
 """
 
 from __future__ import annotations
@@ -41,52 +41,63 @@ def versions(base: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def tensor_parallel(model_dir: str, backend: str, tp: int) -> None:
-    """``tp`` worker processes, each a receiver taking its shard through vLLM's loader: a
-    dense update, a delta, then the model's own weights back (what it started with)."""
-    from vllm import LLM, SamplingParams
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-    from vllm.inputs import TokensPrompt
+def start_llm(model_dir: str, **options):
+    """The tiny model in ``vllm.LLM`` (fp32, eager, no tokenizer, a 32 MiB KV cache)."""
+    from vllm import LLM
 
-    from rlwire.ckpt_engine.vllm import LLMClient, RlwireTrainerInitInfo
-
-    llm = LLM(
+    return LLM(
         model=model_dir,
         dtype="float32",
         enforce_eager=True,
-        tensor_parallel_size=tp,
-        distributed_executor_backend="mp",
         skip_tokenizer_init=True,
         kv_cache_memory_bytes=32 << 20,
-        weight_transfer_config={"backend": f"rlwire_{backend}"},
+        **options,
     )
+
+
+def seen(llm) -> dict:
+    """What ``llm`` serves: 8 greedy tokens and their log-probs for one prompt, every
+    worker's weight checksums (one dict: each key names its rank) and the weight version."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     prompts = [TokensPrompt(prompt_token_ids=[1, 5, 9, 17, 33, 2, 8])]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
+    out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    sums: dict = {}
+    for worker in llm.collective_rpc("compute_weight_checksums"):
+        sums.update(worker)
+    return {
+        "tokens": list(out.token_ids),
+        "logprobs": [step[t].logprob for t, step in zip(out.token_ids, out.logprobs, strict=True)],
+        "checksums": sums,
+        "version": llm.get_weight_version(),
+    }
 
-    def seen() -> dict:
-        out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
-        sums: dict = {}
-        for worker in llm.collective_rpc("compute_weight_checksums"):
-            sums.update(worker)
-        return {
-            "tokens": list(out.token_ids),
-            "logprobs": [
-                step[t].logprob for t, step in zip(out.token_ids, out.logprobs, strict=True)
-            ],
-            "checksums": sums,
-            "version": llm.get_weight_version(),
-        }
 
+def tensor_parallel(model_dir: str, backend: str, tp: int) -> None:
+    """``tp`` worker processes, each a receiver taking its shard through vLLM's loader: a
+    dense update, a delta, then the model's own weights back (what it started with)."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from rlwire.ckpt_engine.vllm import LLMClient, RlwireTrainerInitInfo
+
+    llm = start_llm(
+        model_dir,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp",
+        weight_transfer_config={"backend": f"rlwire_{backend}"},
+    )
     info = RlwireTrainerInitInfo(
         backend=f"rlwire_{backend}", rank=0, receivers=tp, delta="on", checksum=True, timeout=60
     )
     sender = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm))
     base = load_file(os.path.join(model_dir, "model.safetensors"))
-    report: dict = {"start": seen(), "updates": []}
+    report: dict = {"start": seen(llm), "updates": []}
     changed = versions(base)
     for weights in (changed[0], changed[1], base):
         stats = sender.send_weights(weights.items())
-        report["updates"].append({**seen(), "base": stats.base, "wire_bytes": stats.wire_bytes,
+        report["updates"].append({**seen(llm), "base": stats.base, "wire_bytes": stats.wire_bytes,
                                   "bytes": stats.bytes})  # fmt: skip
     sender.shutdown()
     print(f"REPORT {backend} " + json.dumps(report))
@@ -97,49 +108,27 @@ def main() -> None:
     if "--tp" in sys.argv:
         tensor_parallel(model_dir, backends[0], int(sys.argv[sys.argv.index("--tp") + 1]))
         return
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(
-        model=model_dir,
-        dtype="float32",
-        enforce_eager=True,
+    llm = start_llm(
+        model_dir,
         distributed_executor_backend="uni",
-        skip_tokenizer_init=True,
-        kv_cache_memory_bytes=32 << 20,
         seed=0,
         # the generic name: each sender's init info picks the backend
         weight_transfer_config={"backend": "rlwire"},
     )
-    prompts = [TokensPrompt(prompt_token_ids=[1, 5, 9, 17, 33, 2, 8])]
-    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
-
-    def seen() -> dict:
-        out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
-        (sums,) = llm.collective_rpc("compute_weight_checksums")
-        return {
-            "tokens": list(out.token_ids),
-            "logprobs": [
-                step[t].logprob for t, step in zip(out.token_ids, out.logprobs, strict=True)
-            ],
-            "checksums": sums,
-            "version": llm.get_weight_version(),
-        }
-
     base = load_file(os.path.join(model_dir, "model.safetensors"))
     for number, backend in enumerate(backends):
-        report = one_backend(llm, seen, base, backend, model_dir, first=4 * number + 1)
+        report = one_backend(llm, base, backend, model_dir, first=4 * number + 1)
         print(f"REPORT {backend} " + json.dumps(report), flush=True)
 
 
-def one_backend(llm, seen, base, backend: str, model_dir: str, first: int) -> dict:
+def one_backend(llm, base, backend: str, model_dir: str, first: int) -> dict:
     """Three versions from ``first`` on, each compared with vLLM's own reload of the same
     weights, then an update cut off half-way and the next one landing."""
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from rlwire.ckpt_engine.vllm import LLMClient, RlwireTrainerInitInfo
 
-    report: dict = {"start": seen(), "updates": [], "reference": []}
+    report: dict = {"start": seen(llm), "updates": [], "reference": []}
     info = RlwireTrainerInitInfo(
         backend=f"rlwire_{backend}",
         rank=0,
@@ -159,14 +148,14 @@ def one_backend(llm, seen, base, backend: str, model_dir: str, first: int) -> di
     for version, weights in enumerate(versions(base), first):
         stats = sender.send_weights(weights.items(), version=version)
         report["updates"].append(
-            {**seen(), "base": stats.base, "bytes": stats.bytes, "wire_bytes": stats.wire_bytes}
+            {**seen(llm), "base": stats.base, "bytes": stats.bytes, "wire_bytes": stats.wire_bytes}
         )
         # the same weights through vLLM's own reload path: what they must give
         llm.collective_rpc(
             "reload_weights",
             kwargs={"weights_iterator": iter(list(weights.items())), "is_checkpoint_format": True},
         )
-        report["reference"].append(seen())
+        report["reference"].append(seen(llm))
 
     # a cut-off update: the sender's weights stop half-way; vLLM keeps serving the last one
     def broken():
@@ -180,9 +169,9 @@ def one_backend(llm, seen, base, backend: str, model_dir: str, first: int) -> di
         report["cut_off"] = None
     except Exception as err:  # noqa: BLE001 - reported
         report["cut_off"] = str(err)
-    report["after_cut_off"] = seen()
+    report["after_cut_off"] = seen(llm)
     stats = sender.send_weights(base.items())  # and the next one lands (whole: no base held)
-    report["after_recovery"] = {**seen(), "base": stats.base}
+    report["after_recovery"] = {**seen(llm), "base": stats.base}
     sender.shutdown()
     return report
 
