@@ -162,50 +162,40 @@ def _tokenizer():
 
 
 class ScriptedEngine:
-    """The engine seam's ``extend`` with chosen tokens (a test double of a sampler): each
-    conversation (told apart by its prompt) gets its script's turns, ``max_new_tokens`` at a
-    time, each token with log-prob ``-0.5``; every call's contexts are recorded."""
+    """The engine seam's ``submit`` with chosen tokens (a test double of a sampler): each
+    conversation (told apart by its prompt) gets its script's next turn per request (cut at
+    the request's budget), each token with log-prob ``-0.5`` and weight version
+    ``version``; every request's context is recorded."""
 
     def __init__(self, scripts: dict[tuple[int, ...], list[list[int]]], eos: int) -> None:
         self.scripts, self.eos = scripts, eos
         self.turn = {key: 0 for key in scripts}
-        self.done = {key: 0 for key in scripts}  # tokens of the current turn given so far
-        self.calls: list[list[list[int]]] = []
+        self.calls: list[list[int]] = []
+        self.version = 7
 
     def _key(self, context: list[int]) -> tuple[int, ...]:
         return next(k for k in self.scripts if tuple(context[: len(k)]) == k)
 
-    def extend(self, batch, max_new_tokens: int, seed: int):
-        from rlwire.trainer.rollout import Rollout
+    def submit(self, request):
+        import concurrent.futures
 
-        contexts = [
-            batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist() for i in range(len(batch))
-        ]
-        self.calls.append(contexts)
-        rows, ended = [], []
-        for context in contexts:
-            key = self._key(context)
-            turn = self.scripts[key][self.turn[key]]
-            new = turn[self.done[key] : self.done[key] + max_new_tokens]
-            self.done[key] += len(new)
-            if self.done[key] == len(turn):
-                self.turn[key], self.done[key] = self.turn[key] + 1, 0
-            rows.append(new)
-            ended.append(bool(new) and new[-1] == self.eos)
-        width = max(len(r) for r in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.tensor(row)
-            mask[i, : len(row)] = 1
-        grown = Rollout(
-            batch.prompt_ids, batch.prompt_mask, ids, mask, -0.5 * mask.float(), [""] * len(rows)
+        from rlwire.trainer.rollout.requests import Completion
+
+        context = list(request.prompt_ids)
+        self.calls.append(context)
+        key = self._key(context)
+        new = self.scripts[key][self.turn[key]][: request.max_new_tokens]
+        self.turn[key] += 1
+        finish = "stop" if new and new[-1] == self.eos else "length"
+        done = Completion(
+            request.request_id, new, [-0.5] * len(new), [self.version] * len(new), finish
         )
-        return grown, torch.tensor(ended)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(done)
+        return future
 
 
-@pytest.mark.parametrize("chunk", [None, 2])
-def test_a_three_turn_conversation_is_exactly_the_tokens_the_engine_was_given_and_gave(chunk):
+def test_a_three_turn_conversation_is_exactly_the_tokens_the_engine_was_given_and_gave():
     from rlwire.trainer.agent.config import AgentConfig
     from rlwire.trainer.agent.loop import AgentLoop
     from rlwire.trainer.agent.render import ChatRenderer
@@ -230,15 +220,8 @@ def test_a_three_turn_conversation_is_exactly_the_tokens_the_engine_was_given_an
     engine = ScriptedEngine(scripts, eos)
     from agent_tools import Countdown
 
-    version = {"now": 7}
-
-    def between() -> None:  # a weight sync between two chunks
-        version["now"] += 1
-
     loop = AgentLoop(engine, tok, renderer, Countdown, AgentConfig(enable=True), 64)
-    out = loop.run(
-        examples, 1, seed=0, version=lambda: version["now"], chunk=chunk, between=between
-    )
+    out = loop.run(examples, 1, seed=0)
 
     separator = [ids(";")]
     for row, prompt in enumerate(prompts):
@@ -261,17 +244,12 @@ def test_a_three_turn_conversation_is_exactly_the_tokens_the_engine_was_given_an
         assert not out.logprobs[row, :length][~model].any()
         # every engine call was given exactly the tokens so far, and each turn began with all
         # of the conversation before it
-        mine = [ctx for call in engine.calls for ctx in call if ctx[: len(prompt)] == prompt]
-        assert all(ctx == prompt + expected[: len(ctx) - len(prompt)] for ctx in mine)
-        assert all(start in mine for start in given)
+        mine = [ctx for ctx in engine.calls if ctx[: len(prompt)] == prompt]
+        assert mine == given
         record = out.trajectories[row]
         assert [t.role for t in record.turns] == ["assistant", "user"] * 2 + ["assistant"]
         assert record.rewards == [0.25, 0.25, 0.25] and record.stop == "done"
-    versions = out.versions[0][out.response_mask[0].bool()].tolist()
-    if chunk is None:  # no sync between calls
-        assert set(versions) == {7}
-    else:  # a sync between every two chunks: later tokens carry later versions
-        assert versions == sorted(versions) and versions[-1] > versions[0]
+    assert set(out.versions[0][out.response_mask[0].bool()].tolist()) == {7}  # the engine's
 
 
 # --- the loss mask -------------------------------------------------------------------------
@@ -346,7 +324,10 @@ def _scripted_loop(tool_or_env: str, turns: list[list[str]], **agent):
     )
 
     # the parts of the trainer's config build_loop reads
-    whole = types.SimpleNamespace(agent=config, rollout=types.SimpleNamespace(max_new_tokens=200))
+    whole = types.SimpleNamespace(
+        agent=config,
+        rollout=types.SimpleNamespace(max_new_tokens=200, temperature=1.0, request_timeout=60.0),
+    )
     example = Example(prompt="x", answer="", messages=[{"role": "user", "content": "x"}])
 
     engine = ScriptedEngine({}, tok.eos_token_id)
@@ -355,7 +336,7 @@ def _scripted_loop(tool_or_env: str, turns: list[list[str]], **agent):
     prompt = loop.renderer.prompt(example)
     script = [[*(tok.convert_tokens_to_ids(t) for t in turn), tok.eos_token_id] for turn in turns]
     engine.__init__({tuple(prompt): script}, tok.eos_token_id)
-    return loop.run([example], 1, seed=0, version=lambda: 0)
+    return loop.run([example], 1, seed=0)
 
 
 def test_a_hanging_tool_becomes_an_error_observation_and_the_conversation_goes_on():

@@ -181,8 +181,8 @@ def test_ppo_mini_batches_must_split_the_batch_and_partial_rollouts_need_a_capab
         )
     assert str(err.value) == (
         "async.partial_rollout: True is not allowed; rollout.backend "
-        "'rlwire.trainer.rollout.base:RolloutEngine' cannot continue responses (not a "
-        "rlwire.trainer.rollout.PartialRolloutEngine); set it to false"
+        "'rlwire.trainer.rollout.base:RolloutEngine' takes no requests (neither "
+        "serves_requests nor a rlwire.trainer.rollout.PartialRolloutEngine); set it to false"
     )
 
 

@@ -99,15 +99,17 @@ class AgentConfig:
 
 def check_agent(config) -> None:
     """What multi-turn rollouts need of the rest of the
-    :class:`~rlwire.trainer.config.root.TrainerConfig`: an engine that takes token ids in
-    (``extend``), and validation at the training temperature."""
+    :class:`~rlwire.trainer.config.root.TrainerConfig`: an engine that takes token-id
+    requests (``submit``), and validation at the training temperature."""
     rollout = config.rollout
     check(
-        rollout_engine_class(rollout.backend).can_continue,
+        rollout_engine_class(rollout.backend).serves_requests
+        or rollout_engine_class(rollout.backend).can_continue,
         "agent.enable",
         True,
-        f"rollout.backend {rollout.backend!r} cannot continue from token ids (not a "
-        "rlwire.trainer.rollout.PartialRolloutEngine); use 'hf' or 'vllm'",
+        f"rollout.backend {rollout.backend!r} takes no token-id requests (neither "
+        "serves_requests nor a rlwire.trainer.rollout.PartialRolloutEngine); use 'hf' or "
+        "'vllm'",
     )
     val = config.validation
     if val.source is not None:

@@ -1,24 +1,26 @@
-"""The agent loop: ``rollout.n`` conversations per prompt on a rollout engine, turn by turn.
+"""The agent loop: ``rollout.n`` conversations per prompt on a rollout engine, each its own
+task.
 
-Every model turn of the live conversations is one batched call of the engine's
-``extend`` (:class:`~rlwire.trainer.rollout.PartialRolloutEngine`: token ids in, sampled
-token ids and their behaviour log-probs out), in chunks with partial rollouts; then every
-conversation's environment answers at once (each step in a thread of its own, bounded by
-``agent.tool_timeout``), and its answer's tokens (:meth:`ChatRenderer.turn`) are appended.
-The response the trainer gets is every token after the prompt: the model's exactly as
-sampled (loss mask 1, behaviour log-prob and weight version each) and the environment's and
-template's (mask 0, log-prob 0)."""
+Every conversation is an ``asyncio`` task: a model turn is one request to the engine
+(:meth:`~rlwire.trainer.rollout.RolloutEngine.submit`: token ids in, sampled token ids with
+their behaviour log-probs and weight versions out), and its environment step (the tool
+calls) runs in a thread of its own (:class:`~rlwire.trainer.agent.calls.Call`) while the
+other conversations generate; a finished turn's tool starts at once, not when the slowest
+conversation's turn ends. The environment's answer's tokens (:meth:`ChatRenderer.turn`)
+are appended and the next turn is requested. The response the trainer gets is every token
+after the prompt: the model's exactly as sampled (loss mask 1, behaviour log-prob and
+weight version each) and the environment's and template's (mask 0, log-prob 0)."""
 
 from __future__ import annotations
 
-import threading
-import time
+import asyncio
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from ..rollout.common import Example, Rollout
+from ..rollout.requests import Completion, Request, request_seed
+from .calls import Call
 from .environment import Environment, Observation, as_observation
 from .render import ChatRenderer
 from .trajectory import Trajectory, Turn
@@ -59,28 +61,18 @@ class Conversation:
         self.record.turns.append(Turn(role, start, len(self.ids), text))
 
 
-def _rows(contexts: list[list[int]], pad: int) -> Rollout:
-    """Token lists as a batch of prompts (left-padded) with empty responses, for ``extend``."""
-    width = max(len(c) for c in contexts)
-    ids = torch.full((len(contexts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(contexts), width), dtype=torch.long)
-    for row, context in enumerate(contexts):
-        ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
-        mask[row, width - len(context) :] = 1
-    empty = ids.new_zeros((len(contexts), 0))
-    return Rollout(ids, mask, empty, empty.clone(), empty.float(), [""] * len(contexts), pad_id=pad)
-
-
 class AgentLoop:
-    """Multi-turn generation on a :class:`~rlwire.trainer.rollout.PartialRolloutEngine`.
+    """Multi-turn generation on a rollout engine that takes requests.
 
     Args:
-        engine: the rollout engine (its ``extend`` samples).
+        engine: the rollout engine (its ``submit``).
         tokenizer: the model's (decodes each model turn for the environment).
         renderer: the prompts' and environment turns' tokens.
         environment: builds one environment per conversation.
         config: the ``agent`` section.
         max_tokens: the whole response's budget (``rollout.max_new_tokens``).
+        temperature: the sampling temperature (``rollout.temperature``).
+        request_timeout: seconds one model turn may take (``rollout.request_timeout``).
     """
 
     def __init__(
@@ -91,137 +83,111 @@ class AgentLoop:
         environment: Callable[[], Environment],
         config,
         max_tokens: int,
+        *,
+        temperature: float = 1.0,
+        request_timeout: float = 600.0,
     ) -> None:
         self.engine, self.tokenizer, self.renderer = engine, tokenizer, renderer
         self.environment, self.config, self.max_tokens = environment, config, max_tokens
+        self.temperature, self.request_timeout = temperature, request_timeout
 
-    def run(
-        self,
-        examples: list[Example],
-        n: int,
-        seed: int,
-        *,
-        version: Callable[[], int],
-        chunk: int | None = None,
-        between: Callable[[], None] | None = None,
-    ) -> Rollout:
-        """``n`` conversations per example (consecutive): a :class:`Rollout` whose
-        ``response_mask`` is the loss mask and whose ``trajectories`` are their records.
-        ``chunk``: tokens per engine call (partial rollouts), with ``between()`` (a weight
-        sync, if one is requested) between two calls; ``version()``: the weights' version
-        now, stamped on each model token."""
-        everyone = []
-        for example in examples:
-            prompt = self.renderer.prompt(example)
-            for _ in range(n):
-                env = self.environment()
-                env.reset(example)
-                everyone.append(Conversation(prompt, env))
-        live, calls = list(everyone), 0
-        while live:
-            calls = self._model_turn(live, seed, calls, version, chunk, between)
-            self._environment_turn([c for c in live if not c.record.stop], version())
-            live = [c for c in live if not c.record.stop]
-        return self._batch(everyone)
+    def run(self, examples: list[Example], n: int, seed: int) -> Rollout:
+        """``n`` conversations per example (consecutive), all in flight together: a
+        :class:`Rollout` whose ``response_mask`` is the loss mask, ``versions`` the weight
+        version of each model token and ``trajectories`` the conversations' records."""
+        return asyncio.run(self.run_async(examples, n, seed))
 
-    def _model_turn(self, live, seed: int, calls: int, version, chunk, between) -> int:
-        """One model turn for every live conversation (in chunks of ``chunk`` tokens, with
-        ``between()`` between them): each row gets what the engine sampled, cut at its
-        own budget; a turn that did not end with end-of-sequence stops its conversation
-        (``length``). Returns the engine calls made so far (the seeds' counter)."""
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        pending = list(live)
-        for conv in pending:
-            conv.turn = ([], [], [])
-        while pending:
-            left = [self.max_tokens - len(c.ids) - len(c.turn[0]) for c in pending]
-            size = max(left) if chunk is None else min(chunk, max(left))
-            batch = _rows([c.prompt + c.ids + c.turn[0] for c in pending], pad)
-            grown, ended = self.engine.extend(batch, size, seed + calls * 7_919)
-            calls += 1
-            now = version()
-            still = []
-            for row, conv in enumerate(pending):
-                real = grown.response_mask[row].bool()
-                ids = grown.response_ids[row][real].tolist()[: left[row]]
-                logprobs = grown.logprobs[row][real].tolist()[: len(ids)]
-                conv.turn[0].extend(ids)
-                conv.turn[1].extend(logprobs)
-                conv.turn[2].extend([now] * len(ids))
-                finished = (ids and ids[-1] == eos) or len(ids) >= left[row] or bool(ended[row])
-                if not finished:
-                    still.append(conv)
-            pending = still
-            if pending and between is not None:
-                between()
-        for conv in live:
-            ids, logprobs, versions = conv.turn
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            conv.add(ids, logprobs, versions, "assistant", text)
-            if not ids or ids[-1] != eos:
-                conv.record.stop = "length"
-            elif conv.record.assistant_turns == self.config.max_assistant_turns:
-                conv.record.stop = "max_assistant_turns"
-        return calls
+    async def run_async(self, examples: list[Example], n: int, seed: int) -> Rollout:
+        """:meth:`run` in the running event loop."""
+        tasks = [
+            self.converse(example, request_seed(seed, i * n + j))
+            for i, example in enumerate(examples)
+            for j in range(n)
+        ]
+        return self._batch(list(await asyncio.gather(*tasks)))
 
-    def _environment_turn(self, live: list[Conversation], version: int) -> None:
-        """Every live conversation's environment answers its last model turn, all at once;
-        the answers' tokens are appended, or the conversation stops."""
-        for conv in live:  # at the limit: the environment is not asked again
-            if conv.user_turns == self.config.max_user_turns:
-                conv.record.stop = "max_user_turns"
-        live = [c for c in live if not c.record.stop]
-        if not live:
-            return
-        answers = self._step_all(live)
-        for conv, answer in zip(live, answers, strict=True):
-            record = conv.record
-            if isinstance(answer, str):  # the environment failed: the conversation ends
-                record.stop, record.error = "error", answer
-                continue
-            record.tool_results += answer.tool_results
-            record.dropped_calls += answer.dropped_calls
-            record.rewards.append(answer.reward)
-            if answer.done or not answer.messages:
-                record.stop = "done" if answer.done else "no_call"
-                continue
-            ids = self.renderer.turn(answer.messages)
-            if len(conv.ids) + len(ids) >= self.max_tokens:  # no room left for a model token
+    async def converse(self, example: Example, seed: int) -> Conversation:
+        """One conversation to its end: model turn, environment turn, and so on."""
+        env = self.environment()
+        env.reset(example)
+        conv = Conversation(self.renderer.prompt(example), env)
+        record = conv.record
+        while True:
+            done = await self._model_turn(conv, request_seed(seed, record.assistant_turns))
+            if done.finish_reason != "stop":
                 record.stop = "length"
-                continue
-            conv.user_turns += 1
-            role = answer.messages[0].get("role", "user")
-            text = "\n".join(str(m.get("content", "")) for m in answer.messages)
-            conv.add(ids, None, [version] * len(ids), role, text)
-
-    def _step_all(self, live: list[Conversation]) -> list[Observation | str]:
-        """Each conversation's environment step on its last model turn, each in a daemon
-        thread, all bounded together by ``agent.tool_timeout`` (plus a second for the
-        tools' environment, whose calls are bounded by it already); a step that fails or
-        does not answer in time is its error message."""
-        boxes: list[dict[str, Any]] = [{} for _ in live]
-        events = [threading.Event() for _ in live]
-
-        def step(conv: Conversation, box: dict[str, Any], event: threading.Event) -> None:
-            try:
-                box["value"] = as_observation(conv.env.step(conv.record.turns[-1].text))
-            except BaseException as err:  # noqa: BLE001 - reported as the trajectory's error
-                box["error"] = f"environment step raised {type(err).__name__}: {err}"
-            event.set()
-
-        for conv, box, event in zip(live, boxes, events, strict=True):
-            threading.Thread(target=step, args=(conv, box, event), daemon=True).start()
-        deadline = time.perf_counter() + self.config.tool_timeout + 1.0
-        answers: list[Observation | str] = []
-        for box, event in zip(boxes, events, strict=True):
-            if not event.wait(max(0.0, deadline - time.perf_counter())):
-                timeout = self.config.tool_timeout
-                answers.append(f"environment step did not answer within {timeout:g} s")
-            elif "error" in box:
-                answers.append(box["error"])
+            elif record.assistant_turns == self.config.max_assistant_turns:
+                record.stop = "max_assistant_turns"
+            elif conv.user_turns == self.config.max_user_turns:
+                record.stop = "max_user_turns"  # at the limit: the environment is not asked
             else:
-                answers.append(box["value"])
-        return answers
+                self._environment_turn(conv, await self._step(conv), done.versions[-1])
+            if record.stop:
+                return conv
+
+    async def _model_turn(self, conv: Conversation, seed: int) -> Completion:
+        """The model's next turn, sampled to its end or to the response's budget."""
+        request = Request(
+            tuple(conv.prompt + conv.ids),
+            self.max_tokens - len(conv.ids),
+            self.temperature,
+            seed,
+        )
+        future = self.engine.submit(request)
+        try:
+            done = await asyncio.wait_for(asyncio.wrap_future(future), self.request_timeout)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(
+                f"agent loop: a model turn was not answered within {self.request_timeout:g} s "
+                "(rollout.request_timeout)"
+            ) from None
+        text = self.tokenizer.decode(done.token_ids, skip_special_tokens=True)
+        conv.add(done.token_ids, done.logprobs, done.versions, "assistant", text)
+        return done
+
+    async def _step(self, conv: Conversation) -> Observation | str:
+        """The environment's step on the last model turn, in a thread of its own, bounded by
+        ``agent.tool_timeout`` (plus a second for the tools' environment, whose calls are
+        bounded by it already); a step that fails or does not answer in time is its error
+        message (and the thread is stopped)."""
+        call = Call(conv.env.step, conv.record.turns[-1].text, name="rlwire-environment-step")
+        timeout = self.config.tool_timeout
+        ended = asyncio.wrap_future(call.future)  # never cancelled: waited on, not owned
+        finished, _ = await asyncio.wait({ended}, timeout=timeout + 1.0)
+        if not finished:
+            call.stop()
+            return f"environment step did not answer within {timeout:g} s"
+        if call.error is not None:
+            err = call.error
+            return f"environment step raised {type(err).__name__}: {err}"
+        try:
+            return as_observation(call.value)
+        except BaseException as err:  # noqa: BLE001 - reported as the trajectory's error
+            return f"environment step raised {type(err).__name__}: {err}"
+
+    def _environment_turn(
+        self, conv: Conversation, answer: Observation | str, version: int
+    ) -> None:
+        """The environment's ``answer``'s tokens appended, or the conversation stopped."""
+        record = conv.record
+        if isinstance(answer, str):  # the environment failed: the conversation ends
+            record.stop, record.error = "error", answer
+            return
+        record.tool_results += answer.tool_results
+        record.dropped_calls += answer.dropped_calls
+        record.rewards.append(answer.reward)
+        if answer.done or not answer.messages:
+            record.stop = "done" if answer.done else "no_call"
+            return
+        ids = self.renderer.turn(answer.messages)
+        if len(conv.ids) + len(ids) >= self.max_tokens:  # no room left for a model token
+            record.stop = "length"
+            return
+        conv.user_turns += 1
+        role = answer.messages[0].get("role", "user")
+        text = "\n".join(str(m.get("content", "")) for m in answer.messages)
+        conv.add(ids, None, [version] * len(ids), role, text)
 
     def _batch(self, conversations: list[Conversation]) -> Rollout:
         """The conversations as one batch (prompts left-padded, responses right-padded)."""
@@ -281,4 +247,14 @@ def build_loop(config, engine, model_path: str) -> AgentLoop:
             return ToolEnvironment(runner, parser, agent.max_parallel_calls)
 
     renderer = ChatRenderer(tokenizer, [t.schema for t in tools])
-    return AgentLoop(engine, tokenizer, renderer, environment, agent, config.rollout.max_new_tokens)
+    rollout = config.rollout
+    return AgentLoop(
+        engine,
+        tokenizer,
+        renderer,
+        environment,
+        agent,
+        rollout.max_new_tokens,
+        temperature=rollout.temperature,
+        request_timeout=rollout.request_timeout,
+    )

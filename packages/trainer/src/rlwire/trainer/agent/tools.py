@@ -5,16 +5,15 @@ fails in any way is an error message for the model."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import importlib
 import inspect
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..checks import ConfigError
+from .calls import Call
 from .parsers import ParsedCall
 
 __all__ = ["Tool", "ToolResult", "ToolRunner", "check_arguments", "load_tools"]
@@ -125,24 +124,14 @@ def check_arguments(tool: Tool, arguments: dict[str, Any]) -> str | None:
 
 
 class ToolRunner:
-    """Runs tool calls concurrently, each within ``timeout`` seconds: sync tools in a daemon
-    thread each (a call that hangs is abandoned, never joined), async tools on one event
-    loop in a thread of its own (a call past its time is cancelled)."""
+    """Runs tool calls concurrently, each within ``timeout`` seconds and each in a thread of
+    its own (:class:`~rlwire.trainer.agent.calls.Call`; an async tool in an event loop of
+    its own there, so that one that blocks holds back no other); a call past its time is
+    stopped and answered with an error."""
 
     def __init__(self, tools: list[Tool], timeout: float, max_chars: int) -> None:
         self.tools = {t.name: t for t in tools}
         self.timeout, self.max_chars = timeout, max_chars
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()  # environments step in threads of their own
-
-    def _event_loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, name="rlwire-tools", daemon=True)
-                thread.start()
-                self._loop = loop
-            return self._loop
 
     def run(self, calls: list[ParsedCall]) -> list[ToolResult]:
         """Every call's result, in order; all start at once."""
@@ -166,49 +155,22 @@ class ToolRunner:
         problem = check_arguments(tool, call.arguments)
         if problem is not None:
             return failed(f"bad arguments for {call.name!r}: {problem}")
-        box: dict[str, Any] = {}
-        if tool.is_async:
-            future = asyncio.run_coroutine_threadsafe(tool.fn(**call.arguments), self._event_loop())
-
-            def wait() -> bool:
-                try:
-                    box["value"] = future.result(self._left(began))
-                except TimeoutError:
-                    if not future.done():  # past its time (not a TimeoutError of its own)
-                        future.cancel()
-                        return False
-                    box["error"] = future.exception()
-                except BaseException as err:  # noqa: BLE001 - every failure is an observation
-                    box["error"] = err
-                return True
-
-        else:
-            done = threading.Event()
-
-            def call_sync() -> None:
-                try:
-                    box["value"] = tool.fn(**call.arguments)
-                except BaseException as err:  # noqa: BLE001 - every failure is an observation
-                    box["error"] = err
-                done.set()
-
-            threading.Thread(target=call_sync, name=f"tool-{tool.name}", daemon=True).start()
-
-            def wait() -> bool:
-                return done.wait(self._left(began))
+        running = Call(tool.fn, name=f"tool-{tool.name}", **call.arguments)
 
         def finish() -> ToolResult:
-            answered = wait()
+            answered = running.wait(self._left(began))
             seconds = time.perf_counter() - began
             if not answered:
+                running.stop()
                 error = f"{call.name!r} did not answer within {self.timeout:g} s"
-            elif "error" in box:
-                err = box["error"]
+            elif running.error is not None:
+                err = running.error
                 error = f"{call.name!r} raised {type(err).__name__}: {err}"
-            elif not isinstance(box["value"], str):
-                error = f"{call.name!r} returned {type(box['value']).__name__}, not text"
+            elif not isinstance(running.value, str):
+                error = f"{call.name!r} returned {type(running.value).__name__}, not text"
             else:
-                return ToolResult(call.name, call.arguments, self._cut(box["value"]), None, seconds)
+                text = self._cut(running.value)
+                return ToolResult(call.name, call.arguments, text, None, seconds)
             return ToolResult(call.name, call.arguments, f"Error: {error}", error, seconds)
 
         return finish

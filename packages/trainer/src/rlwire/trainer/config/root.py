@@ -99,11 +99,12 @@ class TrainerConfig:
         if self.async_.partial_rollout and self.trainer.mode == "fully_async":
             engine = rollout_engine_class(self.rollout.backend)
             check(
-                engine.can_continue,
+                engine.serves_requests or engine.can_continue,
                 "async.partial_rollout",
                 True,
-                f"rollout.backend {self.rollout.backend!r} cannot continue responses "
-                f"(not a rlwire.trainer.rollout.PartialRolloutEngine); set it to false",
+                f"rollout.backend {self.rollout.backend!r} takes no requests (neither "
+                "serves_requests nor a rlwire.trainer.rollout.PartialRolloutEngine); set it "
+                "to false",
             )
 
         if self.agent.enable:

@@ -172,6 +172,7 @@ def run_fully_async(job: Job, bar) -> None:
                     "gen_batches": scored.gen_batches,
                     "filtered_groups": scored.filtered_groups,
                 }
+                got["dropped"] += more.dropped  # lagging groups dropped while refilling
             if step + 1 < config.trainer.steps:
                 ahead = take(step + 1)  # gathered while this update runs
             lags = [step - version for version in versions]
@@ -235,12 +236,14 @@ class _Refill:
         self.versions, self.indices, self.required = versions, indices, required
         self.take, self.release = take, release
         self.released = 0
+        self.dropped = 0  # groups the queue dropped for their lag during the refills
 
     def __call__(self, missing: int) -> Rollout:
         dropped = len(self.versions) - (self.required - missing) - self.released
         self.released += dropped
         self.release(dropped)
         got = self.take(missing)
+        self.dropped += got["dropped"]
         self.versions.extend(got["versions"])
         self.indices.extend(got["indices"])
         return Rollout.concat(got["groups"])

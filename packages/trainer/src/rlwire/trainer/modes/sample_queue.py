@@ -151,6 +151,7 @@ class SampleQueue(ValidationRelay):
         self.sync_info: list[dict] = [{} for _ in range(num_workers)]
         self.stopping = False
         self.dropped = 0
+        self.dropped_reported = 0  # of self.dropped, how many get() has reported
         self.generated = 0
         self.taken: dict[int, int] = {}  # trainer version -> groups taken for that update
         self.paused_s = [0.0] * num_workers
@@ -165,7 +166,13 @@ class SampleQueue(ValidationRelay):
         return current and self.stale < self.bound
 
     async def next_task(
-        self, worker: int, *, put: tuple | None = None, synced: dict | None = None
+        self,
+        worker: int,
+        *,
+        put: tuple | None = None,
+        synced: dict | None = None,
+        may_generate: bool = True,
+        poll: float | None = None,
     ) -> dict[str, Any]:
         """What ``worker`` does next: ``generate``, ``sync``, ``wait`` or ``stop``.
 
@@ -173,8 +180,10 @@ class SampleQueue(ValidationRelay):
         :meth:`worker_synced`) report the previous task first, in the same call (one round
         trip per chunk instead of two). A ``sync`` carries, under ``then``, the generation
         that follows it when the bound allows one (the worker reports the sync while it
-        generates). Answers within ``poll`` seconds; time spent held back by the staleness
-        bound counts as this worker's paused time.
+        generates). ``may_generate=False``: the worker has no room for more (its requests
+        in flight fill its engine): anything but ``generate``. Answers within ``poll``
+        seconds (the queue's by default); time spent held back by the staleness bound
+        counts as this worker's paused time.
         """
         if put is not None:
             await self.put(worker, *put)
@@ -189,14 +198,16 @@ class SampleQueue(ValidationRelay):
                         return {"kind": "stop"}
                     if self.sync_to is not None and self.worker_versions[worker] != self.sync_to:
                         sync = {"kind": "sync", "version": self.sync_to}
-                        if worker in self.validating or self.stale >= self.bound:
+                        if not may_generate or worker in self.validating:
+                            return sync
+                        if self.stale >= self.bound:
                             return sync
                         return {**sync, "then": self._generate()}
                     if worker in self.validating:
                         return {"kind": "validate", **self.validating.pop(worker)}
-                    if self._may_generate(worker):
+                    if may_generate and self._may_generate(worker):
                         break
-                    left = self.poll - (time.perf_counter() - start)
+                    left = (self.poll if poll is None else poll) - (time.perf_counter() - start)
                     waited = time.perf_counter()
                     woke = left > 0 and await _wait(self.cond, None, left)
                     paused += time.perf_counter() - waited  # held by the bound
@@ -275,21 +286,23 @@ class SampleQueue(ValidationRelay):
         """The ``count`` oldest groups usable by the update of weights ``trainer_version``.
 
         Returns ``{"groups", "versions", "dropped", "wait_s", "paused_s"}`` (``versions``:
-        the weight version each group was generated with; ``paused_s``: the workers' paused
-        seconds so far, summed) or ``{"timeout": True}`` after
-        ``timeout`` seconds (the caller decides how to fail).
+        the weight version each group was generated with; ``dropped``: the groups dropped
+        for their lag since the last ``get`` reported drops, here or at a sync request;
+        ``paused_s``: the workers' paused seconds so far, summed) or ``{"timeout": True}``
+        after ``timeout`` seconds (the caller decides how to fail).
         """
         start = time.perf_counter()
-        dropped = 0
         async with self.cond:
             while True:
-                dropped += self._drop_lagging(trainer_version)
+                self._drop_lagging(trainer_version)
                 if len(self.queue) >= count:
                     break
                 left = timeout - (time.perf_counter() - start)
                 if left <= 0:
+                    dropped = self.dropped - self.dropped_reported
                     return {"timeout": True, "queued": len(self.queue), "dropped": dropped}
                 await _wait(self.cond, None, min(left, self.poll))
+            dropped, self.dropped_reported = self.dropped - self.dropped_reported, self.dropped
             # The oldest weights first (a worker that took new weights goes on while another
             # still finishes its chunk of older ones), then in data order.
             ordered = sorted(self.queue, key=lambda q: (q.version, q.index))

@@ -14,6 +14,7 @@ dotted path ``package.module:Class`` to a subclass, imported in every rollout wo
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -21,6 +22,7 @@ import torch
 
 from ..plugins import load_class
 from .common import Rollout, Sampling
+from .requests import Request
 
 __all__ = [
     "ROLLOUT_ENGINES",
@@ -67,6 +69,11 @@ class RolloutEngine(abc.ABC):
     """Whether the engine receives an update while it generates and writes it in later
     (:class:`StagingRolloutEngine`); fully-async mode then never holds a worker's
     generation for a transfer, only for the write at a boundary."""
+    serves_requests: ClassVar[bool] = False
+    """Whether :meth:`submit` batches continuously (requests join and leave between two
+    decoding steps, each with its own seed). Otherwise it is a layer over ``extend``
+    (:class:`PartialRolloutEngine`): the requests waiting when a call starts are one call,
+    with the first one's seed, and the next call takes those that arrived meanwhile."""
     takes_lora: ClassVar[bool] = False
     """Whether the engine holds ``actor.lora``'s adapters over the base weights and applies
     a sync of the adapter alone (by :func:`rlwire.trainer.models.lora.adapter_name`)."""
@@ -108,6 +115,38 @@ class RolloutEngine(abc.ABC):
         """Receive one update from the checkpoint ``engine`` (what :meth:`join` returned)
         into the weights; its version."""
 
+    def submit(self, request: Request) -> concurrent.futures.Future:
+        """Queue one :class:`~rlwire.trainer.rollout.requests.Request`; a future of its
+        :class:`~rlwire.trainer.rollout.requests.Completion` (token ids, behaviour log-probs
+        and the weight version of each token). By default a lock-step core over
+        ``extend`` (:class:`PartialRolloutEngine` only; see :attr:`serves_requests`)."""
+        core = getattr(self, "_lockstep", None)
+        if core is None:
+            if not self.can_continue:
+                raise NotImplementedError(
+                    f"rollout engine {type(self).__name__}: takes no requests (neither submit() "
+                    "nor PartialRolloutEngine.extend)"
+                )
+            from .lockstep import lockstep_core
+
+            core = self._lockstep = lockstep_core(self)
+        return core.submit(request)
+
+    def between_steps(self, fn: Callable[[], int]) -> int:
+        """Run ``fn`` (a weight commit returning its version) where no generation is in a
+        step: the version sampled tokens carry from then on."""
+        core = getattr(self, "core", None) or getattr(self, "_lockstep", None)
+        if core is None:
+            return fn()
+        timeout = self.config.rollout.request_timeout
+        try:
+            return core.call(fn).result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"rollout engine {self.index}: no step boundary within {timeout:g} s to write "
+                "the weights in (rollout.request_timeout)"
+            ) from None
+
     @abc.abstractmethod
     def digest(self) -> str | None:
         """A digest of the weights held now (``rlwire.trainer.rollout.weights_digest``)."""
@@ -138,10 +177,11 @@ class StagingRolloutEngine(RolloutEngine):
         """Receive one whole update from the checkpoint ``engine`` without changing the
         weights in use: it runs in a thread of its own while :meth:`generate` runs in
         another. Returns the commit: a call, made between two generations, that writes the
-        update in and returns its version (one commit before the next ``stage``)."""
+        update in and returns its version (one commit before the next ``stage``); it is
+        run through :meth:`between_steps`."""
 
     async def apply(self, engine) -> int:
-        return (await self.stage(engine))()
+        return self.between_steps(await self.stage(engine))
 
 
 class PartialRolloutEngine(RolloutEngine):

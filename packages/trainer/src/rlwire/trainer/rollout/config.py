@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..checks import check, check_engine
+from ..checks import check, check_choice, check_engine
 from .base import ROLLOUT_ENGINES, rollout_engine_class
 
 __all__ = ["RolloutConfig", "VLLMSection"]
@@ -81,6 +81,22 @@ class RolloutConfig:
     """``vllm_server``: running servers, one per rollout worker (``http://host:port``;
     started with the flags docs/trainer/rollout-backends.md names). None: each rollout
     worker starts one on its node."""
+    max_num_seqs: int = 256
+    """Requests (samples, or model turns of conversations) an engine decodes together at
+    most (vLLM's and verl's ``max_num_seqs``): ``hf`` and ``paced`` batch them
+    continuously, a request joining or leaving between two decoding steps; more wait for
+    room. Fully async: a rollout worker takes another chunk of groups while its samples in
+    flight leave room for it."""
+    kv_on_update: str = "keep"
+    """What a weight update written in while requests are in flight (between two decoding
+    steps; nothing is aborted) does to their KV cache: ``keep`` (continue on the cache the
+    old weights computed, as vLLM's ``pause_generation(mode="keep")`` and PipelineRL do:
+    no extra compute, the next tokens see keys and values of the old policy) or
+    ``recompute`` (prefill every request in flight again with the new weights: one
+    forward over its context). Either way each token records the version that sampled it."""
+    request_timeout: float = 600.0
+    """Seconds one request (a sample, or a model turn) may take from submission to its
+    last token before the rollout stops with a line naming it."""
     paced_step_s: float = 0.004
     """``rollout.backend=paced`` only: wall seconds per decoding step of every generation
     call; the ``hf`` engine's generation, with the rest of that time waited out without
@@ -89,6 +105,9 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_engine(self.backend, "rollout.backend", ROLLOUT_ENGINES, rollout_engine_class)
+        check(self.max_num_seqs >= 1, "rollout.max_num_seqs", self.max_num_seqs, "use an int >= 1")
+        check_choice(self.kv_on_update, "rollout.kv_on_update", ("keep", "recompute"))
+        check(self.request_timeout > 0, "rollout.request_timeout", self.request_timeout, "use > 0")
         check(self.paced_step_s >= 0, "rollout.paced_step_s", self.paced_step_s, "use >= 0")
         check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
         check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")

@@ -6,6 +6,7 @@ consecutive), ``P`` prompt tokens (left-padded), ``T`` response tokens.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable
 
 import torch
@@ -13,7 +14,15 @@ import torch
 from ..models import lora
 from ..models.modeling import load_hf_model
 from .base import PartialRolloutEngine, StagingRolloutEngine
-from .common import Rollout, Sampling, weights_digest
+from .common import (
+    Rollout,
+    Sampling,
+    completions_rollout,
+    response_lengths,
+    weights_digest,
+)
+from .hf_batch import HFBatch
+from .requests import EngineCore, Request, sample_requests, wait_all
 
 __all__ = ["HFEngine", "hf_extend", "hf_generate", "hf_start"]
 
@@ -152,12 +161,17 @@ def hf_generate(
 
 
 class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
-    """``rollout.backend=hf``: a plain Hugging Face copy of the policy, ``generate`` sampling."""
+    """``rollout.backend=hf``: a plain Hugging Face copy of the policy, serving requests with
+    continuous batching (:class:`~rlwire.trainer.rollout.hf_batch.HFBatch` on an
+    :class:`~rlwire.trainer.rollout.requests.EngineCore`); ``generate`` and ``extend`` are
+    layers over requests. A weight update is written in between two decoding steps, the
+    requests in flight carrying on (``rollout.kv_on_update``)."""
 
     name = "hf"
     hybrid = True
     takes_deltas = True
     takes_lora = True
+    serves_requests = True
 
     def __init__(
         self,
@@ -181,6 +195,22 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.staging: dict[str, torch.Tensor] = {}  # reused by every update (atomic apply)
         self.held: int | None = None  # the version the model holds: deltas apply onto it
+        self.batch = HFBatch(
+            self.model,
+            eos_id=self.tokenizer.eos_token_id,
+            pad_id=self.tokenizer.pad_token_id,
+            pace_s=self.step_seconds(),
+        )
+        self.core = EngineCore(
+            self.batch, max_num_seqs=config.rollout.max_num_seqs, name=f"rlwire-{self.name}-{index}"
+        )
+
+    def step_seconds(self) -> float:
+        """Wall seconds a decoding step takes at least (0: as fast as it goes)."""
+        return 0.0
+
+    def submit(self, request: Request) -> concurrent.futures.Future:
+        return self.core.submit(request)
 
     async def stage(self, engine) -> Callable[[], int]:
         from rlwire.ckpt_engine import stage_update
@@ -193,8 +223,10 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
             targets, engine, staging=self.staging, version=self.held, swap=True
         )
 
-        def commit() -> int:
+        def commit() -> int:  # between two decoding steps (between_steps runs it)
             self.held = staged.commit()
+            if self.config.rollout.kv_on_update == "recompute":
+                self.batch.forget()
             return self.held
 
         return commit
@@ -207,15 +239,27 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
     def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
         cfg = self.config.rollout
         sampling = sampling or Sampling(n=cfg.n, temperature=cfg.temperature, greedy=False)
-        return hf_generate(
-            self.model,
-            self.tokenizer,
-            prompts,
-            n=sampling.n,
-            max_new_tokens=cfg.max_new_tokens,
+        encoded = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        rows = [list(ids) for ids in encoded for _ in range(sampling.n)]
+        return self._complete(rows, cfg.max_new_tokens, seed, sampling)
+
+    def _complete(
+        self, rows: list[list[int]], max_new_tokens: int, seed: int, sampling: Sampling
+    ) -> Rollout:
+        requests = sample_requests(
+            rows,
+            max_new_tokens=max_new_tokens,
             temperature=sampling.temperature,
             seed=seed,
             greedy=sampling.greedy,
+        )
+        done = wait_all(
+            [self.submit(r) for r in requests],
+            self.config.rollout.request_timeout,
+            f"rollout engine {self.index}",
+        )
+        return completions_rollout(
+            rows, done, pad_id=self.tokenizer.pad_token_id, tokenizer=self.tokenizer
         )
 
     def start(self, prompts: list[str]) -> Rollout:
@@ -224,11 +268,42 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
     def extend(
         self, batch: Rollout, max_new_tokens: int, seed: int
     ) -> tuple[Rollout, torch.Tensor]:
-        return hf_extend(
-            self.model,
-            self.tokenizer,
-            batch,
-            max_new_tokens=max_new_tokens,
-            temperature=self.config.rollout.temperature,
-            seed=seed,
+        contexts = [
+            prompt[prompt_mask.bool()].tolist() + response[: int(length)].tolist()
+            for prompt, prompt_mask, response, length in zip(
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.response_ids,
+                response_lengths(batch.response_mask),
+                strict=True,
+            )
+        ]
+        cfg = self.config.rollout
+        sampling = Sampling(n=1, temperature=cfg.temperature, greedy=False)
+        new = self._complete(contexts, max_new_tokens, seed, sampling)
+        ended = torch.tensor(
+            [
+                bool(m.any()) and int(ids[m.bool()][-1]) == self.tokenizer.eos_token_id
+                for ids, m in zip(new.response_ids, new.response_mask, strict=True)
+            ],
+            dtype=torch.bool,
         )
+        return _appended(batch, new, self.tokenizer), ended
+
+
+def _appended(batch: Rollout, new: Rollout, tokenizer) -> Rollout:
+    """``batch`` with ``new``'s responses appended to its own (mask, log-probs, texts)."""
+    mask = torch.cat([batch.response_mask, new.response_mask], dim=1)
+    response_ids = torch.cat([batch.response_ids, new.response_ids], dim=1)
+    texts = tokenizer.batch_decode(
+        response_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True
+    )
+    return Rollout(
+        batch.prompt_ids,
+        batch.prompt_mask,
+        response_ids,
+        mask,
+        torch.cat([batch.logprobs, new.logprobs], dim=1),
+        texts,
+        pad_id=batch.pad_id,
+    )

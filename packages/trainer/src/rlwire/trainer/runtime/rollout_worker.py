@@ -4,6 +4,7 @@ checkpoint engine (colocated mode without the hybrid engine, and fully-async mod
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Coroutine
 from typing import Any, cast
@@ -15,13 +16,15 @@ from ..config.root import TrainerConfig
 from ..errors import RunError
 from ..rollout import (
     Example,
-    PartialRolloutEngine,
     Rollout,
     RolloutEngine,
     Sampling,
     SleepingRolloutEngine,
+    completions_rollout,
     rollout_engine_class,
 )
+from ..rollout.requests import sample_requests
+from .rollout_serve import ServeLoop, stamp_seconds
 from .weight_stage import WeightStage
 from .worker_process import WorkerProcess, set_threads
 
@@ -56,6 +59,7 @@ class RolloutWorker(WeightStage, WorkerProcess):
         self.engine: Any = None  # the receiver's handle, from the rollout engine's join()
         self.agent: AgentLoop | None = None  # the agent loop (agent.enable)
         self.version = -1
+        self._one_call = threading.Lock()  # a third party's engine: one generate at a time
 
     def load_engine(self) -> None:
         """Build the generation engine on the model (the driver calls it once the model
@@ -128,17 +132,16 @@ class RolloutWorker(WeightStage, WorkerProcess):
             prompts = [e.prompt for e in examples]
             args = (prompts, seed) if sampling is None else (prompts, seed, sampling)
             out = self._loaded().generate(*args)  # a third party's engine may take two only
-            out.versions = torch.full_like(out.response_ids, self.version)
-        _stamp_seconds(out, time.perf_counter() - start)
+            if out.versions is None:  # a request engine's record each token's version
+                out.versions = torch.full_like(out.response_ids, self.version)
+        stamp_seconds(out, time.perf_counter() - start)
         return out
 
-    def _converse(
-        self,
-        examples: list[Example],
-        seed: int,
-        sampling: Sampling | None,
-        chunk: int | None = None,
-        between=None,
+    def _converse(self, examples: list[Example], seed: int, sampling: Sampling | None) -> Rollout:
+        return asyncio.run(self._converse_async(examples, seed, sampling))
+
+    async def _converse_async(
+        self, examples: list[Example], seed: int, sampling: Sampling | None
     ) -> Rollout:
         rollout = self.config.rollout
         if sampling is not None and (
@@ -150,114 +153,53 @@ class RolloutWorker(WeightStage, WorkerProcess):
             )
         n = rollout.n if sampling is None else sampling.n
         assert self.agent is not None, "agent.enable: no agent loop (load_engine() builds it)"
-        return self.agent.run(
-            examples, n, seed, version=lambda: self.version, chunk=chunk, between=between
-        )
+        return await self.agent.run_async(examples, n, seed)
 
-    def generate_partial(self, examples: list[Example], seed: int, sync_requested) -> Rollout:
-        """Generate in chunks of ``async.partial_rollout_chunk_tokens``; between chunks,
-        ``sync_requested()`` applies a weight sync that waits for this worker, if any, and
-        the unfinished responses continue with the weights held then. Every token is
-        stamped with the version it was sampled with (multi-turn conversations too: a
-        conversation may span versions)."""
-        cfg = self.config
-        chunk = cfg.async_.partial_rollout_chunk_tokens
-        start, synced_s = time.perf_counter(), 0.0
-
-        def between() -> None:
-            nonlocal synced_s
-            began = time.perf_counter()
-            sync_requested()  # applies a pending weight update before the next chunk
-            synced_s += time.perf_counter() - began
-
+    async def generate_async(self, examples: list[Example], seed: int) -> Rollout:
+        """``examples``' training samples as requests to the engine, all in flight at once
+        (conversations with ``agent.enable``), each token stamped with the version that
+        sampled it: what fully async's groups are made of."""
         if self.agent is not None:
-            out = self._converse(examples, seed, None, chunk, between)
-            _stamp_seconds(out, time.perf_counter() - start - synced_s)
-            return out
-        backend = cast(PartialRolloutEngine, self._loaded())
-        pending = backend.start([e.prompt for e in examples])
-        pending.versions = torch.zeros_like(pending.response_ids)
-        index = torch.arange(len(pending))  # each pending row's place in the result
-        done: dict[int, Rollout] = {}
-        left, piece = cfg.rollout.max_new_tokens, 0
-        while True:
-            before = pending.response_ids.shape[1]
-            grown, ended = backend.extend(pending, min(chunk, left), seed + piece * 7_919)
-            new = grown.response_ids.shape[1] - before
-            stamp = torch.full((len(grown), new), self.version, dtype=torch.int64)
-            grown.versions = torch.cat([pending.versions, stamp], dim=1)
-            left, piece = left - new, piece + 1
-            finished = ended | (left <= 0)
-            for row in finished.nonzero().flatten().tolist():
-                done[int(index[row])] = grown.select(slice(row, row + 1))
-            if bool(finished.all()):
-                break
-            keep = (~finished).nonzero().flatten()
-            pending, index = grown.select(keep), index[keep]
-            between()
-        out = Rollout.concat([done[i] for i in range(len(done))])
-        _stamp_seconds(out, time.perf_counter() - start - synced_s)
-        return out
+            return await self._converse_async(examples, seed, None)
+        backend = self._loaded()
+        if not (backend.serves_requests or backend.can_continue):  # a third party's engine
+
+            def one_at_a_time() -> Rollout:
+                with self._one_call:
+                    return self.generate(examples, seed)
+
+            return await asyncio.to_thread(one_at_a_time)
+        cfg = self.config.rollout
+        tokenizer = backend.tokenizer  # type: ignore[attr-defined]
+        encoded = tokenizer([e.prompt for e in examples], add_special_tokens=False)["input_ids"]
+        rows = [list(ids) for ids in encoded for _ in range(cfg.n)]
+        requests = sample_requests(
+            rows,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=seed,
+            greedy=False,
+        )
+        futures = [asyncio.wrap_future(backend.submit(r)) for r in requests]
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*futures), cfg.request_timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"rollout worker {self.index}: a group was not generated within "
+                f"{cfg.request_timeout:g} s (rollout.request_timeout)"
+            ) from None
+        return completions_rollout(rows, done, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer)
+
+    def sync(self, version: int) -> dict[str, Any]:
+        """Write in update ``version`` between two decoding steps: the one
+        :meth:`stage_weights` received meanwhile, or (an engine that cannot stage) received
+        now, the engine held between two steps for the transfer. Its version and digest."""
+        backend = self._loaded()
+        if backend.stages_updates:
+            return self._take_staged(version, self.config.ckpt_engine.timeout + 30)
+        return backend.between_steps(self.pull_weights)
 
     def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
-        """The fully-async loop: generate, sync, validate or wait as the queue says, until
-        ``stop``."""
-        import ray
-
-        staged_s = self.config.ckpt_engine.timeout + 30  # the transfer, once requested
-
-        def sync(version: int) -> dict[str, Any]:
-            start = time.perf_counter()
-            if self._loaded().stages_updates:  # received meanwhile: written in here
-                info = self._take_staged(version, staged_s)
-            else:
-                info = self.pull_weights()
-            return {**info, "wait_s": time.perf_counter() - start}
-
-        def sync_if_requested() -> None:
-            version = ray.get(queue.sync_pending.remote(self.index), timeout=poll_timeout)
-            if version is not None:
-                info = sync(version)
-                ray.get(queue.worker_synced.remote(self.index, info), timeout=poll_timeout)
-
-        partial = self.config.async_.partial_rollout
-        chunks = 0
-        report: dict[str, Any] = {}  # what the last task gave, told with the next question
-        told = None  # a sync reported while the chunk after it generates
-        while True:
-            task = ray.get(queue.next_task.remote(self.index, **report), timeout=poll_timeout)
-            report = {}
-            if told is not None:  # answered long since: surfaces its failure, if any
-                ray.get(told, timeout=poll_timeout)
-                told = None
-            if task["kind"] == "stop":
-                return {"worker": self.index, "chunks": chunks, "version": self.version}
-            if task["kind"] == "wait":
-                continue
-            if task["kind"] == "sync":
-                info = sync(task["version"])
-                if "then" not in task:
-                    report = {"synced": info}
-                    continue
-                told = queue.worker_synced.remote(self.index, info)
-                task = task["then"]
-            if task["kind"] == "validate":  # held-out prompts, with the weights held
-                out = self.generate(task["examples"], task["seed"], task["sampling"])
-                ray.get(queue.put_validation.remote(self.index, out), timeout=poll_timeout)
-                continue
-            if partial:
-                out = self.generate_partial(task["examples"], task["seed"], sync_if_requested)
-            else:
-                out = self.generate(task["examples"], task["seed"])
-            n = self.config.rollout.n
-            groups = out.groups(n)
-            for group, example in zip(groups, task["examples"], strict=True):
-                group.examples = [example] * n
-            versions = [group.version for group in groups]
-            report = {"put": (versions, groups, task["indices"])}
-            chunks += 1
-
-
-def _stamp_seconds(out: Rollout, seconds: float) -> None:
-    """A call's ``seconds`` over its samples, evenly (:attr:`Rollout.generate_s`)."""
-    out.generate_s = torch.full((len(out),), seconds / max(1, len(out)), dtype=torch.float64)
+        """The fully-async loop (:class:`~rlwire.trainer.runtime.rollout_serve.ServeLoop`):
+        generate, sync, validate or wait as the queue says, until ``stop``."""
+        return asyncio.run(ServeLoop(self, queue, poll_timeout).serve())

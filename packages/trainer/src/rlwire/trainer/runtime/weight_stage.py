@@ -73,7 +73,7 @@ class WeightStage:
         if isinstance(staged, BaseException):
             raise staged
         expected, commit = staged
-        self.version = commit()
+        self.version = self._loaded().between_steps(commit)
         if self.version != expected:
             raise RuntimeError(
                 f"rollout worker {self.index}: received version {self.version}, expected {expected}"

@@ -1,0 +1,293 @@
+"""Request-level rollout: one request is one continuation, and an engine core serves many at
+once, admitting new ones between two decoding steps (continuous batching).
+
+A :class:`Request` carries prompt token ids and its own sampling settings and seed; its
+:class:`Completion` carries the sampled token ids, their behaviour log-probs and, per
+token, the weight version that produced it. Callers submit requests at any time to an
+:class:`EngineCore` and get a :class:`concurrent.futures.Future` each (``asyncio`` callers
+wrap it with :func:`asyncio.wrap_future`); batching is the core's business.
+
+The core is one loop in a thread of its own, the shape of vLLM's v1 engine core: run the
+utility calls queued since the last step (a weight commit: :meth:`EngineCore.call`), admit
+waiting requests up to ``max_num_seqs``, advance every live request by one step of its
+:class:`Stepper`, answer those that finished. A weight update is a utility call: it runs
+between two decoding steps and every request in flight carries on with the new weights
+(its later tokens stamped with the new version); nothing is aborted.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+__all__ = [
+    "Completion",
+    "EngineCore",
+    "Live",
+    "Request",
+    "Stepper",
+    "request_seed",
+    "sample_requests",
+    "wait_all",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    """One continuation: ``prompt_ids`` (the whole context: prompt and earlier turns) in,
+    up to ``max_new_tokens`` sampled tokens out, from ``softmax(logits / temperature)``
+    with a generator seeded by ``seed`` (the same request gives the same tokens whatever
+    else is in the batch, up to the batch's floating-point noise), or the most likely
+    token with ``greedy`` (log-probs then at temperature 1)."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    greedy: bool = False
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("Request.prompt_ids: empty; a request needs at least one token")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"Request.max_new_tokens: {self.max_new_tokens}; use an int >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"Request.temperature: {self.temperature}; use a float > 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Completion:
+    """What the engine sampled for one :class:`Request`: ``token_ids`` (up to and including
+    an end-of-sequence token), each token's behaviour log-prob and weight version, and why
+    it ended (``stop``: end-of-sequence; ``length``: ``max_new_tokens``)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+
+class Live:
+    """A request being served: what it sampled so far. A :class:`Stepper` appends to it and
+    sets ``finish_reason`` when it ends; it may keep its own state in ``state``."""
+
+    __slots__ = ("future", "finish_reason", "logprobs", "request", "state", "token_ids", "versions")
+
+    def __init__(self, request: Request, future: concurrent.futures.Future) -> None:
+        self.request, self.future = request, future
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+        self.state: Any = None
+
+    def append(self, token: int, logprob: float, version: int, eos: int | None) -> None:
+        """One sampled token; ends the request on ``eos`` or at ``max_new_tokens``."""
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+        if eos is not None and token == eos:
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.request.max_new_tokens:
+            self.finish_reason = "length"
+
+    def completion(self) -> Completion:
+        assert self.finish_reason is not None, "Live.completion: the request has not ended"
+        return Completion(
+            self.request.request_id,
+            self.token_ids,
+            self.logprobs,
+            self.versions,
+            self.finish_reason,
+        )
+
+
+class Stepper(Protocol):
+    """The model-specific half of an engine core (``hf``'s KV-cached batch; a lock-step
+    engine's ``extend`` call)."""
+
+    def step(self, admitted: list[Live], running: list[Live], version: int) -> None:
+        """Advance every request by at least one token (``admitted``: joining now; ``running``:
+        admitted at an earlier step and not ended), stamping ``version`` on the new
+        tokens; a request that ends sets its ``finish_reason``."""
+
+    def release(self, ended: list[Live]) -> None:
+        """Forget what the stepper holds for requests that ended (their cache rows)."""
+
+
+class EngineCore:
+    """Serves :class:`Request` s on a :class:`Stepper` in a thread of its own.
+
+    Args:
+        stepper: advances the live requests.
+        max_num_seqs: requests decoded together at most (vLLM's ``max_num_seqs``); more
+            wait and join as others end.
+        name: the thread's name (for stack dumps).
+    """
+
+    def __init__(self, stepper: Stepper, *, max_num_seqs: int, name: str = "rlwire-engine") -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"EngineCore.max_num_seqs: {max_num_seqs}; use an int >= 1")
+        self.stepper, self.max_num_seqs, self.name = stepper, max_num_seqs, name
+        self.version = 0
+        """The weight version stamped on every token sampled now (utility calls set it)."""
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Live] = collections.deque()
+        self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            collections.deque()
+        )
+        self._running: list[Live] = []
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.steps = 0
+        """Decoding steps run so far (each advances every live request)."""
+
+    # --- the callers' side -------------------------------------------------------------
+    def submit(self, request: Request) -> concurrent.futures.Future:
+        """Queue ``request``; a future of its :class:`Completion` (or of the error that
+        ended it). Joins the running batch at the next step with room."""
+        if not request.request_id:
+            request = dataclasses.replace(request, request_id=f"req-{next(self._ids)}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: closed; no request is taken")
+            self._waiting.append(Live(request, future))
+            self._start()
+            self._cond.notify_all()
+        return future
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn()`` in the core's thread between two decoding steps (a weight commit);
+        a future of its result. A result that is an int becomes :attr:`version`: the
+        tokens sampled after it carry it."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: closed; no call is taken")
+            self._calls.append((fn, future))
+            self._start()
+            self._cond.notify_all()
+        return future
+
+    def in_flight(self) -> int:
+        """Requests submitted and not answered."""
+        with self._cond:
+            return len(self._waiting) + len(self._running)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the loop once the step in progress ends; what was not answered fails."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # --- the loop ----------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._closed or self._calls or self._waiting or self._running
+                )
+                if self._closed:
+                    self._fail_all(RuntimeError(f"{self.name}: closed before it answered"))
+                    return
+                calls, self._calls = list(self._calls), collections.deque()
+                room = self.max_num_seqs - len(self._running)
+                admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                running = list(self._running)
+            for fn, future in calls:  # between two steps: the batch is not in a forward
+                self._run_call(fn, future)
+            admitted = [live for live in admitted if live.future.set_running_or_notify_cancel()]
+            if not admitted and not running:
+                continue
+            try:
+                self.stepper.step(admitted, running, self.version)
+            except BaseException as err:  # noqa: BLE001 - every request in it fails with it
+                self.stepper.release(admitted + running)
+                with self._cond:
+                    self._running = []
+                for live in admitted + running:
+                    live.future.set_exception(err)
+                continue
+            self.steps += 1
+            live = admitted + running
+            ended = [r for r in live if r.finish_reason is not None]
+            if ended:
+                self.stepper.release(ended)
+            with self._cond:
+                self._running = [r for r in live if r.finish_reason is None]
+            for r in ended:
+                r.future.set_result(r.completion())
+
+    def _run_call(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            future.set_exception(err)
+            return
+        if isinstance(result, int) and not isinstance(result, bool):
+            self.version = result
+        future.set_result(result)
+
+    def _fail_all(self, err: BaseException) -> None:
+        """Lock held: every request and call not answered fails with ``err``."""
+        for live in [*self._waiting, *self._running]:
+            if not live.future.done():
+                live.future.set_exception(err)
+        for _, future in self._calls:
+            if not future.done():
+                future.set_exception(err)
+        self._waiting.clear()
+        self._running = []
+        self._calls.clear()
+
+
+def wait_all(futures: list[concurrent.futures.Future], timeout: float, what: str) -> list:
+    """Every future's result, each waited for at most ``timeout`` seconds (counted per
+    request, from this call); the first failure is raised."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    results = []
+    for future in futures:
+        try:
+            results.append(future.result(max(0.0, deadline - time.monotonic())))
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"{what}: a request was not answered within {timeout:g} s (rollout.request_timeout)"
+            ) from None
+    return results
+
+
+def sample_requests(
+    rows: list[list[int]], *, max_new_tokens: int, temperature: float, seed: int, greedy: bool
+) -> list[Request]:
+    """One :class:`Request` per row of prompt token ids, row ``i`` seeded
+    ``request_seed(seed, i)``."""
+    return [
+        Request(tuple(ids), max_new_tokens, temperature, request_seed(seed, row), greedy=greedy)
+        for row, ids in enumerate(rows)
+    ]
+
+
+def request_seed(seed: int, row: int) -> int:
+    """Row ``row``'s seed of a call seeded ``seed`` (distinct rows, distinct streams)."""
+    return (seed * 1_000_003 + row) % (2**63)

@@ -1,0 +1,175 @@
+"""Fully async, on a rollout worker: groups in flight as tasks of their own, handed to the
+sample queue one by one as they complete, while the worker keeps asking the queue what next.
+
+One loop (``asyncio``, in the Ray call :meth:`RolloutWorker.run`) with these moves:
+
+- **ask** :meth:`SampleQueue.next_task` (``may_generate`` while the worker's samples in
+  flight leave room for a chunk under ``rollout.max_num_seqs``; a short poll otherwise);
+- **generate**: each group of the chunk becomes a task: its ``rollout.n`` samples (or
+  conversations) are requests to the engine, and the group goes to the queue
+  (:meth:`SampleQueue.put`) as soon as its last sample ends;
+- **sync**: the update the worker received meanwhile (``stage_weights``) is written in
+  between two decoding steps (:meth:`RolloutEngine.between_steps`): with
+  ``async.partial_rollout`` at once, the requests in flight carrying on with the new
+  weights (each token keeps its version); without, once the groups in flight completed
+  (each sample then has one version);
+- **validate**: the held-out prompts, as a task beside the groups;
+- **stop**: the groups in flight are abandoned (their prompts are in the queue's checkpoint
+  position, to generate again on resume).
+
+A group task that fails stops the loop with its error at the next move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import torch
+
+from ..rollout import Rollout
+
+__all__ = ["ServeLoop", "ShareClock", "stamp_seconds"]
+
+
+class ShareClock:
+    """Wall seconds shared among the tasks running: each interval's length is split evenly
+    over the tasks in flight during it, so the shares of all tasks add up to the time any
+    was running (:attr:`Rollout.generate_s` of groups generated together)."""
+
+    def __init__(self) -> None:
+        self.running: dict[int, float] = {}
+        self.last = time.perf_counter()
+
+    def _advance(self) -> None:
+        now = time.perf_counter()
+        if self.running:
+            share = (now - self.last) / len(self.running)
+            for key in self.running:
+                self.running[key] += share
+        self.last = now
+
+    def start(self, key: int) -> None:
+        self._advance()
+        self.running[key] = 0.0
+
+    def stop(self, key: int) -> float:
+        self._advance()
+        return self.running.pop(key)
+
+
+class ServeLoop:
+    """The fully-async loop of one rollout worker (see the module docstring).
+
+    Args:
+        worker: the :class:`~rlwire.trainer.runtime.rollout_worker.RolloutWorker`.
+        queue: the sample queue's actor handle.
+        timeout: seconds any call to the queue may take.
+    """
+
+    def __init__(self, worker, queue, timeout: float) -> None:
+        self.worker, self.queue, self.timeout = worker, queue, timeout
+        self.config = worker.config
+        self.tasks: set[asyncio.Task] = set()
+        self.samples = 0  # samples in flight
+        self.chunks = 0
+        self.clock = ShareClock()
+
+    async def _ask(self, ref, what: str):
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"rollout worker {self.worker.index}: the sample queue did not answer "
+                f"{what} within {self.timeout:g} s"
+            ) from None
+
+    def _room(self, chunk: int) -> bool:
+        """Whether a chunk of ``chunk`` groups more fits under ``rollout.max_num_seqs`` (one
+        always may when nothing is in flight)."""
+        wanted = chunk * self.config.rollout.n
+        return self.samples == 0 or self.samples + wanted <= self.config.rollout.max_num_seqs
+
+    def _raise_failed(self) -> None:
+        for task in [t for t in self.tasks if t.done()]:
+            self.tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+
+    def _spawn(self, coro) -> None:
+        self.tasks.add(asyncio.ensure_future(coro))
+
+    async def serve(self) -> dict[str, Any]:
+        """Until the queue says ``stop``."""
+        index = self.worker.index
+        chunk = 1  # the groups of a generation task (the queue's size: the last one seen)
+        try:
+            while True:
+                self._raise_failed()
+                room = self._room(chunk)
+                task = await self._ask(
+                    self.queue.next_task.remote(
+                        index, may_generate=room, poll=None if room else 0.05
+                    ),
+                    "what next",
+                )
+                if task["kind"] == "stop":
+                    return {"worker": index, "chunks": self.chunks, "version": self.worker.version}
+                if task["kind"] == "wait":
+                    continue
+                if task["kind"] == "sync":
+                    info = await self._sync(task["version"])
+                    await self._ask(self.queue.worker_synced.remote(index, info), "the sync")
+                    if "then" not in task:
+                        continue
+                    task = task["then"]
+                if task["kind"] == "validate":
+                    self._spawn(self._validate(task))
+                    continue
+                self.chunks += 1
+                chunk = len(task["indices"])
+                for position, (example, group) in enumerate(
+                    zip(task["examples"], task["indices"], strict=True)
+                ):
+                    seed = task["seed"] * 131 + position
+                    self._spawn(self._group(example, group, seed))
+        finally:
+            for task in self.tasks:
+                task.cancel()
+
+    async def _sync(self, version: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        if not self.config.async_.partial_rollout and self.tasks:
+            await asyncio.wait(self.tasks)  # each sample of one version: the groups end first
+            self._raise_failed()
+        info = await asyncio.to_thread(self.worker.sync, version)
+        return {**info, "wait_s": time.perf_counter() - start}
+
+    async def _group(self, example, index: int, seed: int) -> None:
+        n = self.config.rollout.n
+        key = id(asyncio.current_task())
+        self.samples += n
+        self.clock.start(key)
+        try:
+            group = await self.worker.generate_async([example], seed)
+        finally:
+            self.samples -= n
+            seconds = self.clock.stop(key)
+        stamp_seconds(group, seconds)
+        group.examples = [example] * n
+        await self._ask(
+            self.queue.put.remote(self.worker.index, [group.version], [group], [index]),
+            "a finished group",
+        )
+
+    async def _validate(self, task: dict[str, Any]) -> None:
+        out = await asyncio.to_thread(
+            self.worker.generate, task["examples"], task["seed"], task["sampling"]
+        )
+        await self._ask(self.queue.put_validation.remote(self.worker.index, out), "validation")
+
+
+def stamp_seconds(out: Rollout, seconds: float) -> None:
+    """``seconds`` over the samples of ``out``, evenly (:attr:`Rollout.generate_s`)."""
+    out.generate_s = torch.full((len(out),), seconds / max(1, len(out)), dtype=torch.float64)
