@@ -4,6 +4,7 @@ tests, as a user's module would hold them."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from rlwire.trainer.agent import Environment, Observation
@@ -38,6 +39,38 @@ def hang(seconds: float) -> str:
     """
     time.sleep(seconds)
     return "woke"
+
+
+def spin(seconds: float) -> str:
+    """Keep the CPU busy in Python code (a tool stuck in a loop).
+
+    Args:
+        seconds: how long.
+    """
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return "spun"
+
+
+_RELEASED = threading.Event()
+
+
+async def hold(seconds: float) -> str:
+    """Block the calling thread (not an await) until ``release`` runs.
+
+    Args:
+        seconds: how long at most.
+    """
+    released = _RELEASED.wait(seconds)
+    _RELEASED.clear()
+    return "released" if released else "never released"
+
+
+async def release() -> str:
+    """Let ``hold`` go on."""
+    _RELEASED.set()
+    return "done"
 
 
 def broken(x: str) -> str:
@@ -87,3 +120,27 @@ def stall(key: str) -> str:
     """
     time.sleep(60)
     return key
+
+
+class Rendezvous(Environment):
+    """Two conversations, ``x`` and ``y``: x's first step waits (blocking its thread) until y's
+    second step has run; y goes on after its first. Rewards: 1.0 for a step that saw the
+    other conversation get there."""
+
+    second = threading.Event()
+
+    @classmethod
+    def reset_all(cls) -> None:
+        cls.second.clear()
+
+    def reset(self, example) -> None:
+        self.name, self.steps = example.prompt, 0
+
+    def step(self, message: str):
+        self.steps += 1
+        if self.name == "x":
+            return None, float(self.second.wait(8.0)), True
+        if self.steps == 1:
+            return "go on", 0.0, False
+        self.second.set()
+        return None, 1.0, True

@@ -1,6 +1,10 @@
 """Rollout engines (``hf``, ``vllm``, ``vllm_server``, ``paced``; one module each, one seam)
 and what they hand back.
 
+Every engine serves requests (:mod:`.requests`: one continuation each, with its own seed
+and per-token weight versions): ``hf`` and ``paced`` with continuous batching
+(:mod:`.hf_batch`), an engine with only ``extend`` through a lock-step core (:mod:`.lockstep`).
+
 Add an engine by subclassing :class:`RolloutEngine` in a module of its own and naming it
 in :data:`ROLLOUT_ENGINES`, or, outside this package, with
 ``rollout.backend=pkg.module:Class``. Imports ``models`` and the foundation only.
@@ -21,6 +25,8 @@ from .common import (
     Rollout,
     Sampling,
     WeightsDigest,
+    completions_rollout,
+    prompt_rows,
     response_lengths,
     sequence_logprobs,
     split_evenly,
@@ -39,9 +45,11 @@ __all__ = [
     "SleepingRolloutEngine",
     "StagingRolloutEngine",
     "WeightsDigest",
+    "completions_rollout",
     "hf_extend",
     "hf_generate",
     "hf_start",
+    "prompt_rows",
     "response_lengths",
     "rollout_engine_class",
     "sequence_logprobs",

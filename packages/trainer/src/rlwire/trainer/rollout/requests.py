@@ -208,11 +208,12 @@ class EngineCore:
                     self._fail_all(RuntimeError(f"{self.name}: closed before it answered"))
                     return
                 calls, self._calls = list(self._calls), collections.deque()
+            for fn, future in calls:  # between two steps: the batch is not in a forward
+                self._run_call(fn, future)
+            with self._cond:  # then the requests that wait, as room allows
                 room = self.max_num_seqs - len(self._running)
                 admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 running = list(self._running)
-            for fn, future in calls:  # between two steps: the batch is not in a forward
-                self._run_call(fn, future)
             admitted = [live for live in admitted if live.future.set_running_or_notify_cancel()]
             if not admitted and not running:
                 continue
