@@ -242,6 +242,69 @@ def test_a_worker_holding_the_new_weights_generates_without_waiting_for_the_othe
     assert state == {"sync_to": 1, "versions": [1, 0]}
 
 
+def _lagging_queue(strategy: str) -> SampleQueue:
+    return _queue(
+        groups_per_step=2,
+        trigger_sync=1,
+        staleness_threshold=1.0,
+        max_version_lag=0,
+        num_workers=1,
+        strategy=strategy,
+    )
+
+
+def test_groups_dropped_at_a_sync_request_are_counted_and_generated_again():
+    """Two groups of version 0 wait in the queue when the sync to version 1 is requested:
+    with ``drop`` they are dropped there, the next ``get`` reports them (it reported only
+    its own drops, so these were never counted), and their prompts come first in the next
+    task, generated with version 1."""
+
+    async def run() -> tuple[dict, dict]:
+        queue = _lagging_queue("drop")
+        await queue.worker_synced(0, {"version": 0, "digest": None})
+        task = await queue.next_task(0)
+        await queue.put(0, [0, 0], [{}, {}], task["indices"][:2])
+        await queue.request_sync(1)
+        await queue.worker_synced(0, {"version": 1, "digest": None})
+        again = await queue.next_task(0)
+        await queue.put(
+            0, [1] * len(again["indices"]), [{}] * len(again["indices"]), again["indices"]
+        )
+        return task, again, await queue.get(2, 1, timeout=1)
+
+    task, again, got = asyncio.run(run())
+    assert got["dropped"] == 2 and got["versions"] == [1, 1]
+    assert again["indices"][:2] == task["indices"][:2]  # the dropped prompts, first
+
+
+def test_keep_trains_groups_past_the_lag_bound():
+    async def run() -> dict:
+        queue = _lagging_queue("keep")
+        await queue.worker_synced(0, {"version": 0, "digest": None})
+        task = await queue.next_task(0)
+        await queue.put(0, [0, 0], [{}, {}], task["indices"][:2])
+        await queue.request_sync(1)
+        return await queue.get(2, 1, timeout=1)
+
+    got = asyncio.run(run())
+    assert got["dropped"] == 0 and got["versions"] == [0, 0]
+
+
+def test_a_worker_whose_weights_lag_too_far_is_handed_no_group():
+    """With ``drop`` and ``max_version_lag=0``, once the trainer asked for update 1's groups a
+    worker still on version 0 gets none to generate (they could only be dropped) until it
+    syncs; with ``keep`` it does."""
+
+    async def run(strategy: str) -> dict:
+        queue = _lagging_queue(strategy)
+        await queue.worker_synced(0, {"version": 0, "digest": None})
+        await queue.get(2, 1, timeout=0.05)  # the trainer is at update 1 (nothing queued)
+        return await queue.next_task(0)
+
+    assert asyncio.run(run("drop"))["kind"] == "wait"
+    assert asyncio.run(run("keep"))["kind"] == "generate"
+
+
 def test_queue_get_times_out_instead_of_hanging():
     queue = _queue(
         groups_per_step=4,

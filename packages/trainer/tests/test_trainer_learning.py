@@ -12,7 +12,7 @@ import torch
 from rlwire.trainer.algorithms.advantages import group_advantages
 from rlwire.trainer.algorithms.step import compute_old_logprobs, grpo_update
 from rlwire.trainer.models.tiny import build_tiny_model, repeat_prompts, repeat_reward
-from rlwire.trainer.rollout import Example, hf_generate
+from rlwire.trainer.rollout import hf_generate
 
 N, PROMPTS = 8, 8
 
@@ -193,52 +193,6 @@ def test_two_mini_batches_take_two_steps_and_the_second_is_clipped_against_the_f
     # after the first steps the policy has moved away from the proximal one: the ratio
     # leaves [0.8, 1.2] for some tokens in the second epoch, and the clip acts
     assert metrics["clip_fraction"] > 0
-
-
-def test_rollout_worker_stitches_partial_responses_in_order_with_per_token_versions(tmp_path):
-    """The worker's chunked generation with a weight update after the first chunk: rows
-    come back in prompt order, each token with the version and log-prob of its weights."""
-    from rlwire.trainer.config.root import load_config
-    from rlwire.trainer.rollout import hf_start
-    from rlwire.trainer.runtime.rollout_worker import RolloutWorker
-
-    path = build_tiny_model(tmp_path / "tiny")
-    config = load_config(
-        overrides=[
-            "rollout.n=3",
-            "rollout.max_new_tokens=6",
-            "async.partial_rollout_chunk_tokens=2",
-        ]
-    )
-    worker = RolloutWorker(config, str(path))
-    worker.load_engine()
-    worker.version = 4
-    before = copy.deepcopy(worker.backend.model)
-    checks = []
-
-    def sync_requested() -> None:  # what a weight sync does to the worker
-        checks.append(worker.version)
-        if len(checks) == 1:
-            with torch.no_grad():
-                for p in worker.backend.model.parameters():
-                    p.add_(0.05 * torch.randn_like(p))
-            worker.version = 5
-
-    examples = [Example(prompt="a:", answer="a"), Example(prompt="bcd:", answer="b")]
-    out = worker.generate_partial(examples, 11, sync_requested)
-    assert checks and checks[0] == 4 and len(out) == 6
-    assert torch.equal(
-        out.prompt_ids, hf_start(worker.backend.tokenizer, ["a:", "bcd:"], 3).prompt_ids
-    )
-    mask = out.response_mask.bool()
-    assert mask[:, 2:].any() and not mask[:, 2:].all()  # some rows continued, some ended
-    assert (out.versions[:, :2][mask[:, :2]] == 4).all()  # the first chunk: the old weights
-    assert (out.versions[:, 2:][mask[:, 2:]] == 5).all()  # the rest: the new ones
-    assert (out.version_spans() == mask[:, 2:].any(dim=1).long()).all()
-    for model, version in ((before, 4), (worker.backend.model, 5)):
-        mine = mask & (out.versions == version)
-        recomputed = compute_old_logprobs(model, out, micro_batch_size=8, temperature=1.0)
-        torch.testing.assert_close(out.logprobs[mine], recomputed[mine], atol=1e-5, rtol=0)
 
 
 def test_on_policy_update_reuses_the_training_forward_bit_for_bit(tiny):

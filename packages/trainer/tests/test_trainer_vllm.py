@@ -62,6 +62,7 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_driver
             "rollout.n=4",
             "rollout.max_new_tokens=12",
             f"rollout.temperature={temperature}",
+            "async.partial_rollout=true",
             "async.partial_rollout_chunk_tokens=3",
         ]
     )
@@ -95,11 +96,12 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_driver
         # same seed, same weights: the same samples
         again = ray.get(worker.generate.remote(examples, 123), timeout=300)
         assert torch.equal(again.response_ids, before.response_ids)
-        # in chunks of 3 tokens, each continued as a new request: the same log-probs
-        chunked = ray.get(worker.generate_partial.remote(examples, 5, lambda: None), timeout=300)
+        # as requests through the lock-step core, in calls of 3 tokens (each continuing the
+        # requests from their token ids): the same log-probs
+        chunked = ray.get(worker.generate_requests.remote(examples, 5), timeout=300)
         assert len(chunked) == len(before) and chunked.response_mask[:, 3:].any()
         assert max_error(actor, chunked) < TOLERANCE
-        assert (chunked.versions[chunked.response_mask.bool()] == -1).all()  # never synced
+        assert (chunked.versions[chunked.response_mask.bool()] == 0).all()  # the first weights
 
         # a weight update through the checkpoint engine into the live engine
         updated = {name: value * 1.1 for name, value in actor.state_dict().items()}

@@ -117,24 +117,36 @@ class AsyncConfig:
     trigger_parameter_sync_step: int = 1
     """Push weights to the rollout workers after every this many updates."""
     max_version_lag: int | None = None
-    """Groups generated more than this many versions before the weights being updated
-    are dropped (counted as ``dropped_samples``). None: ``T x (1 + ceil(S)) - 1``, the
-    most the bound above allows, so nothing is dropped in a steady run."""
+    """The most versions a group's oldest token may lag the weights being updated (see
+    ``max_off_policy_strategy``). None: ``T x (1 + ceil(S)) - 1``, the most the bound above
+    allows, so nothing is dropped in a steady run."""
+    max_off_policy_strategy: str = "drop"
+    """What happens to a group past ``max_version_lag`` (verl's fully-async
+    ``max_off_policy_strategy``): ``drop`` (dropped, counted as ``dropped_samples``, and
+    its prompt generated again with newer weights; a worker whose weights already lag by
+    more is handed no group until it syncs, so it starts none that could only be
+    dropped) or ``keep`` (trained anyway, the off-policy correction weighing it)."""
     sample_timeout: float = 600.0
     """Seconds the trainer may wait for one step's samples before the run stops."""
     chunk_groups: int | None = None
-    """Prompt groups a rollout worker generates per task (one engine call, or one agent
-    loop). None: ``data.train_batch_size`` over the workers, rounded up. Larger chunks
-    amortise what a task pays whatever its size (a tool's latency per turn in multi-turn
-    rollouts); the staleness bound still caps the groups in flight."""
+    """Prompt groups a rollout worker is handed at once (each group is a task of its own,
+    its samples requests to the engine, and goes to the queue when it completes). None:
+    ``data.train_batch_size`` over the workers, rounded up. A worker takes another chunk
+    while its samples in flight leave room under ``rollout.max_num_seqs``; the staleness
+    bound still caps the groups in flight."""
     partial_rollout: bool = False
-    """Partial rollouts: when a weight sync is requested, rollout workers stop at the end
-    of the current token chunk, apply the update and continue the unfinished responses
-    with the new weights; every token keeps the version and behaviour log-prob it was
-    sampled with, and a sample's lag is its oldest token's. Needs a rollout engine that
-    can continue responses (``hf``, ``vllm``)."""
+    """Partial rollouts: a weight sync is written in at once, between two decoding steps,
+    and the requests in flight carry on with the new weights (nothing is aborted; the KV
+    cache as ``rollout.kv_on_update`` says); every token keeps the version and behaviour
+    log-prob it was sampled with, and a sample's lag is its oldest token's. Off: a worker
+    writes the update in once its groups in flight completed (each sample one version).
+    Needs a rollout engine that takes requests (``hf``, ``paced``, ``vllm``,
+    ``vllm_server``)."""
     partial_rollout_chunk_tokens: int = 8
-    """With ``partial_rollout``: tokens generated between two checks for a weight sync."""
+    """With ``partial_rollout``, on an engine without continuous batching (``vllm``,
+    ``vllm_server``: one ``extend`` call per step of its lock-step core): tokens per call,
+    so that an update waits at most this many tokens. ``hf`` and ``paced`` write updates
+    in between any two decoding steps."""
 
     def __post_init__(self) -> None:
         check(
@@ -162,6 +174,9 @@ class AsyncConfig:
             "use an int >= 1 or null",
         )
         check(self.sample_timeout > 0, "async.sample_timeout", self.sample_timeout, "use > 0")
+        check_choice(
+            self.max_off_policy_strategy, "async.max_off_policy_strategy", ("drop", "keep")
+        )
         check(
             self.partial_rollout_chunk_tokens >= 1,
             "async.partial_rollout_chunk_tokens",

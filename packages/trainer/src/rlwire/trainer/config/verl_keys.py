@@ -127,6 +127,7 @@ ALIASES: tuple[Alias, ...] = (
     Alias(_ROLLOUT + "name", "rollout.backend", _choices({"hf": "hf", "vllm": "vllm"})),
     Alias(_ROLLOUT + "n", "rollout.n"),
     Alias(_ROLLOUT + "temperature", "rollout.temperature"),
+    Alias(_ROLLOUT + "max_num_seqs", "rollout.max_num_seqs"),
     Alias(_ROLLOUT + "gpu_memory_utilization", "rollout.vllm.gpu_memory_utilization"),
     Alias(_ROLLOUT + "enforce_eager", "rollout.vllm.enforce_eager"),
     Alias(_ROLLOUT + "max_model_len", "rollout.vllm.max_model_len"),

@@ -57,6 +57,7 @@ def run_fully_async(job: Job, bar) -> None:
         trigger_sync=trigger,
         staleness_threshold=cfg.staleness_threshold,
         max_version_lag=cfg.version_lag_bound(),
+        strategy=cfg.max_off_policy_strategy,
         num_workers=len(job.rollouts),
         chunk_groups=cfg.chunk_groups,
         start_version=job.start_step,

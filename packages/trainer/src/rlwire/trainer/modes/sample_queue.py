@@ -17,7 +17,10 @@ needs whole groups. With ``R`` groups per update (``data.train_batch_size``),
 - the trainer takes the ``R`` oldest groups per update (by weight version, then data
   position) with :meth:`SampleQueue.get`;
   a group whose version lags the trainer's by more than ``max_version_lag`` is dropped
-  (and frees its place under the bound);
+  (and frees its place under the bound) and its prompt generated again with newer weights
+  (``async.max_off_policy_strategy=drop``), or kept and trained with the off-policy
+  correction (``keep``); with ``drop`` a worker whose weights already lag the trainer's by
+  more than that is not handed a group (it could only be dropped);
 - :meth:`SampleQueue.request_sync` makes every worker take the new weights at the end of
   its chunk (with partial rollouts: of its current token chunk,
   :meth:`SampleQueue.sync_pending`) before it generates more; each worker goes on as soon
@@ -116,6 +119,7 @@ class SampleQueue(ValidationRelay):
         trigger_sync: int,
         staleness_threshold: float,
         max_version_lag: int,
+        strategy: str = "drop",
         num_workers: int,
         start_version: int,
         chunk_groups: int | None = None,
@@ -130,6 +134,8 @@ class SampleQueue(ValidationRelay):
         self.required = groups_per_step
         self.bound = max_stale_groups(groups_per_step, trigger_sync, staleness_threshold)
         self.max_lag = max_version_lag
+        self.strategy = strategy  # async.max_off_policy_strategy: drop (and redo) or keep
+        self.trainer_version = start_version  # the newest update get() was asked for
         # the prompt groups of one generation task (``async.chunk_groups``)
         self.chunk = chunk_groups or max(1, math.ceil(groups_per_step / num_workers))
         self.seed = seed
@@ -163,7 +169,12 @@ class SampleQueue(ValidationRelay):
         """Under the bound, holding the newest weights requested (each worker on its own:
         one that took them goes on while the others finish their chunks)."""
         current = self.sync_to is None or self.worker_versions[worker] == self.sync_to
-        return current and self.stale < self.bound
+        return current and self.stale < self.bound and self._admits(self.worker_versions[worker])
+
+    def _admits(self, version: int) -> bool:
+        """Whether a group started with weights ``version`` can still be trained: under
+        ``drop``, not if it already lags the trainer by more than ``max_version_lag``."""
+        return self.strategy == "keep" or self.trainer_version - version <= self.max_lag
 
     async def next_task(
         self,
@@ -200,7 +211,7 @@ class SampleQueue(ValidationRelay):
                         sync = {"kind": "sync", "version": self.sync_to}
                         if not may_generate or worker in self.validating:
                             return sync
-                        if self.stale >= self.bound:
+                        if self.stale >= self.bound or not self._admits(self.sync_to):
                             return sync
                         return {**sync, "then": self._generate()}
                     if worker in self.validating:
@@ -271,10 +282,15 @@ class SampleQueue(ValidationRelay):
 
     # --- the trainer's side ----------------------------------------------------------------
     def _drop_lagging(self, trainer_version: int) -> int:
+        """Drop the queued groups too old for the update of ``trainer_version`` (``drop``:
+        their prompts go back to be generated again first); how many."""
+        if self.strategy == "keep":
+            return 0
         lagging = [g.index for g in self.queue if trainer_version - g.version > self.max_lag]
         kept = [g for g in self.queue if trainer_version - g.version <= self.max_lag]
         dropped = len(lagging)
         self.open.difference_update(lagging)
+        self.redo.extend(lagging)
         self.queue = collections.deque(kept)
         self.dropped += dropped
         self.stale -= dropped  # dropped groups free their place under the bound
@@ -293,6 +309,7 @@ class SampleQueue(ValidationRelay):
         """
         start = time.perf_counter()
         async with self.cond:
+            self.trainer_version = max(self.trainer_version, trainer_version)
             while True:
                 self._drop_lagging(trainer_version)
                 if len(self.queue) >= count:
@@ -364,9 +381,8 @@ class SampleQueue(ValidationRelay):
     async def position(self, trained: int) -> dict[str, Any]:
         """What a checkpoint after ``trained`` updates keeps of the stream: the next data
         position and every group started but not trained by then (queued, being generated,
-        taken for a later update, or still to be generated again), to generate again first on
-        resume: none is lost, none trained twice. (Groups dropped for their lag are not
-        kept: a run that never stopped would not train them either.)"""
+        taken for a later update, or still to be generated again: those dropped for their
+        lag too), to generate again first on resume: none is lost, none trained twice."""
         async with self.cond:
             self.taken_groups = {v: g for v, g in self.taken_groups.items() if v >= trained}
             later = [i for groups in self.taken_groups.values() for i in groups]

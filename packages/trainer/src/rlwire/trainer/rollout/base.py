@@ -22,7 +22,7 @@ import torch
 
 from ..plugins import load_class
 from .common import Rollout, Sampling
-from .requests import Request
+from .requests import EngineCore, Request
 
 __all__ = [
     "ROLLOUT_ENGINES",
@@ -70,10 +70,10 @@ class RolloutEngine(abc.ABC):
     (:class:`StagingRolloutEngine`); fully-async mode then never holds a worker's
     generation for a transfer, only for the write at a boundary."""
     serves_requests: ClassVar[bool] = False
-    """Whether :meth:`submit` batches continuously (requests join and leave between two
-    decoding steps, each with its own seed). Otherwise it is a layer over ``extend``
-    (:class:`PartialRolloutEngine`): the requests waiting when a call starts are one call,
-    with the first one's seed, and the next call takes those that arrived meanwhile."""
+    """Whether the engine batches requests continuously (its own :attr:`core`: requests join
+    and leave between two decoding steps, each with its own seed). Otherwise
+    :meth:`submit` is a layer over ``extend`` (:class:`PartialRolloutEngine`;
+    :mod:`.lockstep`): the live requests are one call per step, with one seed."""
     takes_lora: ClassVar[bool] = False
     """Whether the engine holds ``actor.lora``'s adapters over the base weights and applies
     a sync of the adapter alone (by :func:`rlwire.trainer.models.lora.adapter_name`)."""
@@ -115,32 +115,41 @@ class RolloutEngine(abc.ABC):
         """Receive one update from the checkpoint ``engine`` (what :meth:`join` returned)
         into the weights; its version."""
 
+    core: EngineCore | None = None
+    """The engine core that serves this engine's requests (:mod:`.requests`): an engine
+    with continuous batching sets its own in ``__init__``; otherwise a lock-step core over
+    ``extend`` is built on the first request (:class:`PartialRolloutEngine` only)."""
+
     def submit(self, request: Request) -> concurrent.futures.Future:
         """Queue one :class:`~rlwire.trainer.rollout.requests.Request`; a future of its
         :class:`~rlwire.trainer.rollout.requests.Completion` (token ids, behaviour log-probs
-        and the weight version of each token). By default a lock-step core over
-        ``extend`` (:class:`PartialRolloutEngine` only; see :attr:`serves_requests`)."""
-        core = getattr(self, "_lockstep", None)
-        if core is None:
+        and the weight version of each token)."""
+        return self._requests().submit(request)
+
+    def submit_all(self, requests: list[Request]) -> list[concurrent.futures.Future]:
+        """:meth:`submit` for each of ``requests``, all admitted by the same step."""
+        return self._requests().submit_all(requests)
+
+    def _requests(self) -> EngineCore:
+        if self.core is None:
             if not self.can_continue:
                 raise NotImplementedError(
-                    f"rollout engine {type(self).__name__}: takes no requests (neither submit() "
-                    "nor PartialRolloutEngine.extend)"
+                    f"rollout engine {type(self).__name__}: takes no requests (no core of its "
+                    "own, and not a PartialRolloutEngine)"
                 )
             from .lockstep import lockstep_core
 
-            core = self._lockstep = lockstep_core(self)
-        return core.submit(request)
+            self.core = lockstep_core(self)
+        return self.core
 
     def between_steps(self, fn: Callable[[], int]) -> int:
         """Run ``fn`` (a weight commit returning its version) where no generation is in a
         step: the version sampled tokens carry from then on."""
-        core = getattr(self, "core", None) or getattr(self, "_lockstep", None)
-        if core is None:
+        if self.core is None:  # no request was ever served: nothing runs beside fn
             return fn()
         timeout = self.config.rollout.request_timeout
         try:
-            return core.call(fn).result(timeout)
+            return self.core.call(fn).result(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(
                 f"rollout engine {self.index}: no step boundary within {timeout:g} s to write "

@@ -6,7 +6,6 @@ consecutive), ``P`` prompt tokens (left-padded), ``T`` response tokens.
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Callable
 
 import torch
@@ -22,7 +21,7 @@ from .common import (
     weights_digest,
 )
 from .hf_batch import HFBatch
-from .requests import EngineCore, Request, sample_requests, wait_all
+from .requests import EngineCore, sample_requests, wait_all
 
 __all__ = ["HFEngine", "hf_extend", "hf_generate", "hf_start"]
 
@@ -209,9 +208,6 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
         """Wall seconds a decoding step takes at least (0: as fast as it goes)."""
         return 0.0
 
-    def submit(self, request: Request) -> concurrent.futures.Future:
-        return self.core.submit(request)
-
     async def stage(self, engine) -> Callable[[], int]:
         from rlwire.ckpt_engine import stage_update
 
@@ -254,7 +250,7 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
             greedy=sampling.greedy,
         )
         done = wait_all(
-            [self.submit(r) for r in requests],
+            self.submit_all(requests),
             self.config.rollout.request_timeout,
             f"rollout engine {self.index}",
         )

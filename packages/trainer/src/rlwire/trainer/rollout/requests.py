@@ -154,16 +154,24 @@ class EngineCore:
     def submit(self, request: Request) -> concurrent.futures.Future:
         """Queue ``request``; a future of its :class:`Completion` (or of the error that
         ended it). Joins the running batch at the next step with room."""
-        if not request.request_id:
-            request = dataclasses.replace(request, request_id=f"req-{next(self._ids)}")
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[concurrent.futures.Future]:
+        """Queue ``requests`` together: the same step admits them (as room allows), so a
+        call's batches, and so its log-probs to the last bit, do not depend on thread
+        timing."""
+        lives = []
+        for request in requests:
+            if not request.request_id:
+                request = dataclasses.replace(request, request_id=f"req-{next(self._ids)}")
+            lives.append(Live(request, concurrent.futures.Future()))
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"{self.name}: closed; no request is taken")
-            self._waiting.append(Live(request, future))
+            self._waiting.extend(lives)
             self._start()
             self._cond.notify_all()
-        return future
+        return [live.future for live in lives]
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn()`` in the core's thread between two decoding steps (a weight commit);

@@ -23,14 +23,16 @@ A group task that fails stops the loop with its error at the next move.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
 import torch
 
-from ..rollout import Rollout
+from ..rollout import Rollout, completions_rollout
+from ..rollout.requests import sample_requests
 
-__all__ = ["ServeLoop", "ShareClock", "stamp_seconds"]
+__all__ = ["ServeLoop", "ShareClock", "generate_requests", "stamp_seconds"]
 
 
 class ShareClock:
@@ -75,6 +77,7 @@ class ServeLoop:
         self.samples = 0  # samples in flight
         self.chunks = 0
         self.clock = ShareClock()
+        self._one_call = threading.Lock()  # a third party's engine: one generate at a time
 
     async def _ask(self, ref, what: str):
         try:
@@ -152,7 +155,7 @@ class ServeLoop:
         self.samples += n
         self.clock.start(key)
         try:
-            group = await self.worker.generate_async([example], seed)
+            group = await self._generate([example], seed)
         finally:
             self.samples -= n
             seconds = self.clock.stop(key)
@@ -162,6 +165,18 @@ class ServeLoop:
             self.queue.put.remote(self.worker.index, [group.version], [group], [index]),
             "a finished group",
         )
+
+    async def _generate(self, examples: list, seed: int) -> Rollout:
+        worker, backend = self.worker, self.worker._loaded()
+        takes_requests = backend.serves_requests or backend.can_continue
+        if worker.agent is None and not takes_requests:
+
+            def one_at_a_time() -> Rollout:  # a third party's engine: one call at a time
+                with self._one_call:
+                    return worker.generate(examples, seed)
+
+            return await asyncio.to_thread(one_at_a_time)
+        return await generate_requests(worker, examples, seed)
 
     async def _validate(self, task: dict[str, Any]) -> None:
         out = await asyncio.to_thread(
@@ -173,3 +188,32 @@ class ServeLoop:
 def stamp_seconds(out: Rollout, seconds: float) -> None:
     """``seconds`` over the samples of ``out``, evenly (:attr:`Rollout.generate_s`)."""
     out.generate_s = torch.full((len(out),), seconds / max(1, len(out)), dtype=torch.float64)
+
+
+async def generate_requests(worker, examples: list, seed: int) -> Rollout:
+    """``examples``' training samples as requests to ``worker``'s engine, all in flight at
+    once (conversations with ``agent.enable``), each token stamped with the version that
+    sampled it: a fully-async group."""
+    if worker.agent is not None:
+        return await worker.conversations(examples, seed, None)
+    backend = worker._loaded()
+    cfg = worker.config.rollout
+    tokenizer = backend.tokenizer
+    encoded = tokenizer([e.prompt for e in examples], add_special_tokens=False)["input_ids"]
+    rows = [list(ids) for ids in encoded for _ in range(cfg.n)]
+    requests = sample_requests(
+        rows,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        seed=seed,
+        greedy=False,
+    )
+    futures = [asyncio.wrap_future(f) for f in backend.submit_all(requests)]
+    try:
+        done = await asyncio.wait_for(asyncio.gather(*futures), cfg.request_timeout)
+    except TimeoutError:
+        raise TimeoutError(
+            f"rollout worker {worker.index}: a group was not generated within "
+            f"{cfg.request_timeout:g} s (rollout.request_timeout)"
+        ) from None
+    return completions_rollout(rows, done, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer)

@@ -4,7 +4,6 @@ checkpoint engine (colocated mode without the hybrid engine, and fully-async mod
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Coroutine
 from typing import Any, cast
@@ -20,11 +19,9 @@ from ..rollout import (
     RolloutEngine,
     Sampling,
     SleepingRolloutEngine,
-    completions_rollout,
     rollout_engine_class,
 )
-from ..rollout.requests import sample_requests
-from .rollout_serve import ServeLoop, stamp_seconds
+from .rollout_serve import ServeLoop, generate_requests, stamp_seconds
 from .weight_stage import WeightStage
 from .worker_process import WorkerProcess, set_threads
 
@@ -59,7 +56,6 @@ class RolloutWorker(WeightStage, WorkerProcess):
         self.engine: Any = None  # the receiver's handle, from the rollout engine's join()
         self.agent: AgentLoop | None = None  # the agent loop (agent.enable)
         self.version = -1
-        self._one_call = threading.Lock()  # a third party's engine: one generate at a time
 
     def load_engine(self) -> None:
         """Build the generation engine on the model (the driver calls it once the model
@@ -138,11 +134,11 @@ class RolloutWorker(WeightStage, WorkerProcess):
         return out
 
     def _converse(self, examples: list[Example], seed: int, sampling: Sampling | None) -> Rollout:
-        return asyncio.run(self._converse_async(examples, seed, sampling))
+        return asyncio.run(self.conversations(examples, seed, sampling))
 
-    async def _converse_async(
-        self, examples: list[Example], seed: int, sampling: Sampling | None
-    ) -> Rollout:
+    def conversations(self, examples: list[Example], seed: int, sampling: Sampling | None):
+        """The agent loop's conversations of ``examples``: a coroutine (no method of this
+        class is ``async``: Ray would make the whole actor an asyncio one)."""
         rollout = self.config.rollout
         if sampling is not None and (
             sampling.greedy or sampling.temperature != rollout.temperature
@@ -153,42 +149,12 @@ class RolloutWorker(WeightStage, WorkerProcess):
             )
         n = rollout.n if sampling is None else sampling.n
         assert self.agent is not None, "agent.enable: no agent loop (load_engine() builds it)"
-        return await self.agent.run_async(examples, n, seed)
+        return self.agent.run_async(examples, n, seed)
 
-    async def generate_async(self, examples: list[Example], seed: int) -> Rollout:
-        """``examples``' training samples as requests to the engine, all in flight at once
-        (conversations with ``agent.enable``), each token stamped with the version that
-        sampled it: what fully async's groups are made of."""
-        if self.agent is not None:
-            return await self._converse_async(examples, seed, None)
-        backend = self._loaded()
-        if not (backend.serves_requests or backend.can_continue):  # a third party's engine
-
-            def one_at_a_time() -> Rollout:
-                with self._one_call:
-                    return self.generate(examples, seed)
-
-            return await asyncio.to_thread(one_at_a_time)
-        cfg = self.config.rollout
-        tokenizer = backend.tokenizer  # type: ignore[attr-defined]
-        encoded = tokenizer([e.prompt for e in examples], add_special_tokens=False)["input_ids"]
-        rows = [list(ids) for ids in encoded for _ in range(cfg.n)]
-        requests = sample_requests(
-            rows,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            seed=seed,
-            greedy=False,
-        )
-        futures = [asyncio.wrap_future(backend.submit(r)) for r in requests]
-        try:
-            done = await asyncio.wait_for(asyncio.gather(*futures), cfg.request_timeout)
-        except TimeoutError:
-            raise TimeoutError(
-                f"rollout worker {self.index}: a group was not generated within "
-                f"{cfg.request_timeout:g} s (rollout.request_timeout)"
-            ) from None
-        return completions_rollout(rows, done, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer)
+    def generate_requests(self, examples: list[Example], seed: int) -> Rollout:
+        """``examples``' training samples as fully async makes them: requests to the engine,
+        all in flight at once, each token stamped with the version that sampled it."""
+        return asyncio.run(generate_requests(self, examples, seed))
 
     def sync(self, version: int) -> dict[str, Any]:
         """Write in update ``version`` between two decoding steps: the one
