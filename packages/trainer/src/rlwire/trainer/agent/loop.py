@@ -97,10 +97,19 @@ class AgentLoop:
         version of each model token and ``trajectories`` the conversations' records."""
         return asyncio.run(self.run_async(examples, n, seed))
 
-    async def run_async(self, examples: list[Example], n: int, seed: int) -> Rollout:
-        """:meth:`run` in the running event loop."""
+    async def run_async(
+        self, examples: list[Example], n: int, seed: int, *, max_in_flight: int | None = None
+    ) -> Rollout:
+        """:meth:`run` in the running event loop; ``max_in_flight``: conversations in flight
+        at most (None: all), the next starting as one ends."""
+        room = asyncio.Semaphore(max_in_flight or len(examples) * n)
+
+        async def one(example: Example, seed: int) -> Conversation:
+            async with room:
+                return await self.converse(example, seed)
+
         tasks = [
-            self.converse(example, request_seed(seed, i * n + j))
+            one(example, request_seed(seed, i * n + j))
             for i, example in enumerate(examples)
             for j in range(n)
         ]

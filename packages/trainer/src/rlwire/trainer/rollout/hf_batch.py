@@ -9,6 +9,12 @@ its own with no hook between two steps, where a weight update must be written in
 version of each token recorded. This batch gives each request a generator of its own and
 leaves the loop to :class:`~rlwire.trainer.rollout.requests.EngineCore`.
 
+Sampling is by inverse transform, batched: each request draws one uniform number per token
+from its own ``random.Random(seed)``, and its token is the first whose cumulative
+probability under ``softmax(logits / temperature)`` passes it (exact sampling from that
+distribution; one ``torch.multinomial`` per row with a generator each measured 0.71x the
+samples/s of the default job).
+
 Layout: the cache rows are the live requests in :attr:`HFBatch.rows` order, left-padded to
 the longest (``(B, heads, L, head_dim)`` per layer, ``attention`` ``(B, L)`` int64, 0 on
 padding); each cached request's last sampled token is not in the cache yet (the next step
@@ -20,6 +26,7 @@ into the batch's.
 from __future__ import annotations
 
 import inspect
+import random
 import time
 
 import torch
@@ -30,12 +37,13 @@ __all__ = ["HFBatch"]
 
 
 class _Row:
-    """A request's own state in the batch: its generator, and whether its context is cached."""
+    """A request's own state in the batch: its generator (uniform draws, seeded by the
+    request), and whether its context is cached."""
 
     __slots__ = ("cached", "generator")
 
-    def __init__(self, seed: int, device: torch.device) -> None:
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+    def __init__(self, seed: int) -> None:
+        self.generator = random.Random(seed)
         self.cached = False
 
 
@@ -68,7 +76,7 @@ class HFBatch:
     def step(self, admitted: list[Live], running: list[Live], version: int) -> None:
         began = time.perf_counter()
         for live in admitted:
-            live.state = _Row(live.request.seed, self.device)
+            live.state = _Row(live.request.seed)
         fresh = admitted + [r for r in running if not r.state.cached]
         logits = []
         if self.rows:
@@ -171,17 +179,25 @@ class HFBatch:
         return out.logits[:, -1].float()
 
     def _sample(self, logits: torch.Tensor, version: int) -> None:
-        """Each row's next token from its request's distribution and generator."""
-        for row, live in enumerate(self.rows):
-            request = live.request
-            if request.greedy:
-                logp = torch.log_softmax(logits[row], dim=-1)
-                token = int(logp.argmax())
-            else:
-                logp = torch.log_softmax(logits[row] / request.temperature, dim=-1)
-                pick = torch.multinomial(logp.exp(), 1, generator=live.state.generator)
-                token = int(pick)
-            live.append(token, float(logp[token]), version, self.eos_id)
+        """Each row's next token from its request's distribution, by inverse transform: the
+        first token whose cumulative probability passes a uniform draw of the request's own
+        generator (one batched pass, whatever the rows' temperatures)."""
+        rows = self.rows
+        device = logits.device
+        greedy = torch.tensor([r.request.greedy for r in rows], device=device)
+        temperature = torch.tensor(
+            [1.0 if r.request.greedy else r.request.temperature for r in rows], device=device
+        )
+        logp = torch.log_softmax(logits / temperature.unsqueeze(1), dim=-1)
+        cdf = logp.double().exp().cumsum(dim=-1)
+        draws = torch.tensor([r.state.generator.random() for r in rows], dtype=torch.float64)
+        target = (draws.to(device) * cdf[:, -1]).unsqueeze(1)
+        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        sampled = sampled.clamp(max=logp.shape[1] - 1)
+        tokens = torch.where(greedy, logp.argmax(dim=-1), sampled)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        for live, token, logprob in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
+            live.append(token, logprob, version, self.eos_id)
 
 
 def _cache_of(out):

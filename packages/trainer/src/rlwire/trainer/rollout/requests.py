@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -149,6 +150,9 @@ class EngineCore:
         self._closed = False
         self.steps = 0
         """Decoding steps run so far (each advances every live request)."""
+        self.busy_s = 0.0
+        """Wall seconds spent in steps so far (the engine's own time: what a benchmark's
+        bound on samples/s is made of)."""
 
     # --- the callers' side -------------------------------------------------------------
     def submit(self, request: Request) -> concurrent.futures.Future:
@@ -225,6 +229,7 @@ class EngineCore:
             admitted = [live for live in admitted if live.future.set_running_or_notify_cancel()]
             if not admitted and not running:
                 continue
+            began = time.perf_counter()
             try:
                 self.stepper.step(admitted, running, self.version)
             except BaseException as err:  # noqa: BLE001 - every request in it fails with it
@@ -235,6 +240,7 @@ class EngineCore:
                     live.future.set_exception(err)
                 continue
             self.steps += 1
+            self.busy_s += time.perf_counter() - began
             live = admitted + running
             ended = [r for r in live if r.finish_reason is not None]
             if ended:
@@ -272,8 +278,6 @@ class EngineCore:
 def wait_all(futures: list[concurrent.futures.Future], timeout: float, what: str) -> list:
     """Every future's result, each waited for at most ``timeout`` seconds (counted per
     request, from this call); the first failure is raised."""
-    import time
-
     deadline = time.monotonic() + timeout
     results = []
     for future in futures:
@@ -290,7 +294,8 @@ def sample_requests(
     rows: list[list[int]], *, max_new_tokens: int, temperature: float, seed: int, greedy: bool
 ) -> list[Request]:
     """One :class:`Request` per row of prompt token ids, row ``i`` seeded
-    ``request_seed(seed, i)``."""
+    ``request_seed(seed, i)`` (greedy ones at temperature 1, whatever ``temperature``)."""
+    temperature = 1.0 if greedy else temperature
     return [
         Request(tuple(ids), max_new_tokens, temperature, request_seed(seed, row), greedy=greedy)
         for row, ids in enumerate(rows)

@@ -8,6 +8,7 @@ python -m rlwire.trainer.bench --vs trl --trl-python PATH [--models 64x2,640x8] 
 0,1,2]
 python -m rlwire.trainer.bench --update [--models 64x2] [--budgets 256,512,1024,16384]
 [--repeats 5]
+python -m rlwire.trainer.bench --in-flight 1,2,4,8,16,32,64 [--conversations 64] [--threads 1]
 
 Runs the default job (or ``--preset``'s, with the given overrides) with the same steps,
 seed and resources as: colocated; one-step off-policy; fully async with its default
@@ -46,6 +47,9 @@ of steps) with rlwire's ratios to TRL's, and rlwire's per-step time breakdown.
 With ``--update`` it times the actor update alone on one generated batch: padded fixed-row
 micro-batches against token-budget ones, plain and packed
 (:mod:`rlwire.trainer.tools.bench_update`).
+
+With ``--in-flight`` it measures one ``hf`` engine's samples/s on the lookup task against
+the number of conversations in flight (:mod:`rlwire.trainer.tools.bench_inflight`).
 """
 
 from __future__ import annotations
@@ -167,8 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update", action="store_true", help="time the actor update")
     parser.add_argument("--budgets", default="256,512,1024,16384", help="tokens (--update)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls (--update)")
+    parser.add_argument(
+        "--in-flight", default=None, help="conversations in flight, e.g. 1,2,4,8 (one engine)"
+    )
+    parser.add_argument("--conversations", type=int, default=64, help="per point (--in-flight)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (--in-flight)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    if args.in_flight:
+        from .bench_inflight import inflight_bench
+
+        return inflight_bench(args, Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-")))
     if args.weight_sync:
         args.models = args.models or "64x2,1024x8"
         return weight_sync(args, Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-")))
