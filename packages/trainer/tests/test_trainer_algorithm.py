@@ -284,17 +284,21 @@ def test_dynamic_sampling_wakes_sleeping_engines_before_each_extra_batch():
 )
 def test_dapos_recipe_runs_end_to_end_through_verls_keys(mode, ray_cluster, tmp_path):
     """Clip-higher, dynamic sampling, token-mean and overlong shaping, set with verl's keys,
-    in every mode: about half the prompts score 0 on every sample (their groups are dropped
-    and more are generated, or taken from the queue), the others by their text."""
+    in every mode: about half the prompts score 0 on every sample, the others by their
+    text; groups are filtered on the reward's ``acc`` (the score before the overlong
+    penalty, which makes even an all-zero group's rewards differ by length), as verl's DAPO
+    recipe does, so the all-zero groups are dropped and more are generated, or taken from
+    the queue."""
     import json
 
     from trainer_cli import train_cli
 
     reward = tmp_path / "reward.py"
     reward.write_text(
-        "def reward(prompts, responses, answers):\n"
-        "    return [0.0 if sum(map(ord, p)) % 2 else sum(map(ord, r)) % 7 / 7\n"
-        "            for p, r in zip(prompts, responses)]\n"
+        "def reward(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    odd = sum(map(ord, ground_truth)) % 2\n"
+        "    score = 0.0 if odd else sum(map(ord, solution_str)) % 7 / 7\n"
+        "    return {'score': score, 'acc': score}\n"
     )
     run = tmp_path / "run"
     records, _ = train_cli(
@@ -307,7 +311,7 @@ def test_dapos_recipe_runs_end_to_end_through_verls_keys(mode, ray_cluster, tmp_
         "actor_rollout_ref.actor.clip_ratio_high=0.28",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean",
         "algorithm.filter_groups.enable=true",
-        "algorithm.filter_groups.metric=reward",
+        "algorithm.filter_groups.metric=acc",
         "algorithm.filter_groups.max_num_gen_batches=20",
         "reward.reward_kwargs.overlong_buffer_cfg.enable=true",
         "reward.reward_kwargs.overlong_buffer_cfg.len=4",

@@ -394,9 +394,9 @@ def test_sync_cadence_counts_from_the_global_step_across_a_resume():
 def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tmp_path):
     """Two workers, weights pushed every 2nd update, responses continued across each sync.
 
-    The workers are made slower than the trainer (one token per chunk, so a check of the
-    queue per token; one micro-batch for the update): they never pause on the staleness
-    bound, so every sync finds them in the middle of their responses."""
+    The workers are made slower than the trainer (the paced engine, 20 ms a decoding step;
+    one micro-batch for the update): they never pause on the staleness bound, so every sync
+    is written in between two decoding steps in the middle of their responses."""
     run = tmp_path / "run"
     records, _ = train_cli(
         run,
@@ -407,7 +407,8 @@ def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tm
         "async.staleness_threshold=1",
         "async.trigger_parameter_sync_step=2",
         "async.partial_rollout=true",
-        "async.partial_rollout_chunk_tokens=1",
+        "rollout.backend=paced",
+        "rollout.paced_step_s=0.02",
         "rollout.max_new_tokens=24",
         "actor.micro_batch_size=64",
         cluster=ray_cluster,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 
@@ -32,6 +32,8 @@ __all__ = [
     "StagingRolloutEngine",
     "rollout_engine_class",
 ]
+
+T = TypeVar("T")
 
 ROLLOUT_ENGINES: dict[str, str] = {
     "hf": "rlwire.trainer.rollout.hf:HFEngine",
@@ -142,9 +144,10 @@ class RolloutEngine(abc.ABC):
             self.core = lockstep_core(self)
         return self.core
 
-    def between_steps(self, fn: Callable[[], int]) -> int:
-        """Run ``fn`` (a weight commit returning its version) where no generation is in a
-        step: the version sampled tokens carry from then on."""
+    def between_steps(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` where no generation is in a step (in the core's thread, between two
+        steps) and return what it returns; a weight commit returns its version, which the
+        tokens sampled from then on carry."""
         if self.core is None:  # no request was ever served: nothing runs beside fn
             return fn()
         timeout = self.config.rollout.request_timeout

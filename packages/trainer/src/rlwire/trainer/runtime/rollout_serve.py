@@ -179,9 +179,16 @@ class ServeLoop:
         return await generate_requests(worker, examples, seed)
 
     async def _validate(self, task: dict[str, Any]) -> None:
-        out = await asyncio.to_thread(
-            self.worker.generate, task["examples"], task["seed"], task["sampling"]
-        )
+        """The held-out prompts beside the groups in flight: as requests where the engine
+        batches them continuously, else (its own batched ``generate``: ``vllm``) between two
+        calls of its lock-step core, never beside one."""
+        worker, backend = self.worker, self.worker._loaded()
+
+        def generate() -> Rollout:
+            return worker.generate(task["examples"], task["seed"], task["sampling"])
+
+        run = generate if backend.serves_requests else lambda: backend.between_steps(generate)
+        out = await asyncio.to_thread(run)
         await self._ask(self.queue.put_validation.remote(self.worker.index, out), "validation")
 
 
