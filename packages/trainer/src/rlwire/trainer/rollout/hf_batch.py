@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import random
 import time
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ class HFBatch:
         # transformers 5.24 renamed the forward's past_key_values to cache (5.17 has the old)
         forward = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
-        self.cache = None  # a transformers DynamicCache over self.rows, or None
+        self.cache: Any = None  # a transformers DynamicCache over self.rows, or None
         self.attention: torch.Tensor | None = None
 
     @property

@@ -236,17 +236,17 @@ class EngineCore:
                 self.stepper.release(admitted + running)
                 with self._cond:
                     self._running = []
-                for live in admitted + running:
-                    live.future.set_exception(err)
+                for failed in admitted + running:
+                    failed.future.set_exception(err)
                 continue
             self.steps += 1
             self.busy_s += time.perf_counter() - began
-            live = admitted + running
-            ended = [r for r in live if r.finish_reason is not None]
+            stepped = admitted + running
+            ended = [r for r in stepped if r.finish_reason is not None]
             if ended:
                 self.stepper.release(ended)
             with self._cond:
-                self._running = [r for r in live if r.finish_reason is None]
+                self._running = [r for r in stepped if r.finish_reason is None]
             for r in ended:
                 r.future.set_result(r.completion())
 

@@ -48,12 +48,14 @@ def _measure(path: Path, overrides: list[str], count: int, seed: int, width: int
     began = time.perf_counter()
     out = asyncio.run(loop.run_async(examples, 1, seed, max_in_flight=width))
     wall = time.perf_counter() - began
-    engine.core.close()
+    core = engine.core
+    assert core is not None  # the hf engine's own
+    core.close()
     calls = sum(len(t.tool_results) for t in out.trajectories or [])
     return {
         "width": width,
         "samples_s": len(out) / wall,
-        "engine_s": engine.core.busy_s,
+        "engine_s": core.busy_s,
         "wall_s": wall,
         "calls": calls / len(out),
     }
