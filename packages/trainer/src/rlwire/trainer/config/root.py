@@ -96,10 +96,13 @@ class TrainerConfig:
                 f"it must divide data.train_batch_size ({prompts}), and ppo_mini_batch_size x "
                 f"rollout.n must be a multiple of {split} ({per_step})",
             )
+        engine = rollout_engine_class(self.rollout.backend)
+        takes_requests = engine.serves_requests or engine.can_continue
+        if self.async_.partial_rollout is None:  # verl's default (on), where it can be
+            self.async_.partial_rollout = self.trainer.mode == "fully_async" and takes_requests
         if self.async_.partial_rollout and self.trainer.mode == "fully_async":
-            engine = rollout_engine_class(self.rollout.backend)
             check(
-                engine.serves_requests or engine.can_continue,
+                takes_requests,
                 "async.partial_rollout",
                 True,
                 f"rollout.backend {self.rollout.backend!r} takes no requests (neither "

@@ -134,14 +134,14 @@ class AsyncConfig:
     ``data.train_batch_size`` over the workers, rounded up. A worker takes another chunk
     while its samples in flight leave room under ``rollout.max_num_seqs``; the staleness
     bound still caps the groups in flight."""
-    partial_rollout: bool = False
-    """Partial rollouts: a weight sync is written in at once, between two decoding steps,
-    and the requests in flight carry on with the new weights (nothing is aborted; the KV
-    cache as ``rollout.kv_on_update`` says); every token keeps the version and behaviour
-    log-prob it was sampled with, and a sample's lag is its oldest token's. Off: a worker
-    writes the update in once its groups in flight completed (each sample one version).
-    Needs a rollout engine that takes requests (``hf``, ``paced``, ``vllm``,
-    ``vllm_server``)."""
+    partial_rollout: bool | None = None
+    """Partial rollouts (verl's key; None: on, verl's default, where the rollout engine
+    takes requests, as every built-in one does): a weight sync is written in at once,
+    between two decoding steps, and the requests in flight carry on with the new weights
+    (nothing is aborted; the KV cache as ``rollout.kv_on_update`` says); every token keeps
+    the version and behaviour log-prob it was sampled with, and a sample's lag is its
+    oldest token's. Off: a worker writes the update in once its groups in flight completed
+    (each sample one version, at the cost of a drain at every sync)."""
     partial_rollout_chunk_tokens: int = 8
     """With ``partial_rollout``, on an engine without continuous batching (``vllm``,
     ``vllm_server``: one ``extend`` call per step of its lock-step core): tokens per call,
