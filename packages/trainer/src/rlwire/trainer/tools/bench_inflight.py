@@ -2,7 +2,8 @@
 against the number of conversations it keeps in flight, on the ``lookup`` task.
 
 One process, no Ray: the ``hf`` engine on the lookup task's primed model (``--seeds``'s
-first seed), the agent loop running ``--conversations`` conversations with at most ``C`` in
+first seed), the agent loop running ``--conversations`` conversations (2 per prompt) with
+at most ``C`` in
 flight at once and the engine decoding at most ``C`` requests together
 (``rollout.max_num_seqs``), for each ``C``; the tool is ``agent.tools``'s (default the
 lookup tool that waits 50 ms without using the CPU, ``remote_lookup:lookup``). Prints per
@@ -37,16 +38,16 @@ def _measure(path: Path, overrides: list[str], count: int, seed: int, width: int
         overrides=[
             "data.source=builtin:lookup",
             f"agent.tools=[{DEFAULT_TOOL}]",
-            "rollout.n=1",
+            "rollout.n=2",
             *overrides,
             f"rollout.max_num_seqs={width}",
         ]
     )
     engine = HFEngine(config, str(path), torch.device("cpu"))
     loop = build_loop(config, engine, str(path))
-    examples = BUILTIN_TASKS["lookup"].examples(count, seed + 1000, "builtin:lookup")
+    examples = BUILTIN_TASKS["lookup"].examples(count // 2, seed + 1000, "builtin:lookup")
     began = time.perf_counter()
-    out = asyncio.run(loop.run_async(examples, 1, seed, max_in_flight=width))
+    out = asyncio.run(loop.run_async(examples, 2, seed, max_in_flight=width))
     wall = time.perf_counter() - began
     core = engine.core
     assert core is not None  # the hf engine's own
