@@ -153,7 +153,11 @@ class HFBatch:
         ids, attention = ids.to(self.device), attention.to(self.device)
         positions = (torch.cumsum(attention, dim=1) - 1).clamp(min=0)
         out = self.model(
-            input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True
+            input_ids=ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,  # the next token's only: not every position's
         )
         new = [(layer.keys, layer.values) for layer in _cache_of(out).layers]
         if self.rows:
