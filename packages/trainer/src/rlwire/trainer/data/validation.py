@@ -7,7 +7,7 @@ the updates done), to every logger, and on the plot.
 The rollout engines run the validation between a weight sync and the next generation, so
 it neither uses nor moves the training data (its prompts are apart, its seeds fixed), and
 the steps' times do not include it. In fully-async mode the workers take their share from
-the sample queue at their next boundary, after a sync (the weights validated are those
+the sample queue after a sync, beside their groups in flight (the weights validated are those
 synced: after every ``trigger_parameter_sync_step`` updates; a version that is due but not
 synced is not validated), and the final weights are synced to them once more to be
 validated.

@@ -5,13 +5,15 @@ The trainer's loop overlaps what it can: the groups of the next update are taken
 queue while the current update runs, and a weight push holds neither the trainer nor the
 rollout workers' generation: actor rank 0 gathers the weights into a snapshot and sends it
 from a thread of its own while the next update runs; each rollout worker receives it in a
-thread of its own while it generates (``RolloutWorker.stage_weights``) and writes it in at
-its next boundary (the end of its chunk of groups, or with partial rollouts of its token
-chunk), then goes on without waiting for the other workers. A sync step's metrics line is
+thread of its own while it generates (``RolloutWorker.stage_weights``) and writes it in
+between two decoding steps of its engine (with partial rollouts at once, the requests in
+flight carrying on; without, once its groups in flight ended:
+:mod:`rlwire.trainer.runtime.rollout_serve`), then goes on without waiting for the other
+workers. A sync step's metrics line is
 written once its sync completed, after the next update.
 
 Deadlines: the transfer is bounded by the checkpoint engine (``ckpt_engine.timeout`` per
-wait); the workers' boundaries, which come after the generation they are in, by
+wait); the workers' writes, which may come after the generation they are in, by
 ``async.sample_timeout``, counted from the trainer's wait for the sync (after the next
 update), never by the transfer's deadline."""
 

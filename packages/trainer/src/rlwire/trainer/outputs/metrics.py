@@ -112,8 +112,10 @@ class StepMetrics(UpdateMetrics):
     """Fully async only: rollout worker time spent paused by the staleness bound (summed
     over the workers, since the previous step's line)."""
     rollout_sync_wait_s: float | None = None
-    """Fully async only: rollout worker time spent at a boundary until the weights of a sync
-    were in (summed over the workers, since the previous step's line)."""
+    """Fully async only: rollout worker time from being asked to take a sync until its
+    weights were written in (waiting for the transfer, and without partial rollouts for
+    its groups in flight to end; summed over the workers, since the previous step's
+    line). Its requests in flight go on meanwhile; it starts no new group."""
     time_generate_s: float | None = None
     """The rollout engines' own seconds on the generation calls behind this step's samples,
     summed over the engines (in parallel on several workers, so the wall time is less);

@@ -112,8 +112,11 @@ class Rollout:
     tool calls, environment rewards and why it stopped); None for single-turn samples."""
     generate_s: torch.Tensor | None = None
     """``(B,)`` float64: each sample's share of the engine's wall seconds on the calls that
-    generated it (a call's time divided evenly over its rows; the rollout worker stamps it),
-    so that a batch's sum is the generation time behind it wherever its parts came from."""
+    generated it (a call's time divided evenly over its rows; fully async: the wall time
+    while groups were in flight, split evenly over the groups in flight,
+    :class:`~rlwire.trainer.runtime.rollout_serve.ShareClock`; the rollout worker stamps
+    it), so that a batch's sum is the generation time behind it wherever its parts came
+    from."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

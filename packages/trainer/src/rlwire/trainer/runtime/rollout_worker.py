@@ -35,8 +35,8 @@ class RolloutWorker(WeightStage, WorkerProcess):
     fully-async mode calls :meth:`run`, which loops on the sample queue until told to
     stop (see :mod:`rlwire.trainer.modes.fully_async`), and, on the actor's ``receive``
     concurrency group (a thread of its own), :meth:`stage_weights` for each sync: the
-    update arrives while the worker generates, and :meth:`run` writes it in at its next
-    boundary.
+    update arrives while the worker generates, and :meth:`run` writes it in between two
+    decoding steps (:class:`~rlwire.trainer.runtime.rollout_serve.ServeLoop`).
     """
 
     CONCURRENCY_GROUPS = {"receive": 1}

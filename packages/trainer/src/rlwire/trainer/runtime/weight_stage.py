@@ -1,5 +1,5 @@
 """Fully async: a rollout worker receives the next weights beside the ones it generates
-with, and writes them in at its next boundary. Mixed into
+with, and writes them in between two decoding steps. Mixed into
 :class:`~rlwire.trainer.runtime.rollout_worker.RolloutWorker`."""
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ class WeightStage:
 
     def stage_weights(self, version: int) -> bool:
         """Fully async, on the ``receive`` concurrency group while :meth:`run` generates:
-        receive update ``version`` beside the weights in use; :meth:`run` writes it in at
-        its next boundary. An engine that cannot stage (a third party's without
-        :class:`~rlwire.trainer.rollout.StagingRolloutEngine`) receives at the boundary
-        instead, as the sender's peer then. Returns whether it staged the update."""
+        receive update ``version`` beside the weights in use; :meth:`run` writes it in
+        between two decoding steps. An engine that cannot stage (a third party's without
+        :class:`~rlwire.trainer.rollout.StagingRolloutEngine`) receives when it is written
+        in instead, as the sender's peer then. Returns whether it staged the update."""
         backend = self._loaded()
         if not backend.stages_updates:
             return False
