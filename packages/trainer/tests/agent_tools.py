@@ -49,7 +49,7 @@ def spin(seconds: float) -> str:
     """
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        pass
+        pass  # Python bytecode all along: what a stopped call's exception can interrupt
     return "spun"
 
 

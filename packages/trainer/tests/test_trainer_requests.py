@@ -14,10 +14,10 @@ import torch
 
 from rlwire.trainer.algorithms.step import compute_old_logprobs
 from rlwire.trainer.models.tiny import build_tiny_model
-from rlwire.trainer.rollout.common import completions_rollout
 from rlwire.trainer.rollout.hf_batch import HFBatch
 from rlwire.trainer.rollout.lockstep import LockstepStepper
 from rlwire.trainer.rollout.requests import EngineCore, Request, wait_all
+from rlwire.trainer.rollout.tokens import completions_rollout
 
 PROMPTS = ["a:", "bcd:", "e:", "fghij:", "k:", "lm:"]
 
@@ -54,7 +54,7 @@ def _rows(tokenizer, prompts=PROMPTS) -> list[list[int]]:
 
 
 def _recomputed(model, tokenizer, rows, done, temperature):
-    out = completions_rollout(rows, done, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer)
+    out = completions_rollout(tokenizer, rows, done)
     logp = compute_old_logprobs(model, out, micro_batch_size=8, temperature=temperature)
     return out, logp
 
@@ -297,3 +297,22 @@ def test_an_async_tool_that_blocks_holds_back_no_other_async_tool():
     runner = _runner("hold", "release", timeout=10.0)
     results = runner.run([ParsedCall("hold", {"seconds": 5.0}), ParsedCall("release", {})])
     assert [r.text for r in results] == ["released", "done"]
+
+
+def test_an_engine_without_requests_or_extend_is_refused_naming_it():
+    from rlwire.trainer.config.root import load_config
+    from rlwire.trainer.rollout.base import RolloutEngine
+
+    class Batched(RolloutEngine):  # a third party's engine: generate() only
+        def generate(self, prompts, seed, sampling=None):
+            raise AssertionError("not called")
+
+        async def apply(self, engine):
+            return 0
+
+        def digest(self):
+            return None
+
+    engine = Batched(load_config(), "", torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match="rollout engine Batched: takes no requests"):
+        engine.submit(Request((1,), 1, 1.0, seed=0))

@@ -16,10 +16,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import torch
-
 from ..rollout.common import Example, Rollout
 from ..rollout.requests import Completion, Request, request_seed
+from ..rollout.tokens import token_rollout
 from .calls import Call
 from .environment import Environment, Observation, as_observation
 from .render import ChatRenderer
@@ -199,37 +198,16 @@ class AgentLoop:
         conv.add(ids, None, [version] * len(ids), role, text)
 
     def _batch(self, conversations: list[Conversation]) -> Rollout:
-        """The conversations as one batch (prompts left-padded, responses right-padded)."""
-        pad = self.tokenizer.pad_token_id
-        rows = len(conversations)
-        width_p = max(len(c.prompt) for c in conversations)
-        width_r = max(1, max(len(c.ids) for c in conversations))
-        prompt_ids = torch.full((rows, width_p), pad, dtype=torch.long)
-        prompt_mask = torch.zeros((rows, width_p), dtype=torch.long)
-        response_ids = torch.full((rows, width_r), pad, dtype=torch.long)
-        mask = torch.zeros((rows, width_r), dtype=torch.long)
-        logprobs = torch.zeros((rows, width_r), dtype=torch.float32)
-        versions = torch.zeros((rows, width_r), dtype=torch.long)
-        for row, conv in enumerate(conversations):
-            p, t = len(conv.prompt), len(conv.ids)
-            prompt_ids[row, width_p - p :] = torch.tensor(conv.prompt, dtype=torch.long)
-            prompt_mask[row, width_p - p :] = 1
-            response_ids[row, :t] = torch.tensor(conv.ids, dtype=torch.long)
-            mask[row, :t] = torch.tensor(conv.mask, dtype=torch.long)
-            logprobs[row, :t] = torch.tensor(conv.logprobs, dtype=torch.float32)
-            versions[row, :t] = torch.tensor(conv.versions, dtype=torch.long)
-        texts = [self.tokenizer.decode(c.ids, skip_special_tokens=True) for c in conversations]
-        return Rollout(
-            prompt_ids,
-            prompt_mask,
-            response_ids,
-            mask,
-            logprobs,
-            texts,
-            pad_id=pad,
-            versions=versions,
-            trajectories=[c.record for c in conversations],
+        """The conversations as one batch (prompts left-padded, responses right-padded), with
+        their loss masks, versions and records."""
+        out = token_rollout(
+            self.tokenizer,
+            [(c.prompt, c.ids, c.logprobs) for c in conversations],
+            masks=[c.mask for c in conversations],
+            versions=[c.versions for c in conversations],
         )
+        out.trajectories = [c.record for c in conversations]
+        return out
 
 
 def build_loop(config, engine, model_path: str) -> AgentLoop:

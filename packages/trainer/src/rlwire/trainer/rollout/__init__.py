@@ -25,14 +25,13 @@ from .common import (
     Rollout,
     Sampling,
     WeightsDigest,
-    completions_rollout,
-    prompt_rows,
     response_lengths,
     sequence_logprobs,
     split_evenly,
     weights_digest,
 )
 from .hf import HFEngine, hf_extend, hf_generate, hf_start
+from .tokens import completions_rollout, token_rollout
 
 __all__ = [
     "ROLLOUT_ENGINES",
@@ -49,7 +48,7 @@ __all__ = [
     "hf_extend",
     "hf_generate",
     "hf_start",
-    "prompt_rows",
+    "token_rollout",
     "response_lengths",
     "rollout_engine_class",
     "sequence_logprobs",

@@ -12,8 +12,6 @@ import torch
 
 __all__ = [
     "Example",
-    "completions_rollout",
-    "prompt_rows",
     "Rollout",
     "Sampling",
     "WeightsDigest",
@@ -242,58 +240,6 @@ class Rollout:
             rewards=moved(self.rewards),
             advantages=moved(self.advantages),
         )
-
-
-def prompt_rows(contexts: list[list[int]], pad_id: int) -> Rollout:
-    """Token lists as a batch of prompts (left-padded) with empty responses (``extend``'s
-    input)."""
-    width = max(len(c) for c in contexts)
-    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(contexts), width), dtype=torch.long)
-    for row, context in enumerate(contexts):
-        ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
-        mask[row, width - len(context) :] = 1
-    empty = ids.new_zeros((len(contexts), 0))
-    texts = [""] * len(contexts)
-    return Rollout(ids, mask, empty, empty.clone(), empty.float(), texts, pad_id=pad_id)
-
-
-def completions_rollout(
-    prompts: list[list[int]], completions: list, *, pad_id: int, tokenizer
-) -> Rollout:
-    """One :class:`Rollout` of ``completions`` (:class:`~rlwire.trainer.rollout.requests.
-    Completion`, one per row) after ``prompts`` (token ids, one list per row): prompts
-    left-padded, responses right-padded, the loss mask 1 on every sampled token (up to
-    and including an end-of-sequence one), behaviour log-probs and per-token versions
-    as the engine recorded them."""
-    rows = len(prompts)
-    width_p = max(len(p) for p in prompts)
-    width_r = max(1, max(len(c.token_ids) for c in completions))
-    prompt_ids = torch.full((rows, width_p), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((rows, width_p), dtype=torch.long)
-    response_ids = torch.full((rows, width_r), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, width_r), dtype=torch.long)
-    logprobs = torch.zeros((rows, width_r), dtype=torch.float32)
-    versions = torch.zeros((rows, width_r), dtype=torch.long)
-    for row, (prompt, done) in enumerate(zip(prompts, completions, strict=True)):
-        p, t = len(prompt), len(done.token_ids)
-        prompt_ids[row, width_p - p :] = torch.tensor(prompt, dtype=torch.long)
-        prompt_mask[row, width_p - p :] = 1
-        response_ids[row, :t] = torch.tensor(done.token_ids, dtype=torch.long)
-        mask[row, :t] = 1
-        logprobs[row, :t] = torch.tensor(done.logprobs, dtype=torch.float32)
-        versions[row, :t] = torch.tensor(done.versions, dtype=torch.long)
-    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    return Rollout(
-        prompt_ids,
-        prompt_mask,
-        response_ids,
-        mask,
-        logprobs,
-        texts,
-        pad_id=pad_id,
-        versions=versions,
-    )
 
 
 def _to_array(value):

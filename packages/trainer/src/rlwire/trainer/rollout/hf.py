@@ -13,15 +13,10 @@ import torch
 from ..models import lora
 from ..models.modeling import load_hf_model
 from .base import PartialRolloutEngine, StagingRolloutEngine
-from .common import (
-    Rollout,
-    Sampling,
-    completions_rollout,
-    response_lengths,
-    weights_digest,
-)
+from .common import Rollout, Sampling, weights_digest
 from .hf_batch import HFBatch
 from .requests import EngineCore, sample_requests, wait_all
+from .tokens import completions_rollout, continuation_rows, token_rollout
 
 __all__ = ["HFEngine", "hf_extend", "hf_generate", "hf_start"]
 
@@ -237,11 +232,14 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
         sampling = sampling or Sampling(n=cfg.n, temperature=cfg.temperature, greedy=False)
         encoded = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
         rows = [list(ids) for ids in encoded for _ in range(sampling.n)]
-        return self._complete(rows, cfg.max_new_tokens, seed, sampling)
+        done = self._complete(rows, cfg.max_new_tokens, seed, sampling)
+        return completions_rollout(self.tokenizer, rows, done)
 
     def _complete(
         self, rows: list[list[int]], max_new_tokens: int, seed: int, sampling: Sampling
-    ) -> Rollout:
+    ) -> list:
+        """The :class:`~rlwire.trainer.rollout.requests.Completion` of each row, all its
+        requests admitted together."""
         requests = sample_requests(
             rows,
             max_new_tokens=max_new_tokens,
@@ -249,14 +247,8 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
             seed=seed,
             greedy=sampling.greedy,
         )
-        done = wait_all(
-            self.submit_all(requests),
-            self.config.rollout.request_timeout,
-            f"rollout engine {self.index}",
-        )
-        return completions_rollout(
-            rows, done, pad_id=self.tokenizer.pad_token_id, tokenizer=self.tokenizer
-        )
+        timeout = self.config.rollout.request_timeout
+        return wait_all(self.submit_all(requests), timeout, f"rollout engine {self.index}")
 
     def start(self, prompts: list[str]) -> Rollout:
         return hf_start(self.tokenizer, prompts, self.config.rollout.n)
@@ -264,42 +256,12 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
     def extend(
         self, batch: Rollout, max_new_tokens: int, seed: int
     ) -> tuple[Rollout, torch.Tensor]:
-        contexts = [
-            prompt[prompt_mask.bool()].tolist() + response[: int(length)].tolist()
-            for prompt, prompt_mask, response, length in zip(
-                batch.prompt_ids,
-                batch.prompt_mask,
-                batch.response_ids,
-                response_lengths(batch.response_mask),
-                strict=True,
-            )
-        ]
+        rows = continuation_rows(batch)
         cfg = self.config.rollout
         sampling = Sampling(n=1, temperature=cfg.temperature, greedy=False)
-        new = self._complete(contexts, max_new_tokens, seed, sampling)
-        ended = torch.tensor(
-            [
-                bool(m.any()) and int(ids[m.bool()][-1]) == self.tokenizer.eos_token_id
-                for ids, m in zip(new.response_ids, new.response_mask, strict=True)
-            ],
-            dtype=torch.bool,
-        )
-        return _appended(batch, new, self.tokenizer), ended
-
-
-def _appended(batch: Rollout, new: Rollout, tokenizer) -> Rollout:
-    """``batch`` with ``new``'s responses appended to its own (mask, log-probs, texts)."""
-    mask = torch.cat([batch.response_mask, new.response_mask], dim=1)
-    response_ids = torch.cat([batch.response_ids, new.response_ids], dim=1)
-    texts = tokenizer.batch_decode(
-        response_ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True
-    )
-    return Rollout(
-        batch.prompt_ids,
-        batch.prompt_mask,
-        response_ids,
-        mask,
-        torch.cat([batch.logprobs, new.logprobs], dim=1),
-        texts,
-        pad_id=batch.pad_id,
-    )
+        done = self._complete([p + r for p, r, _ in rows], max_new_tokens, seed, sampling)
+        grown = [
+            (p, r + d.token_ids, lp + d.logprobs) for (p, r, lp), d in zip(rows, done, strict=True)
+        ]
+        ended = torch.tensor([d.finish_reason == "stop" for d in done], dtype=torch.bool)
+        return token_rollout(self.tokenizer, grown), ended

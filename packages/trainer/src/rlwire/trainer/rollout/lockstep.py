@@ -10,8 +10,8 @@ commits run between two calls (:meth:`~rlwire.trainer.rollout.requests.EngineCor
 
 from __future__ import annotations
 
-from .common import prompt_rows
 from .requests import EngineCore, Live
+from .tokens import token_rollout
 
 __all__ = ["LockstepStepper", "lockstep_core"]
 
@@ -28,8 +28,9 @@ class LockstepStepper:
     def step(self, admitted: list[Live], running: list[Live], version: int) -> None:
         live = running + admitted
         tokenizer = self.engine.tokenizer
-        pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-        rows = prompt_rows([list(r.request.prompt_ids) + r.token_ids for r in live], pad)
+        eos = tokenizer.eos_token_id
+        contexts = [(list(r.request.prompt_ids) + r.token_ids, [], []) for r in live]
+        rows = token_rollout(tokenizer, contexts)  # prompts with empty responses
         budget = max(r.request.max_new_tokens - len(r.token_ids) for r in live)
         if self.chunk_tokens is not None:
             budget = min(budget, self.chunk_tokens)
@@ -47,7 +48,8 @@ class LockstepStepper:
                 request.finish_reason = "length"  # the engine stopped early (its own limit)
 
     def release(self, ended: list[Live]) -> None:
-        pass
+        """Nothing to forget: each call is given every live request's whole context, and the
+        stepper keeps nothing per request between calls."""
 
 
 def lockstep_core(engine) -> EngineCore:

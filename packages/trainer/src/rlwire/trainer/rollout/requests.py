@@ -190,11 +190,6 @@ class EngineCore:
             self._cond.notify_all()
         return future
 
-    def in_flight(self) -> int:
-        """Requests submitted and not answered."""
-        with self._cond:
-            return len(self._waiting) + len(self._running)
-
     def close(self, timeout: float = 30.0) -> None:
         """Stop the loop once the step in progress ends; what was not answered fails."""
         with self._cond:

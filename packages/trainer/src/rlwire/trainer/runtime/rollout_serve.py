@@ -223,4 +223,4 @@ async def generate_requests(worker, examples: list, seed: int) -> Rollout:
             f"rollout worker {worker.index}: a group was not generated within "
             f"{cfg.request_timeout:g} s (rollout.request_timeout)"
         ) from None
-    return completions_rollout(rows, done, pad_id=tokenizer.pad_token_id, tokenizer=tokenizer)
+    return completions_rollout(tokenizer, rows, done)
