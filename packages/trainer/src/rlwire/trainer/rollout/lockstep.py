@@ -11,7 +11,7 @@ commits run between two calls (:meth:`~rlwire.trainer.rollout.requests.EngineCor
 from __future__ import annotations
 
 from .requests import EngineCore, Live
-from .tokens import token_rollout
+from .tokens import Row, token_rollout
 
 __all__ = ["LockstepStepper", "lockstep_core"]
 
@@ -29,7 +29,7 @@ class LockstepStepper:
         live = running + admitted
         tokenizer = self.engine.tokenizer
         eos = tokenizer.eos_token_id
-        contexts = [(list(r.request.prompt_ids) + r.token_ids, [], []) for r in live]
+        contexts: list[Row] = [(list(r.request.prompt_ids) + r.token_ids, [], []) for r in live]
         rows = token_rollout(tokenizer, contexts)  # prompts with empty responses
         budget = max(r.request.max_new_tokens - len(r.token_ids) for r in live)
         if self.chunk_tokens is not None:
