@@ -593,3 +593,13 @@ def test_a_task_is_as_many_groups_as_async_chunk_groups_says_within_the_bound(ch
 
     tasks = asyncio.run(run())
     assert [len(t["indices"]) for t in tasks] == sizes
+
+
+def test_partial_rollouts_are_on_by_default_in_fully_async_mode_only():
+    """verl's default, resolved after the overrides: a config whose mode is set by an
+    override (its sections built before it) still gets them (it did not: the default was
+    resolved against the default mode, colocated, and stored)."""
+    assert load_config(overrides=["trainer.mode=fully_async"]).partial_rollouts()
+    assert not load_config().partial_rollouts()
+    off = ["trainer.mode=fully_async", "async_training.partial_rollout=false"]
+    assert not load_config(overrides=off).partial_rollouts()

@@ -96,13 +96,9 @@ class TrainerConfig:
                 f"it must divide data.train_batch_size ({prompts}), and ppo_mini_batch_size x "
                 f"rollout.n must be a multiple of {split} ({per_step})",
             )
-        engine = rollout_engine_class(self.rollout.backend)
-        takes_requests = engine.serves_requests or engine.can_continue
-        if self.async_.partial_rollout is None:  # verl's default (on), where it can be
-            self.async_.partial_rollout = self.trainer.mode == "fully_async" and takes_requests
         if self.async_.partial_rollout and self.trainer.mode == "fully_async":
             check(
-                takes_requests,
+                self._takes_requests(),
                 "async.partial_rollout",
                 True,
                 f"rollout.backend {self.rollout.backend!r} takes no requests (neither "
@@ -155,6 +151,19 @@ class TrainerConfig:
                 "on",
                 f"ckpt_engine.backend {backend!r} sends whole weights only; use 'auto' or 'off'",
             )
+
+    def _takes_requests(self) -> bool:
+        engine = rollout_engine_class(self.rollout.backend)
+        return engine.serves_requests or engine.can_continue
+
+    def partial_rollouts(self) -> bool:
+        """Whether fully-async workers write a sync in with requests in flight
+        (``async.partial_rollout``, resolved: None is on where the rollout engine takes
+        requests, verl's default). Resolved here, not stored: the sections are built before
+        the overrides that set the mode are merged."""
+        if self.async_.partial_rollout is not None:
+            return self.async_.partial_rollout
+        return self.trainer.mode == "fully_async" and self._takes_requests()
 
     def hybrid_engine(self) -> bool:
         """Whether each rollout engine runs inside an actor rank's process

@@ -56,7 +56,7 @@ def lockstep_core(engine) -> EngineCore:
     """The request core of a lock-step ``engine``: ``rollout.max_num_seqs`` per call, and
     with ``async.partial_rollout`` at most ``async.partial_rollout_chunk_tokens`` tokens."""
     config = engine.config
-    chunk = config.async_.partial_rollout_chunk_tokens if config.async_.partial_rollout else None
+    chunk = config.async_.partial_rollout_chunk_tokens if config.partial_rollouts() else None
     return EngineCore(
         LockstepStepper(engine, chunk),
         max_num_seqs=config.rollout.max_num_seqs,

@@ -143,7 +143,7 @@ class ServeLoop:
 
     async def _sync(self, version: int) -> dict[str, Any]:
         start = time.perf_counter()
-        if not self.config.async_.partial_rollout and self.tasks:
+        if not self.config.partial_rollouts() and self.tasks:
             await asyncio.wait(self.tasks)  # each sample of one version: the groups end first
             self._raise_failed()
         info = await asyncio.to_thread(self.worker.sync, version)
