@@ -47,10 +47,10 @@ def spin(seconds: float) -> str:
     Args:
         seconds: how long.
     """
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass  # Python bytecode all along: what a stopped call's exception can interrupt
-    return "spun"
+    end, laps = time.monotonic() + seconds, 0
+    while time.monotonic() < end:  # Python bytecode: what a stopped call's exception stops
+        laps += 1
+    return f"spun {laps} laps"
 
 
 _RELEASED = threading.Event()
