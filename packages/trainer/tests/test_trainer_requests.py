@@ -233,6 +233,103 @@ def test_the_lockstep_core_continues_requests_chunk_by_chunk_across_an_update(ti
     assert stepper.update_future.result(1) == 1
 
 
+def _model_call(model, log: list, gate: threading.Lock, active: list):
+    """A server's completion call (:data:`~rlwire.trainer.rollout.chains.Complete`) sampled
+    from ``model`` (no end-of-sequence token: every call returns what it was asked); it
+    counts the calls in flight in ``active[0]`` and logs each one's ``request_id`` as it ends."""
+
+    def complete(context, max_tokens, seed, request):
+        with gate:
+            active[0] += 1
+        try:
+            if request.request_id == "slow" and "slow" not in log:
+                time.sleep(1.0)  # its first call only
+            gen = torch.Generator().manual_seed(seed)
+            ids, tokens, logprobs = list(context), [], []
+            with torch.no_grad():
+                for _ in range(max_tokens):
+                    logits = model(torch.tensor([ids])).logits[0, -1].float()
+                    logp = torch.log_softmax(logits / request.temperature, -1)
+                    token = int(torch.multinomial(logp.exp(), 1, generator=gen))
+                    tokens.append(token)
+                    logprobs.append(float(logp[token]))
+                    ids.append(token)
+            log.append(request.request_id)
+            return tokens, logprobs, "length"
+        finally:
+            with gate:
+                active[0] -= 1
+
+    return complete
+
+
+def test_server_chains_hold_a_commit_until_no_call_is_in_flight_and_stamp_exact_versions(tiny):
+    """``vllm_server``'s requests (:mod:`.chains`): chains of calls of 2 tokens, all in
+    flight at once; an update queued after the first answer is written in only once no call
+    is in flight (no new call starts meanwhile), and every call's tokens carry the version
+    it ran on: each request's first call version 0, its last version 1."""
+    from rlwire.trainer.rollout.chains import ChainStepper
+
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    log: list = []
+    gate, active, seen = threading.Lock(), [0], []
+
+    def update() -> int:
+        seen.append(active[0])  # calls in flight while the weights change: must be none
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.05)
+        return 1
+
+    class UpdateAfterFirst(ChainStepper):
+        def step(self, admitted, running, version):
+            super().step(admitted, running, version)
+            if not hasattr(self, "update_future"):
+                self.update_future = self.core.call(update)
+
+    complete = _model_call(model, log, gate, active)
+    stepper = UpdateAfterFirst(
+        complete, eos=None, chunk_tokens=2, max_in_flight=8, timeout=30, name="t"
+    )
+    core = EngineCore(stepper, max_num_seqs=8)
+    stepper.core = core
+    rows = _rows(tokenizer)[:4]
+    done = _serve(core, rows, new=6, temperature=1.0)
+    assert stepper.update_future.result(1) == 1 and seen == [0]
+    for d in done:
+        assert len(d.token_ids) == 6 and d.finish_reason == "length"
+        assert d.versions[:2] == [0, 0] and d.versions[4:] == [1, 1]
+        assert d.versions[2] == d.versions[3]  # one call, one version
+    assert any(d.versions[2] == 1 for d in done)  # the calls held back started after it
+    core.close()
+
+
+def test_a_slow_server_call_holds_back_no_other_request(tiny):
+    """One request's first call takes 1 s; the others, in flight beside it, end first."""
+    from rlwire.trainer.config.root import load_config
+    from rlwire.trainer.rollout.chains import chain_core
+
+    model, tokenizer = tiny
+    log: list = []
+    complete = _model_call(model, log, threading.Lock(), [0])
+    config = load_config(
+        overrides=["async.partial_rollout=true", "async.partial_rollout_chunk_tokens=2"]
+    )
+    core = chain_core(complete, eos=None, config=config, index=0, name="t")
+    rows = _rows(tokenizer)[:4]
+    requests = [
+        Request(tuple(r), 4, 1.0, seed=i, request_id="slow" if i == 0 else f"r{i}")
+        for i, r in enumerate(rows)
+    ]
+    futures = core.submit_all(requests)
+    wait_all(futures[1:], 30, "test")
+    assert not futures[0].done()  # the others ended while the slow one's first call ran
+    assert len(futures[0].result(30).token_ids) == 4
+    assert log.index("slow") > max(log.index(f"r{i}") for i in (1, 2, 3))
+    core.close()
+
+
 # --- conversations that never wait for each other ------------------------------------------
 
 

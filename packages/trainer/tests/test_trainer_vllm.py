@@ -389,11 +389,16 @@ def test_a_server_that_does_not_answer_stops_the_run_naming_it(ray_cluster, tmp_
     assert f"vllm_server {url}: no answer to /v1/models" in out
 
 
-def test_a_fully_async_run_on_a_vllm_server_it_starts_learns(ray_cluster, tmp_path):
-    """The trainer starts the server (on the rollout worker's node), generates with partial
-    rollouts through it and syncs every step over the weight-transfer routes; the reward of
-    the built-in task rises (0.04 -> 0.19 over 40 steps on seed 0; chosen on seed 0,
-    checked on seeds 11 and 12: README), and no server is left behind."""
+def test_a_fully_async_run_on_a_vllm_server_continues_requests_across_syncs(ray_cluster, tmp_path):
+    """The trainer starts the server (on the rollout worker's node) and generates through it
+    with partial rollouts, each request a chain of completion calls of 2 tokens, syncing
+    every step over the weight-transfer routes with calls in flight: each step but the last
+    (which has no next one to generate for) writes its update in, samples continue across
+    syncs (their tokens of two versions) within the staleness bound, the log-probs of
+    chained calls are the actor's where no update came between (step 1), and no server is
+    left behind. Learning is not asserted: on 40 steps its reward rise ranged from +0.02
+    (a CI run) to +0.35 between runs of the same seed, as thread timing orders the
+    samples; the server's log-probs after each sync: the colocated run below."""
     pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
     import subprocess
 
@@ -402,16 +407,15 @@ def test_a_fully_async_run_on_a_vllm_server_it_starts_learns(ray_cluster, tmp_pa
         run,
         "rollout.backend=vllm_server",
         "trainer.mode=fully_async",
-        "trainer.steps=40",
-        "actor.optim.lr=1e-2",
+        "trainer.steps=8",
+        "async.partial_rollout_chunk_tokens=2",
         cluster=ray_cluster,
     )
-    rewards = [r["reward_mean"] for r in records]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert first < 0.1 and last > first + 0.08, (first, last)
-    for r in records:
-        if r["version_lag_max"] == 0:
-            assert abs(r["kl_rollout"]) < 1e-3, r
+    assert [r["weight_version"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 7]
+    assert all(r["version_lag_max"] <= 1 for r in records), records
+    assert records[0]["version_lag_max"] == 0 and abs(records[0]["kl_rollout"]) < 1e-3
+    assert any(r["continued_fraction"] > 0 for r in records)
+    assert max(r["version_span_max"] for r in records) == 1
     # The server gets SIGTERM as its worker exits (its watchdog, or the watchdog's death) and
     # takes a few seconds to shut down: gone within a minute, not left running.
     import time

@@ -16,17 +16,19 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 from collections.abc import Callable
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from ..plugins import load_class
 from .common import Rollout, Sampling
-from .requests import EngineCore, Request
+from .requests import EngineCore, Request, sample_requests, wait_all
+from .tokens import completions_rollout, continuation_rows, token_rollout
 
 __all__ = [
     "ROLLOUT_ENGINES",
     "PartialRolloutEngine",
+    "RequestsEngine",
     "RolloutEngine",
     "SleepingRolloutEngine",
     "StagingRolloutEngine",
@@ -217,6 +219,53 @@ class PartialRolloutEngine(RolloutEngine):
         Returns the rows with the new tokens appended to their responses (mask, behaviour
         log-probs and texts too; the earlier tokens' values unchanged) and a ``(B,)`` bool
         tensor: which rows ended with an end-of-sequence token."""
+
+
+class RequestsEngine(PartialRolloutEngine):
+    """A rollout engine that batches requests continuously (its own :attr:`core`, set in
+    ``__init__``): ``generate`` and ``extend`` are layers over requests, every row
+    submitted at once (so a call's batches, and its log-probs, do not depend on thread
+    timing), row ``i`` of a call seeded ``request_seed(seed, i)``."""
+
+    serves_requests = True
+    tokenizer: Any
+    """The model's tokenizer (``__init__`` sets it): prompts' token ids."""
+
+    def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
+        cfg = self.config.rollout
+        sampling = sampling or Sampling(n=cfg.n, temperature=cfg.temperature, greedy=False)
+        encoded = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        rows = [list(ids) for ids in encoded for _ in range(sampling.n)]
+        done = self._complete(rows, cfg.max_new_tokens, seed, sampling)
+        return completions_rollout(self.tokenizer, rows, done)
+
+    def _complete(
+        self, rows: list[list[int]], max_new_tokens: int, seed: int, sampling: Sampling
+    ) -> list:
+        """The :class:`~rlwire.trainer.rollout.requests.Completion` of each row, all its
+        requests admitted together."""
+        requests = sample_requests(
+            rows,
+            max_new_tokens=max_new_tokens,
+            temperature=sampling.temperature,
+            seed=seed,
+            greedy=sampling.greedy,
+        )
+        timeout = self.config.rollout.request_timeout
+        return wait_all(self.submit_all(requests), timeout, f"rollout engine {self.index}")
+
+    def extend(
+        self, batch: Rollout, max_new_tokens: int, seed: int
+    ) -> tuple[Rollout, torch.Tensor]:
+        rows = continuation_rows(batch)
+        cfg = self.config.rollout
+        sampling = Sampling(n=1, temperature=cfg.temperature, greedy=False)
+        done = self._complete([p + r for p, r, _ in rows], max_new_tokens, seed, sampling)
+        grown = [
+            (p, r + d.token_ids, lp + d.logprobs) for (p, r, lp), d in zip(rows, done, strict=True)
+        ]
+        ended = torch.tensor([d.finish_reason == "stop" for d in done], dtype=torch.bool)
+        return token_rollout(self.tokenizer, grown), ended
 
 
 def rollout_engine_class(backend: str) -> type[RolloutEngine]:

@@ -84,7 +84,8 @@ class RolloutConfig:
     max_num_seqs: int = 256
     """Requests (samples, or model turns of conversations) an engine decodes together at
     most (vLLM's and verl's ``max_num_seqs``): ``hf`` and ``paced`` batch them
-    continuously, a request joining or leaving between two decoding steps; more wait for
+    continuously, a request joining or leaving between two decoding steps; ``vllm_server``
+    keeps that many completion calls in flight, which the server batches; more wait for
     room. Fully async: a rollout worker takes another chunk of groups while its samples in
     flight leave room for it."""
     kv_on_update: str = "keep"
@@ -93,7 +94,9 @@ class RolloutConfig:
     old weights computed, as vLLM's ``pause_generation(mode="keep")`` and PipelineRL do:
     no extra compute, the next tokens see keys and values of the old policy) or
     ``recompute`` (prefill every request in flight again with the new weights: one
-    forward over its context). Either way each token records the version that sampled it."""
+    forward over its context). Either way each token records the version that sampled it.
+    ``vllm_server`` always recomputes: a commit waits for the completion calls in flight,
+    resets the server's prefix cache, and each request's next call is prefilled anew."""
     request_timeout: float = 600.0
     """Seconds one request (a sample, or a model turn) may take from submission to its
     last token before the rollout stops with a line naming it."""

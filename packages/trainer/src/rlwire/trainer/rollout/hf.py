@@ -12,11 +12,10 @@ import torch
 
 from ..models import lora
 from ..models.modeling import load_hf_model
-from .base import PartialRolloutEngine, StagingRolloutEngine
-from .common import Rollout, Sampling, weights_digest
+from .base import RequestsEngine, StagingRolloutEngine
+from .common import Rollout, weights_digest
 from .hf_batch import HFBatch
-from .requests import EngineCore, sample_requests, wait_all
-from .tokens import completions_rollout, continuation_rows, token_rollout
+from .requests import EngineCore
 
 __all__ = ["HFEngine", "hf_extend", "hf_generate", "hf_start"]
 
@@ -154,7 +153,7 @@ def hf_generate(
     return grown
 
 
-class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
+class HFEngine(RequestsEngine, StagingRolloutEngine):
     """``rollout.backend=hf``: a plain Hugging Face copy of the policy, serving requests with
     continuous batching (:class:`~rlwire.trainer.rollout.hf_batch.HFBatch` on an
     :class:`~rlwire.trainer.rollout.requests.EngineCore`); ``generate`` and ``extend`` are
@@ -165,7 +164,6 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
     hybrid = True
     takes_deltas = True
     takes_lora = True
-    serves_requests = True
 
     def __init__(
         self,
@@ -227,41 +225,5 @@ class HFEngine(PartialRolloutEngine, StagingRolloutEngine):
             return weights_digest(self.adapter.items())
         return weights_digest(self.model.state_dict().items())
 
-    def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
-        cfg = self.config.rollout
-        sampling = sampling or Sampling(n=cfg.n, temperature=cfg.temperature, greedy=False)
-        encoded = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        rows = [list(ids) for ids in encoded for _ in range(sampling.n)]
-        done = self._complete(rows, cfg.max_new_tokens, seed, sampling)
-        return completions_rollout(self.tokenizer, rows, done)
-
-    def _complete(
-        self, rows: list[list[int]], max_new_tokens: int, seed: int, sampling: Sampling
-    ) -> list:
-        """The :class:`~rlwire.trainer.rollout.requests.Completion` of each row, all its
-        requests admitted together."""
-        requests = sample_requests(
-            rows,
-            max_new_tokens=max_new_tokens,
-            temperature=sampling.temperature,
-            seed=seed,
-            greedy=sampling.greedy,
-        )
-        timeout = self.config.rollout.request_timeout
-        return wait_all(self.submit_all(requests), timeout, f"rollout engine {self.index}")
-
     def start(self, prompts: list[str]) -> Rollout:
         return hf_start(self.tokenizer, prompts, self.config.rollout.n)
-
-    def extend(
-        self, batch: Rollout, max_new_tokens: int, seed: int
-    ) -> tuple[Rollout, torch.Tensor]:
-        rows = continuation_rows(batch)
-        cfg = self.config.rollout
-        sampling = Sampling(n=1, temperature=cfg.temperature, greedy=False)
-        done = self._complete([p + r for p, r, _ in rows], max_new_tokens, seed, sampling)
-        grown = [
-            (p, r + d.token_ids, lp + d.logprobs) for (p, r, lp), d in zip(rows, done, strict=True)
-        ]
-        ended = torch.tensor([d.finish_reason == "stop" for d in done], dtype=torch.bool)
-        return token_rollout(self.tokenizer, grown), ended

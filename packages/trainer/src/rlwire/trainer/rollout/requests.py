@@ -122,6 +122,10 @@ class Stepper(Protocol):
     def release(self, ended: list[Live]) -> None:
         """Forget what the stepper holds for requests that ended (their cache rows)."""
 
+    # Optional: ``in_flight() -> bool``, whether work the stepper started is still running
+    # outside a step (a server's calls: :mod:`.chains`), the core running no utility call
+    # then; ``close()``, called as the core closes.
+
 
 class EngineCore:
     """Serves :class:`Request` s on a :class:`Stepper` in a thread of its own.
@@ -190,14 +194,24 @@ class EngineCore:
             self._cond.notify_all()
         return future
 
+    def calls_waiting(self) -> bool:
+        """Whether a utility call waits for the next step boundary (a stepper with work in
+        flight starts no more: :mod:`.chains`)."""
+        with self._cond:
+            return bool(self._calls)
+
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the loop once the step in progress ends; what was not answered fails."""
+        """Stop the loop once the step in progress ends; what was not answered fails; then
+        the stepper's own ``close``, if it has one (its threads)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        stepper_close = getattr(self.stepper, "close", None)
+        if stepper_close is not None:
+            stepper_close()
 
     # --- the loop ----------------------------------------------------------------------
     def _start(self) -> None:
@@ -214,7 +228,9 @@ class EngineCore:
                 if self._closed:
                     self._fail_all(RuntimeError(f"{self.name}: closed before it answered"))
                     return
-                calls, self._calls = list(self._calls), collections.deque()
+                calls: list = []
+                if not self._stepper_in_flight():  # else after the work in flight ends
+                    calls, self._calls = list(self._calls), collections.deque()
             for fn, future in calls:  # between two steps: the batch is not in a forward
                 self._run_call(fn, future)
             with self._cond:  # then the requests that wait, as room allows
@@ -244,6 +260,10 @@ class EngineCore:
                 self._running = [r for r in stepped if r.finish_reason is None]
             for r in ended:
                 r.future.set_result(r.completion())
+
+    def _stepper_in_flight(self) -> bool:
+        in_flight = getattr(self.stepper, "in_flight", None)
+        return bool(in_flight()) if in_flight is not None else False
 
     def _run_call(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
         if not future.set_running_or_notify_cancel():

@@ -2,34 +2,40 @@
 
 Each rollout worker drives one server: the one :class:`~.vllm_http.ServerProcess` starts on
 the worker's node (``rollout.server_urls`` unset), or the running one at
-``rollout.server_urls[index]``. Generation goes through the OpenAI-compatible completions
-API with token ids in and out: the prompt's token ids are sent, the sampled token ids
+``rollout.server_urls[index]``. The engine serves requests as chains of completion calls,
+many in flight at once, which the server batches continuously (:mod:`.chains`; with partial
+rollouts each call of at most ``async.partial_rollout_chunk_tokens`` tokens, so that a
+weight commit waits for no more). Calls go through the OpenAI-compatible completions API
+with token ids in and out: the prompt's token ids are sent, the sampled token ids
 (``return_token_ids``) and their log-probabilities (``logprobs=0``; the server runs with
 ``--logprobs-mode processed_logprobs``: temperature applied, the quantity the actor
 recomputes) come back; nothing is re-tokenized. Weight updates go through vLLM's
 weight-transfer routes into the server's ``rlwire`` weight-transfer engine
 (:mod:`rlwire.ckpt_engine.vllm`): the server's workers join the checkpoint engine's group
 as this worker's receiver; an update is received beside the weights in use (deltas onto
-the version the server holds) and written in at the commit.
+the version the server holds) and written in at the commit, with no call in flight; the
+prefix cache is reset then, so the next calls prefill with the new weights (always
+``rollout.kv_on_update=recompute``: a server keeps no request between two calls).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections.abc import Callable
 
 import torch
 
-from .base import PartialRolloutEngine, StagingRolloutEngine
-from .common import Rollout, Sampling
-from .tokens import Row, continuation_rows, token_rollout
+from .base import RequestsEngine, StagingRolloutEngine
+from .chains import chain_core
+from .common import Rollout
+from .requests import Request
+from .tokens import token_rollout
 from .vllm_http import ServerProcess, VLLMServer
 
 __all__ = ["VLLMServerEngine"]
 
 
-class VLLMServerEngine(PartialRolloutEngine, StagingRolloutEngine):
+class VLLMServerEngine(RequestsEngine, StagingRolloutEngine):
     """``rollout.backend=vllm_server``: a ``vllm serve`` server per rollout worker."""
 
     name = "vllm_server"
@@ -64,9 +70,13 @@ class VLLMServerEngine(PartialRolloutEngine, StagingRolloutEngine):
         except BaseException:
             self.close()
             raise
-        self._pool = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="vllm-http")
+        self.core = chain_core(
+            self._call, eos=self.tokenizer.eos_token_id, config=config, index=index, name=self.name
+        )
 
     def close(self) -> None:
+        if self.core is not None:
+            self.core.close(timeout=5)
         if self.process is not None:
             self.process.stop()
 
@@ -95,13 +105,13 @@ class VLLMServerEngine(PartialRolloutEngine, StagingRolloutEngine):
         return None  # the server's weights are repacked; updates are checked by log-probs
 
     # --- generation ------------------------------------------------------------------
-    def _body(self, prompt, *, n: int, max_tokens: int, seed: int, temperature: float) -> dict:
+    def _body(self, prompt, *, max_tokens: int, seed: int, temperature: float) -> dict:
         eos = self.tokenizer.eos_token_id
         # Every processor that could change the distribution, neutral (as the vllm engine)
         return {
             "model": self.server.model_name,
             "prompt": prompt,
-            "n": n,
+            "n": 1,
             "max_tokens": max_tokens,
             "temperature": temperature,
             "top_p": 1.0,
@@ -117,42 +127,16 @@ class VLLMServerEngine(PartialRolloutEngine, StagingRolloutEngine):
             "skip_special_tokens": False,
         }
 
-    def _encode(self, prompts: list[str]) -> list[list[int]]:
-        return [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-
-    def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
-        cfg = self.config.rollout
-        n, temperature = cfg.n, cfg.temperature
-        if sampling is not None:  # vLLM samples greedily at temperature 0
-            n, temperature = sampling.n, 0.0 if sampling.greedy else sampling.temperature
-        ids = self._encode(prompts)
-        body = self._body(ids, n=n, max_tokens=cfg.max_new_tokens, seed=seed,
-                          temperature=temperature)  # fmt: skip
-        choices = self.server.complete(body, expected=len(ids) * n)
-        rows = [(ids[i // n], tokens, values) for i, (tokens, values, _) in enumerate(choices)]
-        return token_rollout(self.tokenizer, rows)
+    def _call(
+        self, context: list[int], max_tokens: int, seed: int, request: Request
+    ) -> tuple[list[int], list[float], str]:
+        """One completion call of a request's chain (:mod:`.chains`); vLLM samples greedily
+        at temperature 0."""
+        temperature = 0.0 if request.greedy else request.temperature
+        body = self._body(context, max_tokens=max_tokens, seed=seed, temperature=temperature)
+        return self.server.complete(body, expected=1)[0]
 
     def start(self, prompts: list[str]) -> Rollout:
         n = self.config.rollout.n
-        return token_rollout(
-            self.tokenizer, [(p, [], []) for p in self._encode(prompts) for _ in range(n)]
-        )
-
-    def extend(
-        self, batch: Rollout, max_new_tokens: int, seed: int
-    ) -> tuple[Rollout, torch.Tensor]:
-        rows = continuation_rows(batch)
-        temperature = self.config.rollout.temperature
-
-        def one(i: int, row: Row):
-            body = self._body(row[0] + row[1], n=1, max_tokens=max_new_tokens, seed=seed + i,
-                              temperature=temperature)  # fmt: skip
-            return self.server.complete(body, expected=1)[0]
-
-        outs = list(self._pool.map(one, range(len(rows)), rows))
-        grown = [
-            (p, r + tokens, lp + values)
-            for (p, r, lp), (tokens, values, _) in zip(rows, outs, strict=True)
-        ]
-        ended = torch.tensor([finish == "stop" for _, _, finish in outs])
-        return token_rollout(self.tokenizer, grown), ended
+        ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        return token_rollout(self.tokenizer, [(p, [], []) for p in ids for _ in range(n)])
