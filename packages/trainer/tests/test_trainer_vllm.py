@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import types
 
 import pytest
@@ -128,6 +129,118 @@ def test_vllm_logprobs_match_the_actor_before_and_after_a_weight_sync(ray_driver
         actor.load_state_dict(nudged)
         assert max_error(actor, nudged_out) < TOLERANCE
     sender.finalize()
+
+
+def _vllm_requests_scenario(model_dir: str, metadata: dict, prompts: list[list[int]]) -> dict:
+    """Run in a Ray task of its own (vLLM changes its host process): a ``vllm`` engine
+    serving requests. ``joined``: six requests through a batch of three (each joining as
+    another ends), and ``alone``: each by itself. ``keep`` / ``recompute``: four requests of
+    eight tokens with an update (received from the test's sender: versions 5, then 6)
+    written in after the engine's third step."""
+    import asyncio
+
+    import torch
+
+    from rlwire.trainer.config.root import load_config
+    from rlwire.trainer.rollout.requests import Request, wait_all
+    from rlwire.trainer.rollout.vllm import VLLMEngine
+
+    config = load_config(overrides=["rollout.backend=vllm", "rollout.max_num_seqs=3"])
+    engine = VLLMEngine(config, model_dir, torch.device("cpu"))
+    handle = engine.join("gloo", rank=1, world_size=2, metadata=metadata)
+
+    def serve(rows, new, seed):
+        futures = engine.submit_all(
+            [Request(tuple(r), new, 0.9, seed=seed + i) for i, r in enumerate(rows)]
+        )
+        return [(d.token_ids, d.logprobs, d.versions) for d in wait_all(futures, 120, "test")]
+
+    out: dict = {"joined": serve(prompts, 6, 100)}
+    out["alone"] = [serve([p], 6, 100 + i)[0] for i, p in enumerate(prompts)]
+    engine.core.max_num_seqs = 8
+    for kv in ("keep", "recompute"):
+        config.rollout.kv_on_update = kv
+        commit = asyncio.run(engine.stage(handle))  # received beside the weights in use
+        inner, seen = engine.stepper.step, {"steps": 0}
+
+        def step(admitted, running, version, inner=inner, commit=commit, seen=seen):
+            inner(admitted, running, version)
+            seen["steps"] += 1
+            if seen["steps"] == 3:  # queued now: written in before the fourth step
+                seen["commit"] = engine.core.call(commit)
+
+        engine.stepper.step = step
+        out[kv] = serve(prompts[:4], 8, 200)
+        out[kv + "_version"] = seen["commit"].result(30)
+        engine.stepper.step = inner
+    return out
+
+
+def test_vllm_serves_requests_on_its_own_continuous_batching(ray_driver, tmp_path):
+    """``vllm``'s requests (one ``LLMEngine.step`` per core step): requests joining a running
+    batch get the tokens they get alone and the actor's log-probs; an update written in
+    after the third step aborts nothing: each request's tokens carry the old version three
+    times, then the new one, its first three with the old weights' log-probs; with
+    ``recompute`` the later ones are exactly the new weights' log-probs, with ``keep`` (the
+    old weights' KV cache) they are not."""
+    from ray import cloudpickle
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlwire.ckpt_engine import registry
+    from rlwire.trainer.models.tiny import build_tiny_model
+    from rlwire.trainer.rollout import sequence_logprobs
+    from rlwire.trainer.rollout.tokens import token_rollout
+
+    ray = ray_driver
+    model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    words = ["a:", "bcd:", "e:", "fghij:", "k:", "lm:"]
+    prompts = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in words]
+    sender = registry.new("gloo", is_master=True, bucket_size="1MiB", timeout=120)
+    metadata = sender.prepare()
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the task's code, by value
+    try:
+        scenario = ray.remote(num_cpus=1)(_vllm_requests_scenario)
+        task = scenario.remote(str(model_dir), metadata, prompts)
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    sender.init_process_group(rank=0, world_size=2, master_metadata=metadata)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    models = {0: base}
+    for version in (5, 6):
+        weights = {k: v * (1 + 0.05 * (version - 4)) for k, v in base.state_dict().items()}
+        asyncio.run(sender.send_weights(weights.items(), version=version))
+        models[version] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        models[version].load_state_dict(weights)
+        models[version].eval()
+    out = ray.get(task, timeout=600)
+    sender.finalize()
+
+    def logprobs(model, rows, served):
+        rows = [(p, t, lp) for p, (t, lp, _) in zip(rows, served, strict=True)]
+        batch = token_rollout(tokenizer, rows)
+        with torch.no_grad():
+            ref = sequence_logprobs(
+                model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, temperature=0.9
+            )
+        return batch, ref
+
+    assert [t for t, _, _ in out["joined"]] == [t for t, _, _ in out["alone"]]
+    batch, ref = logprobs(base, prompts, out["joined"])
+    assert float((ref - batch.logprobs)[batch.response_mask.bool()].abs().max()) < TOLERANCE
+    for kv, old, new in (("keep", 0, 5), ("recompute", 5, 6)):
+        assert out[kv + "_version"] == new
+        for tokens, _, versions in out[kv]:
+            assert versions == [old] * 3 + [new] * (len(tokens) - 3), (kv, versions)
+            assert len(tokens) == 8 or tokens[-1] == tokenizer.eos_token_id
+        batch, before = logprobs(models[old], prompts[:4], out[kv])
+        _, after = logprobs(models[new], prompts[:4], out[kv])
+        mask = batch.response_mask.bool()
+        first, rest = mask.clone(), mask.clone()
+        first[:, 3:], rest[:, :3] = False, False
+        assert float((before - batch.logprobs)[first].abs().max()) < TOLERANCE
+        gap = float((after - batch.logprobs)[rest].abs().max())
+        assert gap < TOLERANCE if kv == "recompute" else gap > 10 * TOLERANCE, (kv, gap)
 
 
 @pytest.mark.parametrize("mode", ["fully_async", "colocated"])

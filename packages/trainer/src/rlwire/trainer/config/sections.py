@@ -144,10 +144,10 @@ class AsyncConfig:
     (each sample one version, at the cost of a drain at every sync)."""
     partial_rollout_chunk_tokens: int = 8
     """With ``partial_rollout``, on an engine whose requests go in calls of several tokens
-    (``vllm``: one ``extend`` call per step of its lock-step core; ``vllm_server``: each
-    request a chain of completion calls): tokens per call, so that an update waits at most
-    this many tokens. ``hf`` and ``paced`` write updates in between any two decoding
-    steps."""
+    (``vllm_server``: each request a chain of completion calls; a third party's engine with
+    only ``extend``: one call per step of a lock-step core): tokens per call, so that an
+    update waits at most this many tokens. ``hf``, ``paced`` and ``vllm`` write updates in
+    between any two decoding steps."""
 
     def __post_init__(self) -> None:
         check(

@@ -3,9 +3,9 @@ and what they hand back.
 
 Every engine serves requests (:mod:`.requests`: one continuation each, with its own seed
 and per-token weight versions): ``hf`` and ``paced`` with continuous batching
-(:mod:`.hf_batch`), ``vllm_server`` as chains of completion calls the server batches
-(:mod:`.chains`), ``vllm`` and any engine with only ``extend`` through a lock-step core
-(:mod:`.lockstep`).
+(:mod:`.hf_batch`), ``vllm`` on vLLM's own (:mod:`.vllm_steps`), ``vllm_server`` as chains
+of completion calls the server batches (:mod:`.chains`), and any engine with only
+``extend`` through a lock-step core (:mod:`.lockstep`).
 
 Add an engine by subclassing :class:`RolloutEngine` in a module of its own and naming it
 in :data:`ROLLOUT_ENGINES`, or, outside this package, with

@@ -83,7 +83,7 @@ class RolloutConfig:
     worker starts one on its node."""
     max_num_seqs: int = 256
     """Requests (samples, or model turns of conversations) an engine decodes together at
-    most (vLLM's and verl's ``max_num_seqs``): ``hf`` and ``paced`` batch them
+    most (vLLM's and verl's ``max_num_seqs``): ``hf``, ``paced`` and ``vllm`` batch them
     continuously, a request joining or leaving between two decoding steps; ``vllm_server``
     keeps that many completion calls in flight, which the server batches; more wait for
     room. Fully async: a rollout worker takes another chunk of groups while its samples in

@@ -16,17 +16,20 @@ engine starts with ``weight_transfer_config={"backend": "rlwire"}``
 engine's group as this worker's receiver, receives each update beside the model (deltas
 onto the version it holds) while generation goes on, and writes it in through vLLM's
 checkpoint-format loader at :meth:`VLLMEngine.stage`'s commit (``start_weight_update`` /
-``finish_weight_update``). The prefix cache is reset after every update (cached prompt KV
-was computed with the old weights).
+``finish_weight_update``). The prefix cache is reset after every update where no request
+runs (cached prompt KV was computed with the old weights). Requests are served on vLLM's
+own continuous batching, one engine step per step of the core (:mod:`.vllm_steps`); a
+commit runs between two steps.
 
 With ``actor.lora`` the engine serves the adapter as a vLLM LoRA (``enable_lora``): an
 update carries the adapter alone (PEFT's saved names), received by an rlwire receiver in
 this process (as is the in-process ``naive`` hand-over of the hybrid engine, whose update
 goes in through ``Worker.reload_weights`` and :class:`WeightReloadExtension`), and is
 written as a PEFT adapter
-directory and becomes the ``LoRARequest`` of every later generation; the previous version
-is removed from the engine and its directory deleted, so one adapter version is held at a
-time (calls are synchronous: none is in use when the next arrives).
+directory and becomes the ``LoRARequest`` of every later request; the requests in flight
+are ended in vLLM and added again with it (on their context so far), and the previous
+version is removed from the engine and its directory deleted, so one adapter version is
+held at a time.
 """
 
 from __future__ import annotations
@@ -42,11 +45,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..models import lora
-from .base import PartialRolloutEngine, SleepingRolloutEngine, StagingRolloutEngine
-from .common import Rollout, Sampling
-from .tokens import Row, continuation_rows, token_rollout
+from .base import RequestsEngine, SleepingRolloutEngine, StagingRolloutEngine
+from .common import Rollout
+from .requests import EngineCore
+from .tokens import token_rollout
+from .vllm_steps import VLLMStepper
 
-__all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension", "transfer_init_info"]
+__all__ = [
+    "INSTALL_HINT",
+    "VLLMEngine",
+    "WeightReloadExtension",
+    "sampled_logprobs",
+    "transfer_init_info",
+]
 
 INSTALL_HINT = (
     "rollout.backend=vllm needs vLLM in the rollout workers' environment: "
@@ -93,9 +104,10 @@ CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's max_lora_rank takes
 
 
-class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngine):
-    """``rollout.backend=vllm``: generation with ``vllm.LLM``; sleeps on CUDA when colocated;
-    continues partial responses (one request per row, prompt and response as its tokens)."""
+class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
+    """``rollout.backend=vllm``: ``vllm.LLM``'s engine serving requests with its own
+    continuous batching (:mod:`.vllm_steps`; ``generate`` and ``extend`` are layers over
+    requests); sleeps on CUDA when colocated."""
 
     name = "vllm"
     takes_lora = True
@@ -171,6 +183,10 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
             self._adapters = Path(tempfile.mkdtemp(prefix="rlwire-adapters-"))
             weakref.finalize(self, shutil.rmtree, self._adapters, ignore_errors=True)
         self.llm = LLM(**options)
+        self.stepper = VLLMStepper(self)
+        self.core = EngineCore(
+            self.stepper, max_num_seqs=config.rollout.max_num_seqs, name=f"rlwire-vllm-{index}"
+        )
 
     def join(self, backend: str, *, rank: int, world_size: int, metadata: dict):
         """vLLM's weight-transfer engine joins as receiver ``rank`` (LoRA, and the hybrid
@@ -193,10 +209,12 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
         if engine is self._transfer and engine is not None:
             version = await engine.receive()
 
-            def commit_in_vllm() -> int:
+            def commit_in_vllm() -> int:  # between two steps (between_steps runs it)
+                if self.config.rollout.kv_on_update == "recompute":
+                    self.stepper.forget()
                 self.llm.start_weight_update()
                 self.llm.finish_weight_update(str(version))
-                self.llm.reset_prefix_cache()
+                self.llm.reset_prefix_cache()  # only where no request runs (keep: later)
                 return version
 
             return commit_in_vllm
@@ -204,6 +222,8 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
         version = engine.last_version
 
         def commit() -> int:
+            if self._adapters is not None or self.config.rollout.kv_on_update == "recompute":
+                self.stepper.forget()  # a request of the old adapter: added again
             if self._adapters is not None:
                 self._load_adapter(weights, version)
             else:
@@ -241,7 +261,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
         if self.sleep_mode:
             self.llm.wake_up()
 
-    def _params(self, *, n: int, max_tokens: int, seed: int, temperature: float | None = None):
+    def sampling_params(self, *, n: int, max_tokens: int, seed: int, temperature: float):
         from vllm import SamplingParams
 
         eos = self.tokenizer.eos_token_id
@@ -249,7 +269,7 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
         # softmax(logits / temperature), the distribution the actor recomputes.
         return SamplingParams(
             n=n,
-            temperature=self.config.rollout.temperature if temperature is None else temperature,
+            temperature=temperature,
             top_k=0,
             top_p=1.0,
             min_p=0.0,
@@ -262,60 +282,10 @@ class VLLMEngine(SleepingRolloutEngine, PartialRolloutEngine, StagingRolloutEngi
             stop_token_ids=[eos] if eos is not None else None,
         )
 
-    def _encode(self, prompts: list[str]) -> list[list[int]]:
-        return [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-
-    def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
-        from vllm.inputs import TokensPrompt
-
-        cfg = self.config.rollout
-        ids = self._encode(prompts)
-        if sampling is None:
-            params = self._params(n=cfg.n, max_tokens=cfg.max_new_tokens, seed=seed)
-        else:  # vLLM samples greedily at temperature 0
-            temperature = 0.0 if sampling.greedy else sampling.temperature
-            params = self._params(
-                n=sampling.n, max_tokens=cfg.max_new_tokens, seed=seed, temperature=temperature
-            )
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in ids],
-            params,
-            use_tqdm=False,
-            lora_request=self.lora_request,
-        )
-        return self._rows(
-            [
-                (prompt, list(sample.token_ids), _sampled_logprobs(sample))
-                for prompt, out in zip(ids, outputs, strict=True)
-                for sample in out.outputs
-            ]
-        )
-
     def start(self, prompts: list[str]) -> Rollout:
         n = self.config.rollout.n
-        return self._rows([(p, [], []) for p in self._encode(prompts) for _ in range(n)])
-
-    def extend(
-        self, batch: Rollout, max_new_tokens: int, seed: int
-    ) -> tuple[Rollout, torch.Tensor]:
-        from vllm.inputs import TokensPrompt
-
-        rows = continuation_rows(batch)
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p + r) for p, r, _ in rows],
-            [self._params(n=1, max_tokens=max_new_tokens, seed=seed + i) for i in range(len(rows))],
-            use_tqdm=False,
-            lora_request=self.lora_request,
-        )
-        grown = [
-            (p, r + list(out.outputs[0].token_ids), lp + _sampled_logprobs(out.outputs[0]))
-            for (p, r, lp), out in zip(rows, outputs, strict=True)
-        ]
-        ended = torch.tensor([out.outputs[0].finish_reason == "stop" for out in outputs])
-        return self._rows(grown), ended
-
-    def _rows(self, rows: list[Row]) -> Rollout:
-        return token_rollout(self.tokenizer, rows)
+        ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        return token_rollout(self.tokenizer, [(p, [], []) for p in ids for _ in range(n)])
 
 
 def _weight_transfer_engine(worker):
@@ -323,6 +293,6 @@ def _weight_transfer_engine(worker):
     return worker.weight_transfer_engine
 
 
-def _sampled_logprobs(sample) -> list[float]:
+def sampled_logprobs(sample) -> list[float]:
     """The log-prob of each token of a vLLM ``CompletionOutput`` (``logprobs=0``)."""
     return [step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs, strict=True)]
