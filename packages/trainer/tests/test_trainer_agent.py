@@ -378,11 +378,11 @@ def test_turn_limits_end_a_conversation():
 
 
 @pytest.fixture(scope="module")
-def lookup_model(tmp_path_factory):
-    from rlwire.trainer.agent.lookup import build_lookup_model
+def lookup_model():
+    from cached_models import cached_lookup_model
 
-    # seed 1: primed in about 16 s here (seed 0 takes twice as long)
-    return build_lookup_model(tmp_path_factory.mktemp("lookup") / "model", seed=1)
+    # seed 1: primed in about 16 s here (seed 0 takes twice as long); once per machine
+    return cached_lookup_model(seed=1)
 
 
 @pytest.mark.parametrize(

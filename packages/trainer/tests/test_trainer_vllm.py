@@ -294,9 +294,9 @@ def test_the_agent_loop_on_vllm_is_token_in_token_out(ray_driver, tmp_path):
     the actor's."""
     import collections
 
+    from cached_models import cached_lookup_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlwire.trainer.agent.lookup import build_lookup_model
     from rlwire.trainer.config.root import load_config
     from rlwire.trainer.data.tasks import BUILTIN_TASKS
     from rlwire.trainer.rollout import sequence_logprobs
@@ -328,7 +328,7 @@ def test_the_agent_loop_on_vllm_is_token_in_token_out(ray_driver, tmp_path):
             return self.requests
 
     ray = ray_driver
-    model_dir = build_lookup_model(tmp_path / "lookup")
+    model_dir = cached_lookup_model(seed=0)
     temperature, budget = 1.2, 24
     config = load_config(
         overrides=[

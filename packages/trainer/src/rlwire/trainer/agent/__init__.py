@@ -4,9 +4,11 @@ token out (``agent.*``, verl's ``actor_rollout_ref.rollout.multi_turn.*``).
 Lives here: the section (:mod:`.config`), the tool-call parsers (:mod:`.parsers`), tools
 (:mod:`.tools`), environments (:mod:`.environment`), the chat-template seams between
 turns (:mod:`.render`), what a trajectory recorded (:mod:`.trajectory`), the loop on a
-rollout engine (:mod:`.loop`) and the built-in ``lookup`` task (:mod:`.lookup`). May import
-``rollout``, ``models`` and the foundation (``checks``, ``errors``, ``plugins``); never the
-job, the workers or Ray.
+rollout engine (:mod:`.loop`), the built-in ``lookup`` task (:mod:`.lookup`), and the
+OpenAI-compatible endpoint for agents written against the OpenAI client (:mod:`.endpoint`,
+FastAPI and uvicorn imported when it starts) with the sessions it records
+(:mod:`.sessions`). May import ``rollout``, ``models`` and the foundation (``checks``,
+``errors``, ``plugins``); never the job, the workers or Ray.
 """
 
 from __future__ import annotations

@@ -55,7 +55,6 @@ __all__ = [
     "INSTALL_HINT",
     "VLLMEngine",
     "WeightReloadExtension",
-    "sampled_logprobs",
     "transfer_init_info",
 ]
 
@@ -291,8 +290,3 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
 def _weight_transfer_engine(worker):
     """Run in vLLM's worker (``collective_rpc``): its weight-transfer engine."""
     return worker.weight_transfer_engine
-
-
-def sampled_logprobs(sample) -> list[float]:
-    """The log-prob of each token of a vLLM ``CompletionOutput`` (``logprobs=0``)."""
-    return [step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs, strict=True)]

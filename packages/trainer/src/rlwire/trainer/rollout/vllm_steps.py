@@ -18,7 +18,7 @@ import itertools
 
 from .requests import Live
 
-__all__ = ["VLLMStepper"]
+__all__ = ["VLLMStepper", "sampled_logprobs"]
 
 CONTINUATION_SEED_STRIDE = 7_919  # a request added again k times: its seed + k * stride
 
@@ -61,8 +61,6 @@ class VLLMStepper:
         again, self._again = self._again, []
         for live in again + admitted:
             self._add(live)
-        from .vllm import sampled_logprobs
-
         for out in self.engine.llm.llm_engine.step():
             followed = self._in_vllm.get(out.request_id)
             if followed is None:
@@ -94,3 +92,8 @@ class VLLMStepper:
             for key in left:
                 del self._in_vllm[key]
         self._again = [live for live in self._again if id(live) not in gone]
+
+
+def sampled_logprobs(sample) -> list[float]:
+    """The log-prob of each token of a vLLM ``CompletionOutput`` (``logprobs=0``)."""
+    return [step[t].logprob for t, step in zip(sample.token_ids, sample.logprobs, strict=True)]
