@@ -194,3 +194,16 @@ def test_a_session_store_gives_unguessable_keys_and_forgets_ended_sessions():
     assert not a.record(CallRecord((1,), (2,), (0.0,), (0,)))
     with pytest.raises(ValueError, match="one each per token"):
         CallRecord((1,), (2, 3), (0.0,), (0,))
+
+
+def test_a_chat_call_to_a_model_without_a_chat_template_is_refused_naming_it():
+    from rlwire.trainer.agent.endpoint import _Refused
+    from rlwire.trainer.models.tiny import build_tokenizer
+
+    endpoint = Endpoint(None, build_tokenizer(), HermesParser(), temperature=1.0,
+                        max_new_tokens=8, timeout=1)  # type: ignore[arg-type]  # fmt: skip
+    session = endpoint.sessions.open(seed=0)
+    body = {"messages": [{"role": "user", "content": "a"}]}
+    with pytest.raises(_Refused, match="has no chat template") as refused:
+        asyncio.run(endpoint._chat(session, body))
+    assert refused.value.status == 400 and session.calls == []

@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import RunError
 from ..rollout.requests import Request, request_seed
 from .parsers import ToolCallParser
 from .render import ChatRenderer
@@ -204,7 +205,10 @@ class Endpoint:
         ):
             raise _Refused(400, "messages: use a non-empty list of message objects")
         tools = [t.get("function", t) for t in body.get("tools") or [] if isinstance(t, dict)]
-        prompt = self._chat_prompt(session, messages, tools)
+        try:
+            prompt = self._chat_prompt(session, messages, tools)
+        except RunError as err:  # no chat template, or one that rewrites earlier turns
+            raise _Refused(400, str(err)) from None
         done = await self._sample(session, prompt, body)
         text = self.tokenizer.decode(done.token_ids, skip_special_tokens=True)
         content, calls = self._tool_calls(text) if tools else (text, [])
