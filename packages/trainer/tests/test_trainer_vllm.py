@@ -243,6 +243,80 @@ def test_vllm_serves_requests_on_its_own_continuous_batching(ray_driver, tmp_pat
         assert gap < TOLERANCE if kv == "recompute" else gap > 10 * TOLERANCE, (kv, gap)
 
 
+def _endpoint_on_vllm_scenario(model_dir: str) -> dict:
+    """Run in a Ray task of its own: the agent endpoint on a ``vllm`` engine, and an agent's
+    two chat calls to it with the ``openai`` client (the second after the first's reply and
+    a tool message)."""
+    import asyncio
+
+    import openai
+    import torch
+
+    from rlwire.trainer.agent.endpoint import Endpoint
+    from rlwire.trainer.agent.parsers import HermesParser
+    from rlwire.trainer.config.root import load_config
+    from rlwire.trainer.rollout.vllm import VLLMEngine
+
+    config = load_config(overrides=["rollout.backend=vllm", "rollout.max_new_tokens=24"])
+    engine = VLLMEngine(config, model_dir, torch.device("cpu"))
+    endpoint = Endpoint(
+        engine.submit, engine.tokenizer, HermesParser(), temperature=1.0, max_new_tokens=24,
+        timeout=120,
+    )  # fmt: skip
+    url = endpoint.start()
+    session = endpoint.sessions.open(seed=11)
+    messages = [{"role": "user", "content": "abc"}]
+
+    async def talk():
+        async with openai.AsyncOpenAI(base_url=url, api_key=session.key) as client:
+            first = await client.chat.completions.create(model="m", messages=messages)
+            history = [*messages, first.choices[0].message.model_dump(exclude_none=True)]
+            history.append({"role": "tool", "content": "123"})
+            second = await client.chat.completions.create(model="m", messages=history)
+        return first.model_dump(), second.model_dump()
+
+    first, second = asyncio.run(talk())
+    calls = endpoint.sessions.close(session)
+    endpoint.stop()
+    return {"first": first, "second": second, "calls": [c.prompt_ids for c in calls]}
+
+
+def test_the_agent_endpoint_on_vllm_answers_token_for_token(ray_driver):
+    """An agent's two chat calls through the endpoint on the ``vllm`` engine: the second's
+    prompt is the first's prompt and sampled ids, exactly, then the tool turn; the answers'
+    log-probs are the model's (within 1e-4)."""
+    from cached_models import cached_lookup_model
+    from ray import cloudpickle
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlwire.trainer.agent.render import ChatRenderer
+
+    model_dir = cached_lookup_model(seed=0)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        task = ray_driver.remote(num_cpus=1)(_endpoint_on_vllm_scenario).remote(str(model_dir))
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    out = ray_driver.get(task, timeout=600)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    first, second = out["first"], out["second"]
+    sampled = first["choices"][0]["token_ids"]
+    turn = ChatRenderer(tokenizer).turn([{"role": "tool", "content": "123"}])
+    assert sampled[-1] == tokenizer.eos_token_id  # the primed model ends its turn
+    assert second["prompt_token_ids"] == first["prompt_token_ids"] + sampled + turn
+    assert out["calls"] == [tuple(first["prompt_token_ids"]), tuple(second["prompt_token_ids"])]
+    for answer in (first, second):
+        prompt, tokens = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0]
+        got = torch.tensor([c["logprob"] for c in answer["choices"][0]["logprobs"]["content"]])
+        assert float((expected - got).abs().max()) < TOLERANCE
+        assert answer["weight_versions"] == [0] * len(tokens)
+
+
 @pytest.mark.parametrize("mode", ["fully_async", "colocated"])
 def test_short_run_with_the_vllm_backend(ray_cluster, mode, tmp_path):
     # fully async with partial rollouts: responses go in chunks of 3 tokens through extend
