@@ -82,8 +82,6 @@ class Endpoint:
         self.temperature, self.max_new_tokens, self.timeout = temperature, max_new_tokens, timeout
         self.model = model
         self.sessions = SessionStore()
-        self.refused = 0
-        """Calls refused so far (an unknown or ended session's key, a bad body)."""
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.url = ""
@@ -143,7 +141,6 @@ class Endpoint:
                     raise _Refused(400, "the body must be a JSON object")
                 return JSONResponse(await handle(session, body))
             except _Refused as refused:
-                self.refused += 1
                 error = {"message": refused.message, "type": "invalid_request_error"}
                 return JSONResponse({"error": error}, status_code=refused.status)
 

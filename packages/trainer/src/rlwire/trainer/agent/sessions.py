@@ -98,10 +98,10 @@ def merge_calls(calls: list[CallRecord]) -> SessionSamples:
 
 class Session:
     """One conversation's calls (thread-safe: the endpoint's threads record, the runner
-    reads once it has ended); ``seed`` seeds its calls' sampling, ``tag`` is the runner's."""
+    reads once it has ended); ``seed`` seeds its calls' sampling."""
 
-    def __init__(self, key: str, seed: int, tag: Any = None) -> None:
-        self.key, self.seed, self.tag = key, seed, tag
+    def __init__(self, key: str, seed: int) -> None:
+        self.key, self.seed = key, seed
         self.calls: list[CallRecord] = []
         self.ended = False
         self._lock = threading.Lock()
@@ -134,8 +134,8 @@ class SessionStore:
         self._open: dict[str, Session] = {}
         self._lock = threading.Lock()
 
-    def open(self, seed: int, tag: Any = None) -> Session:
-        session = Session(f"rlwire-session-{secrets.token_urlsafe(32)}", seed, tag)
+    def open(self, seed: int) -> Session:
+        session = Session(f"rlwire-session-{secrets.token_urlsafe(32)}", seed)
         with self._lock:
             self._open[session.key] = session
         return session

@@ -267,6 +267,11 @@ class RequestsEngine(PartialRolloutEngine):
         ended = torch.tensor([d.finish_reason == "stop" for d in done], dtype=torch.bool)
         return token_rollout(self.tokenizer, grown), ended
 
+    def start(self, prompts: list[str]) -> Rollout:
+        n = self.config.rollout.n
+        ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        return token_rollout(self.tokenizer, [(p, [], []) for p in ids for _ in range(n)])
+
 
 def rollout_engine_class(backend: str) -> type[RolloutEngine]:
     """The engine class for ``rollout.backend``: a name from :data:`ROLLOUT_ENGINES` or a

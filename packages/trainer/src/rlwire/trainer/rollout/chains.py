@@ -20,7 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable
 
-from .requests import EngineCore, Live, Request
+from .requests import EngineCore, Live, Request, continuation_seed
 
 __all__ = ["ChainStepper", "Complete", "chain_core"]
 
@@ -29,8 +29,6 @@ Complete = Callable[[list[int], int, int, Request], tuple[list[int], list[float]
 the request's prompt and the tokens it sampled so far); its sampled token ids, their
 log-probs and its finish reason (``stop``: an end-of-sequence token; ``length``: the
 call's ``max_tokens`` or the server's own limit)."""
-
-CHUNK_SEED_STRIDE = 7_919  # the seed of a request's k-th call: its seed + k * stride
 
 
 class _Chain:
@@ -106,7 +104,7 @@ class ChainStepper:
         asked = request.max_new_tokens - len(live.token_ids)
         if self.chunk_tokens is not None:
             asked = min(asked, self.chunk_tokens)
-        seed = (request.seed + chain.calls * CHUNK_SEED_STRIDE) % (2**63)
+        seed = continuation_seed(request.seed, chain.calls)
         context = list(request.prompt_ids) + live.token_ids
         chain.calls += 1
         chain.flight = self._pool.submit(self.complete, context, asked, seed, request)

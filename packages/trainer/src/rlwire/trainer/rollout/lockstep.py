@@ -10,7 +10,7 @@ commits run between two calls (:meth:`~rlwire.trainer.rollout.requests.EngineCor
 
 from __future__ import annotations
 
-from .requests import EngineCore, Live
+from .requests import EngineCore, Live, continuation_seed
 from .tokens import Row, token_rollout
 
 __all__ = ["LockstepStepper", "lockstep_core"]
@@ -34,7 +34,9 @@ class LockstepStepper:
         budget = max(r.request.max_new_tokens - len(r.token_ids) for r in live)
         if self.chunk_tokens is not None:
             budget = min(budget, self.chunk_tokens)
-        grown, _ = self.engine.extend(rows, budget, live[0].request.seed + self.calls * 7_919)
+        grown, _ = self.engine.extend(
+            rows, budget, continuation_seed(live[0].request.seed, self.calls)
+        )
         self.calls += 1
         for row, request in enumerate(live):
             real = grown.response_mask[row].bool()

@@ -32,6 +32,7 @@ __all__ = [
     "Live",
     "Request",
     "Stepper",
+    "continuation_seed",
     "request_seed",
     "sample_requests",
     "wait_all",
@@ -315,6 +316,12 @@ def sample_requests(
         Request(tuple(ids), max_new_tokens, temperature, request_seed(seed, row), greedy=greedy)
         for row, ids in enumerate(rows)
     ]
+
+
+def continuation_seed(seed: int, k: int) -> int:
+    """The seed of a request's ``k``-th continuation (a server call, a re-admission, a
+    lock-step call): its own ``seed`` for ``k = 0``, distinct streams after."""
+    return (seed + k * 7_919) % (2**63)
 
 
 def request_seed(seed: int, row: int) -> int:

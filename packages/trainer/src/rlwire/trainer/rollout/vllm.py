@@ -46,17 +46,10 @@ import torch
 
 from ..models import lora
 from .base import RequestsEngine, SleepingRolloutEngine, StagingRolloutEngine
-from .common import Rollout
 from .requests import EngineCore
-from .tokens import token_rollout
 from .vllm_steps import VLLMStepper
 
-__all__ = [
-    "INSTALL_HINT",
-    "VLLMEngine",
-    "WeightReloadExtension",
-    "transfer_init_info",
-]
+__all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension", "transfer_init_info"]
 
 INSTALL_HINT = (
     "rollout.backend=vllm needs vLLM in the rollout workers' environment: "
@@ -260,14 +253,15 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
         if self.sleep_mode:
             self.llm.wake_up()
 
-    def sampling_params(self, *, n: int, max_tokens: int, seed: int, temperature: float):
+    def sampling_params(self, *, max_tokens: int, seed: int, temperature: float):
+        """One sample of ``max_tokens`` at most (a request's)."""
         from vllm import SamplingParams
 
         eos = self.tokenizer.eos_token_id
         # Every processor that could change the distribution, neutral: the tokens come from
         # softmax(logits / temperature), the distribution the actor recomputes.
         return SamplingParams(
-            n=n,
+            n=1,
             temperature=temperature,
             top_k=0,
             top_p=1.0,
@@ -280,11 +274,6 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
             logprobs=0,
             stop_token_ids=[eos] if eos is not None else None,
         )
-
-    def start(self, prompts: list[str]) -> Rollout:
-        n = self.config.rollout.n
-        ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        return token_rollout(self.tokenizer, [(p, [], []) for p in ids for _ in range(n)])
 
 
 def _weight_transfer_engine(worker):

@@ -27,10 +27,9 @@ import torch
 
 from .base import RequestsEngine, StagingRolloutEngine
 from .chains import chain_core
-from .common import Rollout
 from .requests import Request
-from .tokens import token_rollout
 from .vllm_http import ServerProcess, VLLMServer
+from .vllm_steps import vllm_temperature
 
 __all__ = ["VLLMServerEngine"]
 
@@ -130,13 +129,7 @@ class VLLMServerEngine(RequestsEngine, StagingRolloutEngine):
     def _call(
         self, context: list[int], max_tokens: int, seed: int, request: Request
     ) -> tuple[list[int], list[float], str]:
-        """One completion call of a request's chain (:mod:`.chains`); vLLM samples greedily
-        at temperature 0."""
-        temperature = 0.0 if request.greedy else request.temperature
+        """One completion call of a request's chain (:mod:`.chains`)."""
+        temperature = vllm_temperature(request)
         body = self._body(context, max_tokens=max_tokens, seed=seed, temperature=temperature)
         return self.server.complete(body, expected=1)[0]
-
-    def start(self, prompts: list[str]) -> Rollout:
-        n = self.config.rollout.n
-        ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        return token_rollout(self.tokenizer, [(p, [], []) for p in ids for _ in range(n)])

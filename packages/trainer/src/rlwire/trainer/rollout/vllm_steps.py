@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import itertools
 
-from .requests import Live
+from .requests import Live, Request, continuation_seed
 
-__all__ = ["VLLMStepper", "sampled_logprobs"]
+__all__ = ["VLLMStepper", "sampled_logprobs", "vllm_temperature"]
 
-CONTINUATION_SEED_STRIDE = 7_919  # a request added again k times: its seed + k * stride
+
+def vllm_temperature(request: Request) -> float:
+    """The temperature vLLM is given for ``request``: 0 for a greedy one (vLLM's greedy)."""
+    return 0.0 if request.greedy else request.temperature
 
 
 class VLLMStepper:
@@ -41,10 +44,9 @@ class VLLMStepper:
         request = live.request
         times = 0 if live.state is None else live.state[1]  # (vLLM's id, times added)
         params = self.engine.sampling_params(
-            n=1,
             max_tokens=request.max_new_tokens - len(live.token_ids),
-            seed=(request.seed + times * CONTINUATION_SEED_STRIDE) % (2**63),
-            temperature=0.0 if request.greedy else request.temperature,  # vLLM's greedy
+            seed=continuation_seed(request.seed, times),
+            temperature=vllm_temperature(request),
         )
         params.output_kind = RequestOutputKind.DELTA  # each step: the new tokens only
         key = f"rlwire-{next(self._ids)}"
