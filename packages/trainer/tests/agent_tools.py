@@ -144,3 +144,60 @@ class Rendezvous(Environment):
             return "go on", 0.0, False
         self.second.set()
         return None, 1.0, True
+
+
+# Agents for agent.function (async def agent(row, client)), as a user's module would hold them.
+
+
+async def chat_once(row, client):
+    """One chat call; the reward is the number of characters of the reply (extras: calls)."""
+    answer = await client.chat.completions.create(model="policy", messages=row["prompt"])
+    return {"reward": float(len(answer.choices[0].message.content or "")), "calls": 1}
+
+
+async def raises(row, client):
+    await client.chat.completions.create(model="policy", messages=row["prompt"])
+    raise RuntimeError("the agent's own bug")
+
+
+async def no_reward(row, client):
+    await client.chat.completions.create(model="policy", messages=row["prompt"])
+    return {"answer": "no reward key"}
+
+
+async def no_call(row, client):
+    return 1.0
+
+
+async def sleeps_past_timeout(row, client):
+    await client.chat.completions.create(model="policy", messages=row["prompt"])
+    time.sleep(30)  # blocks its own event loop: only the agent's thread
+    return 1.0
+
+
+LATE = {}
+"""What :func:`calls_after_its_end`'s late call got (``status``), for the test to read."""
+
+
+async def calls_after_its_end(row, client):
+    """Returns at once, leaving a thread that calls the model once the session has ended."""
+    import openai
+
+    base, key = str(client.base_url), client.api_key
+
+    def late():
+        time.sleep(1.0)
+        late_client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
+        try:
+            late_client.chat.completions.create(model="policy", messages=row["prompt"])
+            LATE["status"] = 200
+        except openai.APIStatusError as err:
+            LATE["status"] = err.status_code
+
+    threading.Thread(target=late, daemon=True).start()
+    await client.chat.completions.create(model="policy", messages=row["prompt"])
+    return 0.5
+
+
+def not_async(row, client):
+    return 1.0

@@ -24,9 +24,9 @@ EOS_BIAS = 3.0  # added to the end-of-sequence logit: replies of a few tokens, t
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def core(tmp_path_factory):
     """A random tiny model with the lookup task's tokenizer (whose added tokens make decode
-    then encode not a bijection), behind an endpoint on loopback."""
+    then encode not a bijection) on an engine core."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_lookup_tokenizer()
@@ -39,14 +39,21 @@ def served(tmp_path_factory):
         return logits
 
     model.get_output_embeddings().register_forward_hook(favour_eos)
-    core = EngineCore(HFBatch(model, eos_id=eos, pad_id=tokenizer.pad_token_id), max_num_seqs=8)
+    engine = EngineCore(HFBatch(model, eos_id=eos, pad_id=tokenizer.pad_token_id), max_num_seqs=8)
+    yield engine, model, tokenizer
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def served(core):
+    """The engine core behind an endpoint on loopback."""
+    engine, model, tokenizer = core
     endpoint = Endpoint(
-        core.submit, tokenizer, HermesParser(), temperature=1.0, max_new_tokens=16, timeout=60
+        engine.submit, tokenizer, HermesParser(), temperature=1.0, max_new_tokens=16, timeout=60
     )
     url = endpoint.start()
     yield endpoint, url, model, tokenizer
     endpoint.stop()
-    core.close()
 
 
 def _extra(obj, key):

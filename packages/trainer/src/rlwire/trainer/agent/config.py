@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from ..checks import ConfigError, check, check_engine
 from ..rollout.base import rollout_engine_class
@@ -50,6 +51,28 @@ class AgentConfig:
     max_tool_response_length: int = 256
     """Characters of a tool's result kept (the middle is cut, as verl's default
     ``tool_response_truncate_side=middle``)."""
+    function: str | None = None
+    """An agent written against the OpenAI client, as a dotted path
+    ``package.module:function`` to ``async def agent(row, client)``: called once per
+    conversation with the data row (verl's keys: ``prompt`` as chat messages,
+    ``data_source``, ``reward_model.ground_truth``, ``extra_info``) and an
+    ``openai.AsyncOpenAI`` client already set to this run's endpoint and a session of its
+    own; it calls the model as often as it likes and returns the reward (a number) or a
+    dict with ``reward`` and numeric extras. What the policy sampled in its calls is the
+    training sample, token for token. Needs the ``openai`` extra; turns multi-turn
+    rollouts on, without ``tools`` or ``environment`` (the agent runs its own)."""
+    timeout: float = 600.0
+    """Seconds one ``agent.function`` session may take; past it the agent is stopped and the
+    session counts as failed (see ``failure``)."""
+    failure: str = "zero"
+    """What a failed ``agent.function`` session (it raised, returned no finite reward, made
+    no call to the model, or ran past ``timeout``) gives: ``zero`` (reward 0; its sampled
+    tokens are trained on as a wrong answer's) or ``drop`` (its prompt group is replaced by
+    the next prompt's, as ``algorithm.filter_groups`` replaces a group). Counted
+    (``agent_failures``) and named in the log either way."""
+    endpoint_host: str = "127.0.0.1"
+    """Where each rollout worker's OpenAI-compatible endpoint listens (``agent.function``):
+    loopback, for agents in the worker's process; every call needs its session's key."""
 
     def __post_init__(self) -> None:
         check_engine(self.format, "agent.format", TOOL_PARSERS, parser_class)
@@ -74,11 +97,34 @@ class AgentConfig:
                 f"agent.tools: {self.tools!r} is not allowed; use a list of dotted paths "
                 "'package.module:function'"
             )
+        check(self.timeout > 0, "agent.timeout", self.timeout, "use seconds > 0")
+        check(self.failure in ("zero", "drop"), "agent.failure", self.failure, "use zero or drop")
+        if self.function is not None:
+            self._check_function(self.function)
+            self.enable = True
         if self.enable or self.tools or self.environment:
             # imported now, so that a bad path fails at config load, not in a worker
             load_tools(self.tools)
             if self.environment is not None:
                 self._check_environment(self.environment)
+
+    def _check_function(self, value: str) -> None:
+        from .function import load_agent_function
+
+        if self.tools or self.environment is not None:
+            raise ConfigError(
+                f"agent.function: {value!r} runs its own tools; leave agent.tools and "
+                "agent.environment unset with it"
+            )
+        try:
+            load_agent_function(value)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        for module in ("openai", "fastapi", "uvicorn"):
+            if importlib.util.find_spec(module) is None:
+                from .endpoint import INSTALL_HINT
+
+                raise ConfigError(f"agent.function: {INSTALL_HINT} ({module} is missing)")
 
     @staticmethod
     def _check_environment(value: str) -> None:

@@ -21,6 +21,7 @@ from ..rollout.requests import Completion, Request, request_seed
 from ..rollout.tokens import token_rollout
 from .calls import Call
 from .environment import Environment, Observation, as_observation
+from .function import FunctionRunner
 from .render import ChatRenderer
 from .trajectory import Trajectory, Turn
 
@@ -210,9 +211,10 @@ class AgentLoop:
         return out
 
 
-def build_loop(config, engine, model_path: str) -> AgentLoop:
+def build_loop(config, engine, model_path: str) -> AgentLoop | FunctionRunner:
     """The agent loop of a rollout worker: ``config.agent``'s tools or environment on
-    ``engine`` (its ``tokenizer``, else the model directory's)."""
+    ``engine`` (its ``tokenizer``, else the model directory's), or its ``function``'s
+    sessions through an endpoint on ``engine``."""
     from .environment import ToolEnvironment, environment_class
     from .parsers import parser_class
     from .tools import ToolRunner, load_tools
@@ -223,6 +225,8 @@ def build_loop(config, engine, model_path: str) -> AgentLoop:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if agent.function is not None:
+        return FunctionRunner(engine, tokenizer, config)
     tools = load_tools(agent.tools)
     if agent.environment is not None:
         environment: Callable[[], Environment] = environment_class(agent.environment)

@@ -34,9 +34,16 @@ class Trajectory:
     stop: str = ""
     """Why it ended: ``no_call`` / ``done`` (the environment's), ``length``
     (``rollout.max_new_tokens``), ``max_assistant_turns``, ``max_user_turns`` or ``error``
-    (the environment failed: ``error`` says how)."""
+    (the environment failed: ``error`` says how); ``agent.function``'s: ``agent_returned``
+    or ``agent_failed`` (``error`` says how)."""
     dropped_calls: int = 0
     error: str | None = None
+    calls: int = 0
+    """``agent.function``: the session's calls to the model through the endpoint."""
+    breaks: int = 0
+    """``agent.function``: calls whose prompt did not extend the sequence before it."""
+    extras: dict[str, float] = dataclasses.field(default_factory=dict)
+    """``agent.function``: the numeric extras the agent returned beside its reward."""
 
     @property
     def assistant_turns(self) -> int:
@@ -58,6 +65,9 @@ class Trajectory:
             "stop": self.stop,
             "dropped_calls": self.dropped_calls,
             "error": self.error,
+            "model_calls": self.calls,
+            "breaks": self.breaks,
+            "extras": dict(self.extras),
         }
 
 
@@ -66,8 +76,17 @@ def trajectory_metrics(trajectories: list[Trajectory], lengths: list[int]) -> di
     ``tool_calls_mean`` (model turns and tool calls per trajectory), ``tool_errors`` and
     ``tool_calls_dropped`` (counts in the batch), ``tool_time_s`` (mean seconds per call)
     and ``trajectory_length`` (mean response tokens, the environment's and template's
-    included; ``lengths`` each one's)."""
+    included; ``lengths`` each one's); with ``agent.function``, ``model_calls_mean``,
+    ``agent_breaks`` and ``agent_failures`` (counts in the batch)."""
     calls = [r for t in trajectories for r in t.tool_results]
+    sessions = [t for t in trajectories if t.stop.startswith("agent_")]
+    if sessions:
+        return {
+            "model_calls_mean": sum(t.calls for t in sessions) / len(sessions),
+            "agent_breaks": float(sum(t.breaks for t in sessions)),
+            "agent_failures": float(sum(t.stop == "agent_failed" for t in sessions)),
+            "trajectory_length": sum(lengths) / len(lengths),
+        }
     return {
         "turns_mean": sum(t.assistant_turns for t in trajectories) / len(trajectories),
         "tool_calls_mean": len(calls) / len(trajectories),

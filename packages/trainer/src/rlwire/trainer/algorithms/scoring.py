@@ -44,7 +44,11 @@ def score(config, reward_fn, batch: Rollout) -> Scored:
     """The rewards of ``batch`` (with its ``examples``), shaped."""
     start = time.perf_counter()
     columns: dict[str, torch.Tensor] = {}
-    if config.agent.environment is not None:  # an environment class scores its trajectories
+    if config.agent.function is not None:  # the agent returned each session's reward
+        assert batch.trajectories is not None, "agent.function: samples without sessions"
+        rewards = torch.tensor([sum(t.rewards) for t in batch.trajectories], dtype=torch.float32)
+        columns = _agent_extras(batch.trajectories)
+    elif config.agent.environment is not None:  # an environment class scores its trajectories
         assert batch.trajectories is not None, "agent.environment: samples without trajectories"
         rewards = torch.tensor([sum(t.rewards) for t in batch.trajectories], dtype=torch.float32)
         bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
@@ -70,6 +74,34 @@ def score(config, reward_fn, batch: Rollout) -> Scored:
     return Scored(rewards, extra, time.perf_counter() - start, sample_extras=columns)
 
 
+def _agent_extras(trajectories) -> dict[str, torch.Tensor]:
+    """The numeric extras every session's agent returned, as ``(B,)`` columns (a key some
+    session lacks, a failed one's for instance, is left out)."""
+    keys = set(trajectories[0].extras) if trajectories else set()
+    for t in trajectories[1:]:
+        keys &= set(t.extras)
+    return {
+        k: torch.tensor([t.extras[k] for t in trajectories], dtype=torch.float32)
+        for k in sorted(keys)
+    }
+
+
+def _kept_groups(config, scored: Scored, batch: Rollout, filtering: bool) -> torch.Tensor:
+    """``(groups,)`` bool: the groups ``fill`` keeps: with dynamic sampling those whose metric
+    differs; with ``agent.failure=drop`` those whose every session succeeded."""
+    n = config.rollout.n
+    keep = (
+        varied_groups(_grouped_by(config, scored), n)
+        if filtering
+        else torch.ones(len(batch) // n, dtype=torch.bool)
+    )
+    if config.agent.function is not None and config.agent.failure == "drop":
+        assert batch.trajectories is not None, "agent.function: samples without sessions"
+        failed = torch.tensor([t.stop == "agent_failed" for t in batch.trajectories])
+        keep &= ~failed.view(-1, n).any(dim=1)
+    return keep
+
+
 def _grouped_by(config, scored: Scored) -> torch.Tensor:
     """The ``(B,)`` values whose equality within a group drops it:
     ``algorithm.filter_groups.metric``, the reward or one of its extras."""
@@ -90,13 +122,19 @@ def fill(
     config, reward_fn, batch: Rollout, generate_more: Callable[[int], Rollout]
 ) -> tuple[Rollout, Scored]:
     """Dynamic sampling: score ``batch``, keep its groups whose
-    ``algorithm.filter_groups.metric`` differs, and call
+    ``algorithm.filter_groups.metric`` differs (and, with ``agent.failure=drop``, whose
+    sessions all succeeded), and call
     ``generate_more(missing)`` (more groups: the next prompts; ``missing`` is how many are
     still wanted) until ``data.train_batch_size`` groups are kept; the batch of the first
     that many, and its scores."""
     n, required = config.rollout.n, config.data.train_batch_size
+    filtering = config.algorithm.filter_groups.enable
     metric = config.algorithm.filter_groups.metric
     differing = "rewards differ" if metric == "reward" else f"{metric!r} differs"
+    if not filtering:  # agent.failure=drop alone
+        differing = "agent sessions all succeeded"
+    elif config.agent.function is not None and config.agent.failure == "drop":
+        differing += " and whose agent sessions all succeeded"
     limit = config.algorithm.filter_groups.max_num_gen_batches
     parts: list[Rollout] = []
     extras: list[dict[str, float]] = []
@@ -108,7 +146,7 @@ def fill(
         scored = score(config, reward_fn, batch)
         seconds += scored.seconds
         extras.append(scored.extra)
-        keep = varied_groups(_grouped_by(config, scored), n)
+        keep = _kept_groups(config, scored, batch, filtering)
         dropped += int((~keep).sum())
         kept_groups += (keep.nonzero().flatten() + seen).tolist()
         seen += len(keep)

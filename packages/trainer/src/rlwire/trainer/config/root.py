@@ -222,6 +222,14 @@ class TrainerConfig:
             and not correction.bypass_mode
         )
 
+    def fills_batches(self) -> bool:
+        """Whether a generated batch is scored, some of its groups dropped and the batch filled
+        up with more (:func:`~rlwire.trainer.algorithms.scoring.fill`): dynamic sampling
+        (``algorithm.filter_groups``), or ``agent.failure=drop``."""
+        agent = self.agent
+        drops = agent.function is not None and agent.failure == "drop"
+        return self.algorithm.filter_groups.enable or drops
+
     def mini_batch_rows(self) -> int:
         """Samples per optimizer step on one actor rank."""
         mini = self.actor.ppo_mini_batch_size or self.data.train_batch_size
@@ -269,5 +277,8 @@ def load_config(
     ours = translate(flat)
     task = builtin_task(ours.get("data.source", DataConfig().source))
     if task is not None:  # the task's own settings, under everything the run sets
-        ours = {**dict(parse_item(i) for i in task.defaults), **ours}
+        defaults = dict(parse_item(i) for i in task.defaults)
+        if ours.get("agent.function") is not None:  # the agent calls the task's tools itself
+            defaults.pop("agent.tools", None)
+        ours = {**defaults, **ours}
     return merge(TrainerConfig, TrainerConfig(), nest(ours), "")

@@ -28,7 +28,7 @@ def run_colocated(job: Job, bar) -> None:
     """
     config = job.config
     steps = config.trainer.steps
-    filtering = config.algorithm.filter_groups.enable
+    filtering = config.fills_batches()
     job.sync(job.start_step)  # the rollout engines start from the actor's (maybe resumed) weights
     held_out = None
     if validation_due(config, job.start_step, before=True):

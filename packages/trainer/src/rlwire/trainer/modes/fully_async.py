@@ -50,7 +50,7 @@ def run_fully_async(job: Job, bar) -> None:
     config = job.config
     cfg = config.async_
     n, required = config.rollout.n, config.data.train_batch_size
-    filtering = config.algorithm.filter_groups.enable
+    filtering = config.fills_batches()
     trigger = cfg.trigger_parameter_sync_step
     Queue = ray.remote(num_cpus=0)(SampleQueue)
     queue: Handle = Queue.options(name="sample-queue", namespace=job.namespace).remote(

@@ -35,7 +35,7 @@ def run_one_step_off(job: Job, bar) -> None:
     update did not hide)."""
     config = job.config
     steps = config.trainer.steps
-    filtering = config.algorithm.filter_groups.enable
+    filtering = config.fills_batches()
     job.sync(job.start_step)  # the rollout engines start from the actor's (maybe resumed) weights
     if validation_due(config, job.start_step, before=True):
         job.validate(job.start_step, start_validation(job, job.val_examples))

@@ -98,7 +98,8 @@ class StepMetrics(UpdateMetrics):
     gen_batches: int | None = None
     """With dynamic sampling: the generation batches this step took to fill its batch."""
     filtered_groups: int | None = None
-    """With dynamic sampling: the prompt groups dropped because their rewards were equal."""
+    """With dynamic sampling: the prompt groups dropped because their rewards were equal
+    (and with ``agent.failure=drop``, because an agent session of theirs failed)."""
     group_indices: list[int] | None = None
     """Fully async only: the data position of each prompt group trained (``step x
     data.train_batch_size + i`` for the i-th prompt of the data's step), so a resumed run
@@ -134,6 +135,15 @@ class StepMetrics(UpdateMetrics):
     trajectory_length: float | None = None
     """Multi-turn rollouts: mean response tokens per trajectory, the environment's and the
     chat template's included (``response_length`` counts the model's)."""
+    model_calls_mean: float | None = None
+    """``agent.function``: calls to the model per session (mean)."""
+    agent_breaks: float | None = None
+    """``agent.function``: calls in the batch whose prompt did not extend the session's
+    sequence before it (the agent rewrote its history); the session trains its last."""
+    agent_failures: float | None = None
+    """``agent.function``: sessions in the batch whose agent raised, returned no finite
+    reward, made no call or ran past ``agent.timeout`` (reward 0; each named in the rollout
+    worker's log)."""
     weight_digest_actor: str | None = None
     """With ``ckpt_engine.digest`` on a sync step: the weights sent."""
     weight_digest_rollout: list[str] | None = None

@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import torch
 
+from ..agent.function import FunctionRunner
 from ..agent.loop import AgentLoop, build_loop
 from ..config.root import TrainerConfig
 from ..errors import RunError
@@ -54,7 +55,7 @@ class RolloutWorker(WeightStage, WorkerProcess):
         self.gpu_share = gpu_share
         self.backend: RolloutEngine | None = None
         self.engine: Any = None  # the receiver's handle, from the rollout engine's join()
-        self.agent: AgentLoop | None = None  # the agent loop (agent.enable)
+        self.agent: AgentLoop | FunctionRunner | None = None  # the agent loop (agent.enable)
         self.version = -1
 
     def load_engine(self) -> None:
