@@ -439,6 +439,51 @@ def test_the_lookup_task_learns_to_call_its_tool_in_every_mode(
     assert [x["prompt_index"] for x in lines] == [i // 8 for i in range(samples)]
 
 
+def test_an_openai_agent_learns_the_lookup_task_through_the_endpoint_fully_async(
+    ray_cluster, lookup_model, tmp_path
+):
+    """``agent.function``: the task as an agent written only with the ``openai`` client
+    (``lookup_agent.solve``), its calls through the rollout workers' endpoints while weights
+    are synced under them (fully async, partial rollouts): it learns as the built-in loop
+    does, and each trained row is the session's calls merged, token for token."""
+    from trainer_cli import train_cli
+
+    from rlwire.trainer.agent.lookup import lookup_reward
+
+    data = tmp_path / "rollouts"
+    records, _ = train_cli(
+        tmp_path / "run",
+        "data.source=builtin:lookup",
+        f"model.path={lookup_model}",
+        "agent.function=rlwire.trainer.agent.lookup_agent:solve",
+        "trainer.seed=1",
+        "trainer.steps=30",
+        f"trainer.rollout_data_dir={data}",
+        "trainer.mode=fully_async",
+        "rollout.num_workers=2",
+        "async.partial_rollout=true",
+        "async.partial_rollout_chunk_tokens=4",
+        cluster=ray_cluster,
+    )
+    first, last = records[0], records[-5:]
+    assert first["reward_mean"] < 0.3 and first["model_calls_mean"] < 1.5
+    assert sum(r["reward_mean"] for r in last) / 5 > 0.45
+    assert sum(r["model_calls_mean"] for r in last) / 5 > 1.8  # it calls the tool
+    assert all(r["agent_failures"] == 0 and r["agent_breaks"] == 0 for r in records)
+    lines = [json.loads(x) for x in (data / "30.jsonl").read_text().splitlines()]
+    assert len(lines) == 64 and {x["stop"] for x in lines} == {"agent_returned"}
+    called = next(x for x in lines if x["model_calls"] == 2)
+    mask, turns = called["loss_mask"], called["turns"]
+    assert [t["role"] for t in turns] == ["assistant", "context", "assistant"]
+    assert set(mask[turns[1]["start"] : turns[1]["end"]]) == {0}
+    assert [lp is None for lp in called["logprobs"]] == [m == 0 for m in mask]
+    assert "<tool_response>" in turns[1]["text"]  # the tool's result, read from the session
+    expected = lookup_reward([""], [called["response"]], [called["answer"]])[0]
+    assert called["reward"] == pytest.approx(expected, abs=1e-6)
+    versions = [v for x in lines for v in x["versions"] if v is not None]
+    assert max(versions) - min(versions) <= 2  # tokens of the versions in flight
+
+
 def test_verl_multi_turn_keys_set_the_agent_section_and_its_tool_config_is_refused_with_why():
     from rlwire.trainer.config.root import load_config
 
