@@ -182,7 +182,9 @@ class FunctionRunner:
         timeout = self.config.timeout
         finished, _ = await asyncio.wait({asyncio.wrap_future(call.future)}, timeout=timeout)
         calls = self.endpoint.sessions.close(session)  # a later call of the agent: refused
-        reward, extras, failure = None, {}, None
+        reward: float | None = None
+        extras: dict[str, float] = {}
+        failure: str | None = None
         if not finished:
             call.stop()
             failure = f"ran past agent.timeout ({timeout:g} s)"
@@ -228,9 +230,7 @@ class FunctionRunner:
                 self._tls_context = ssl.create_default_context()
             return self._tls_context
 
-    def _sample(
-        self, example: Example, calls: list[CallRecord]
-    ) -> tuple[TokenSample, Trajectory]:
+    def _sample(self, example: Example, calls: list[CallRecord]) -> tuple[TokenSample, Trajectory]:
         """The session's trained sequence (its last: see the module's docstring), or the
         example's prompt with no response where it made no call; its record."""
         merged = merge_calls(calls)
