@@ -102,6 +102,58 @@ def test_every_kind_of_failed_call_is_an_error_observation_and_the_good_ones_run
     assert all(r.text == f"Error: {r.error}" for r in results[1:-1])
 
 
+def test_a_tools_keyword_only_arguments_come_from_the_row_and_never_from_the_model():
+    """verl's ``extra_info.tools_kwargs.<tool>.create_kwargs``: the lookup tool's table is
+    the row's; the schema does not offer it and a call that names it is refused."""
+    from rlwire.trainer.agent.lookup import as_example
+    from rlwire.trainer.rollout import Example
+
+    (tool,) = load_tools(["rlwire.trainer.agent.lookup:lookup"])
+    assert tool.bound == ("table",)
+    assert tool.schema["function"]["parameters"]["properties"].keys() == {"key"}
+    assert tool.schema["function"]["parameters"]["required"] == ["key"]
+    runner = ToolRunner([tool], 5.0, max_chars=64)
+    env = ToolEnvironment(runner, HermesParser(), max_calls=1)
+    env.reset(as_example("abc", "907", "lookup"))
+    call = '<tool_call>{"name": "lookup", "arguments": {"key": "abc"}}</tool_call>'
+    assert [r.text for r in env.step(call).tool_results] == ["907"]
+    forged = '{"name": "lookup", "arguments": {"key": "abc", "table": {"abc": "111"}}}'
+    (refused,) = env.step(f"<tool_call>{forged}</tool_call>").tool_results
+    assert "unknown argument 'table'" in (refused.error or "")
+    other = '<tool_call>{"name": "lookup", "arguments": {"key": "abd"}}</tool_call>'
+    (missing,) = env.step(other).tool_results
+    assert "no entry 'abd': the key is the one in the prompt" in (missing.error or "")
+    env.reset(Example(prompt="abc", answer="907"))
+    (no_row,) = env.step(call).tool_results  # a row without the table
+    assert "missing 1 required keyword-only argument: 'table'" in (no_row.error or "")
+
+
+def test_lookup_rows_draw_codes_per_row_on_keys_priming_never_used():
+    from rlwire.trainer.agent.lookup import lookup_examples, priming_key
+
+    rows = lookup_examples(2000, seed=0)
+    assert not any(priming_key(key) for key, _ in rows)
+    by_key: dict[str, set[str]] = {}
+    for key, code in rows:
+        by_key.setdefault(key, set()).add(code)
+    repeated = [codes for codes in by_key.values() if len(codes) > 1]
+    assert len(repeated) > 100  # a key's code differs from row to row: none to memorise
+
+
+def test_the_reading_probe_answers_follow_what_the_tool_returns(lookup_model):
+    """The primed model, on data rows' keys (never seen in priming): given a tool result
+    that is not the row's code, its greedy answer is the tool's code, never the row's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlwire.trainer.agent.lookup import reading_probe
+
+    model = AutoModelForCausalLM.from_pretrained(lookup_model).eval()
+    tokenizer = AutoTokenizer.from_pretrained(lookup_model)
+    got = reading_probe(model, tokenizer, count=64, seed=11)
+    assert got["follows_tool"] >= 0.9 and got["follows_row_tool"] >= 0.9
+    assert got["row_code"] <= 0.05 and got["key_written"] >= 0.9
+
+
 @pytest.mark.parametrize("tool", ["hang", "slow_echo"])
 def test_a_tool_past_its_timeout_is_an_error_not_a_stuck_worker(tool):
     runner = _runner(tool, timeout=0.2)

@@ -145,7 +145,7 @@ def test_the_row_an_agent_gets_has_verl_keys(engine):
         "prompt": [{"role": "user", "content": "abc"}],
         "data_source": "lookup",
         "reward_model": {"ground_truth": "123"},
-        "extra_info": {},
+        "extra_info": {"tools_kwargs": {"lookup": {"create_kwargs": {"table": {"abc": "123"}}}}},
     }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from ..plugins import load_class
 from ..rollout.common import Example
 from .parsers import ToolCallParser
-from .tools import ToolResult, ToolRunner
+from .tools import ToolResult, ToolRunner, row_arguments
 
 __all__ = ["Environment", "Observation", "ToolEnvironment", "environment_class"]
 
@@ -73,17 +73,23 @@ def as_observation(value: Observation | tuple[Any, float, bool]) -> Observation:
 
 class ToolEnvironment(Environment):
     """The tools' environment: the calls in a message are run (at most
-    ``agent.max_parallel_calls``, the rest dropped and counted) and their results become
-    ``tool`` messages; a message without a call ends the trajectory."""
+    ``agent.max_parallel_calls``, the rest dropped and counted; each tool's keyword-only
+    parameters from the row) and their results become ``tool`` messages; a message without
+    a call ends the trajectory."""
 
     def __init__(self, runner: ToolRunner, parser: ToolCallParser, max_calls: int) -> None:
         self.runner, self.parser, self.max_calls = runner, parser, max_calls
+        self.row: dict[str, dict[str, Any]] = {}
+
+    def reset(self, example: Example) -> None:
+        """Keep the row's arguments for the tools (:func:`~.tools.row_arguments`)."""
+        self.row = row_arguments(example.extra_info)
 
     def step(self, message: str) -> Observation:
         calls = self.parser.parse(message)
         if not calls:  # the model answered: the trajectory ends (``no_call``)
             return Observation([])
-        results = self.runner.run(calls[: self.max_calls])
+        results = self.runner.run(calls[: self.max_calls], self.row)
         messages = [{"role": "tool", "name": r.name, "content": r.text} for r in results]
         return Observation(
             messages,

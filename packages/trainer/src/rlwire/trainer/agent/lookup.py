@@ -1,18 +1,26 @@
 """The built-in multi-turn task ``lookup`` (``data.source=builtin:lookup``): the prompt is a
 key of three letters (``cab``), the answer is the three digits the tool :func:`lookup`
-returns for it (a hash of the key: nothing in the prompt or the model's weights tells it).
-The model must call the tool in the Hermes format, read the result and answer with it.
+returns for it. The code is drawn at random for each data row and reaches the tool from the
+row (``extra_info.tools_kwargs.lookup.create_kwargs.table``, verl's key), so nothing in the
+prompt or the model's weights tells it: only reading the tool's result does. The model must
+call the tool in the Hermes format, read the result and answer with it.
 
-Its model is the built-in tiny Qwen2 with the tokens the task needs (role tokens, the
-tool-call and tool-response tags, and the fixed parts of the call's JSON as two tokens)
-and a chat template. A randomly initialised model cannot find a JSON tool call by sampling,
+Its model is the built-in tiny Qwen2, with three layers (with two, copying a code it has
+never seen took priming 1,800-2,400 steps to begin, against 200-300 with three), the
+tokens the task needs (role tokens, the tool-call and tool-response tags, and the fixed
+parts of the call's JSON as two tokens) and a chat template. A randomly initialised model cannot find a JSON tool call by sampling,
 nor (measured) learn by RL alone to read a tool's result, so it is primed before RL, as an
 instruct model knows its tool syntax: on conversations that all call the tool with the
 prompt's key and answer with its result, until the greedy model does both on held-out
 keys; then briefly, at a tenth of the learning rate, on conversations of which only one in
-ten calls the tool and the others answer three random digits. It starts knowing how to
-call and read but calling in a few percent of its first turns, near chance (a digit in ten
-right): RL has to learn to call the tool.
+ten calls the tool and the others answer three random digits. Priming teaches the call's
+format, copying the key and copying the result, on keys disjoint from the training keys
+(:func:`priming_key`: the keys whose letters' places sum to an even number; the data rows
+use the others) and on codes drawn at random per conversation. It starts knowing how to call
+and read but calling in a few percent of its first turns, near chance (a digit in ten
+right): RL has to learn to call the tool. :func:`reading_probe` shows that the answers
+follow the tool: the tool returns a code the row does not hold, and the greedy answer is
+checked against it (``python -m rlwire.trainer.bench --reading MODEL_DIR``).
 """
 
 from __future__ import annotations
@@ -31,6 +39,11 @@ __all__ = [
     "lookup",
     "lookup_examples",
     "lookup_reward",
+    "priming_key",
+    "probe_rows",
+    "reading",
+    "reading_probe",
+    "row_table",
 ]
 
 KEY_LENGTH = 3
@@ -64,23 +77,42 @@ CHAT_TEMPLATE = (
 are not listed in the prompt (the tiny model knows its one tool from priming)."""
 
 
-def lookup(key: str) -> str:
+def lookup(key: str, *, table: dict[str, str]) -> str:
     """Look up the code stored under a key.
 
     Args:
         key: three letters from a to j, as given in the prompt.
+        table: the codes by key (the data row's: not the model's to give).
     """
     if len(key) != KEY_LENGTH or any(c not in LETTERS for c in key):
         raise ValueError(f"no entry {key!r}: keys are {KEY_LENGTH} letters from a to j")
-    digest = hashlib.sha256(key.encode()).digest()
-    return "".join(str(b % 10) for b in digest[:CODE_LENGTH])
+    if key not in table:
+        raise ValueError(f"no entry {key!r}: the key is the one in the prompt")
+    return table[key]
+
+
+def priming_key(key: str) -> bool:
+    """Whether ``key`` is one of the keys priming uses (its letters' places in a-j sum to an
+    even number); data rows use the others, so no training key was seen in priming."""
+    return sum(LETTERS.index(c) for c in key) % 2 == 0
+
+
+def _key(rng: random.Random, priming: bool) -> str:
+    while True:
+        key = "".join(rng.choice(LETTERS) for _ in range(KEY_LENGTH))
+        if priming_key(key) == priming:
+            return key
+
+
+def _code(rng: random.Random) -> str:
+    return "".join(str(rng.randrange(10)) for _ in range(CODE_LENGTH))
 
 
 def lookup_examples(count: int, *, seed: int) -> list[tuple[str, str]]:
-    """``count`` ``(key, code)`` pairs, deterministic in ``seed``."""
+    """``count`` ``(key, code)`` pairs, deterministic in ``seed``: keys outside priming's,
+    each code drawn at random for its row."""
     rng = random.Random(seed)
-    keys = ["".join(rng.choice(LETTERS) for _ in range(KEY_LENGTH)) for _ in range(count)]
-    return [(key, lookup(key)) for key in keys]
+    return [(_key(rng, priming=False), _code(rng)) for _ in range(count)]
 
 
 def lookup_reward(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
@@ -96,13 +128,20 @@ def lookup_reward(prompts: list[str], responses: list[str], answers: list[str]) 
 
 
 def as_example(prompt: str, answer: str, source: str) -> Example:
-    """A lookup row: the key as the user's message."""
+    """A lookup row: the key as the user's message, the row's table (its key's code) for the
+    tool in ``extra_info`` (verl's ``tools_kwargs``)."""
     return Example(
         prompt=prompt,
         answer=answer,
         data_source=source,
+        extra_info={"tools_kwargs": {"lookup": {"create_kwargs": {"table": {prompt: answer}}}}},
         messages=[{"role": "user", "content": prompt}],
     )
+
+
+def row_table(row: dict) -> dict[str, str]:
+    """The table of an agent's row (:func:`rlwire.trainer.agent.function.agent_row`)."""
+    return row["extra_info"]["tools_kwargs"]["lookup"]["create_kwargs"]["table"]
 
 
 def build_lookup_tokenizer():
@@ -117,16 +156,14 @@ def build_lookup_tokenizer():
 def _primer(rng: random.Random, call_share: float) -> list[tuple[str, bool]]:
     """One priming conversation: its pieces of text, each with whether the loss counts it
     (the assistant's)."""
-    key = "".join(rng.choice(LETTERS) for _ in range(KEY_LENGTH))
+    key, code = _key(rng, priming=True), _code(rng)
     pieces = [(f"<|user|>{key}<eos><|assistant|>", False)]
     if rng.random() < call_share:
         pieces.append((f"<tool_call>{CALL_HEAD}{key}{CALL_TAIL}</tool_call><eos>", True))
-        pieces.append(
-            (f"<|tool|><tool_response>{lookup(key)}</tool_response><eos><|assistant|>", False)
-        )
-        answer = lookup(key)
+        pieces.append((f"<|tool|><tool_response>{code}</tool_response><eos><|assistant|>", False))
+        answer = code
     else:
-        answer = "".join(str(rng.randrange(10)) for _ in range(CODE_LENGTH))
+        answer = _code(rng)
     pieces.append((answer + "<eos>", True))
     return pieces
 
@@ -151,9 +188,9 @@ def _encode(
     return out
 
 
-def _skill(model, tokenizer, keys: list[str]) -> tuple[float, float]:
-    """The share of ``keys`` for which the greedy model writes the call's key right, and the
-    share for which it answers with the tool's code (each given what precedes it)."""
+def _greedy(model, tokenizer, keys: list[str], codes: list[str]) -> tuple[list[str], list[str]]:
+    """What the greedy model writes as each key in its call, and as its answer once the
+    tool returned ``codes`` (each given what precedes it)."""
     import torch
 
     def greedy(prefixes: list[str], count: int) -> list[str]:
@@ -166,25 +203,69 @@ def _skill(model, tokenizer, keys: list[str]) -> tuple[float, float]:
 
     opening = [f"<|user|>{k}<eos><|assistant|><tool_call>{CALL_HEAD}" for k in keys]
     called = [
-        f"{o}{k}{CALL_TAIL}</tool_call><eos><|tool|><tool_response>{lookup(k)}"
+        f"{o}{k}{CALL_TAIL}</tool_call><eos><|tool|><tool_response>{c}"
         "</tool_response><eos><|assistant|>"
-        for o, k in zip(opening, keys, strict=True)
+        for o, k, c in zip(opening, keys, codes, strict=True)
     ]
-    written = greedy(opening, KEY_LENGTH)
-    answered = greedy(called, CODE_LENGTH)
+    return greedy(opening, KEY_LENGTH), greedy(called, CODE_LENGTH)
+
+
+def reading(model, tokenizer, keys: list[str], codes: list[str]) -> tuple[float, float]:
+    """The two skills, greedy: the share of ``keys`` the model writes right in its call, and
+    the share of answers that are the code the tool returned (``codes``, one per key)."""
+    written, answered = _greedy(model, tokenizer, keys, codes)
     return (
         sum(w == k for w, k in zip(written, keys, strict=True)) / len(keys),
-        sum(a == lookup(k) for a, k in zip(answered, keys, strict=True)) / len(keys),
+        sum(a == c for a, c in zip(answered, codes, strict=True)) / len(keys),
     )
 
 
+def reading_probe(model, tokenizer, *, count: int = 64, seed: int = 0) -> dict[str, float]:
+    """The probe that answers follow the tool: ``count`` data rows (keys priming never used),
+    greedy, the call made and the tool's result given. ``follows_tool``: the share of
+    answers that are the code the tool returned when it returns a wrong one (not the row's);
+    ``row_code``: the share that are the row's code then (a model that knew the codes would
+    answer with it); ``follows_row_tool``: the share that are the code when the tool returns
+    the row's own; ``key_written``: the share of calls whose key is the prompt's."""
+    keys, wrong = probe_rows(count, seed=seed)
+    right = [code for _, code in lookup_examples(count, seed=seed)]
+    written, answered = _greedy(model, tokenizer, keys, wrong)
+    _, answered_right = _greedy(model, tokenizer, keys, right)
+
+    def share(values: list[str], targets: list[str]) -> float:
+        return sum(v == t for v, t in zip(values, targets, strict=True)) / count
+
+    return {
+        "key_written": share(written, keys),
+        "follows_tool": share(answered, wrong),
+        "row_code": share(answered, right),
+        "follows_row_tool": share(answered_right, right),
+    }
+
+
+def probe_rows(count: int, *, seed: int) -> tuple[list[str], list[str]]:
+    """``count`` training keys (outside priming's) and a code for each that is not its data
+    row's code (:func:`lookup_examples` with ``seed``): the tool's wrong answers."""
+    rows = lookup_examples(count, seed=seed)
+    rng = random.Random(seed + 7)
+    codes = []
+    for _, code in rows:
+        wrong = _code(rng)
+        while wrong == code:
+            wrong = _code(rng)
+        codes.append(wrong)
+    return [key for key, _ in rows], codes
+
+
 def build_lookup_model(
-    directory: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2
+    directory: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 3
 ) -> Path:
     """Create (once) the lookup task's tiny model and tokenizer in ``directory``, primed
     (see the module's docstring); return it."""
     rng = random.Random(seed)
-    held_out = [e for e, _ in lookup_examples(32, seed=seed + 1)]
+    check = random.Random(seed + 1)
+    held_out = [_key(check, priming=True) for _ in range(32)]  # priming's keys, unseen codes
+    held_codes = [_code(check) for _ in held_out]
 
     def prime(model, tokenizer) -> None:
         import torch
@@ -204,10 +285,10 @@ def build_lookup_model(
                 optimizer.zero_grad(set_to_none=True)
 
         done = 0
-        while done < PRIMING_MAX_STEPS and min(_skill(model, tokenizer, held_out)) < SKILLED:
+        while done < PRIMING_MAX_STEPS and min(reading(model, tokenizer, held_out, held_codes)) < SKILLED:
             train(PRIMING_CHECK_EVERY, 1.0)
             done += PRIMING_CHECK_EVERY
-        if min(_skill(model, tokenizer, held_out)) < SKILLED:
+        if min(reading(model, tokenizer, held_out, held_codes)) < SKILLED:
             raise RuntimeError(
                 f"the lookup model (seed {seed}) did not learn to call and read the tool in "
                 f"{PRIMING_MAX_STEPS} priming steps; try another trainer.seed"

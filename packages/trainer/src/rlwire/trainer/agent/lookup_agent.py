@@ -5,8 +5,8 @@ built-in loop with ``agent.tools=[rlwire.trainer.agent.lookup:lookup]`` (at most
 whole response within ``BUDGET`` tokens), scored by :func:`~.lookup.lookup_reward`.
 
 What a user's agent looks like: it gets the row and a client, chats with tools, runs the
-calls it is asked for and returns a reward; it imports nothing of the trainer but its task's
-tool and reward.
+calls it is asked for (the tool reads the row's table of codes) and returns a reward; it
+imports nothing of the trainer but its task's tool and reward.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .lookup import lookup, lookup_reward
+from .lookup import lookup, lookup_reward, row_table
 
 __all__ = ["BUDGET", "MAX_TURNS", "TOOLS", "solve"]
 
@@ -40,13 +40,16 @@ TOOLS = [
 ]
 
 
-def run_tool(call: Any) -> str:
-    """A tool call's result as the model reads it (an error's message when it fails)."""
+def run_tool(call: Any, table: dict[str, str]) -> str:
+    """A tool call's result as the model reads it (an error's message when it fails);
+    ``table``: the row's codes."""
     try:
         arguments = json.loads(call.function.arguments)
         if call.function.name != "lookup":
             raise ValueError(f"unknown tool {call.function.name!r}")
-        return lookup(**arguments)
+        if set(arguments) != {"key"}:
+            raise ValueError(f"lookup takes one argument, 'key'; got {sorted(arguments)}")
+        return lookup(arguments["key"], table=table)
     except Exception as err:  # noqa: BLE001 - the model reads what went wrong
         return f"Error: {type(err).__name__}: {err}"
 
@@ -70,6 +73,8 @@ async def solve(row: dict[str, Any], client: Any) -> float:
             final = message.content or ""
             break
         call = message.tool_calls[0]  # one call per turn, as agent.max_parallel_calls=1
-        messages.append({"role": "tool", "tool_call_id": call.id, "content": run_tool(call)})
+        messages.append(
+            {"role": "tool", "tool_call_id": call.id, "content": run_tool(call, row_table(row))}
+        )
     truth = row["reward_model"]["ground_truth"]
     return lookup_reward([""], [final], [truth])[0]

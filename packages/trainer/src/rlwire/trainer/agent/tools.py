@@ -1,7 +1,13 @@
 """Tools: plain Python functions (sync or async) named by dotted path, their JSON schema from
 the type hints and docstring (transformers' ``get_json_schema``, as TRL and chat templates
 use), and running calls with a timeout each, concurrently, never raising: a call that
-fails in any way is an error message for the model."""
+fails in any way is an error message for the model.
+
+**Arguments from the data row.** A tool's keyword-only parameters (after ``*``) are not the
+model's to give: they are left out of its schema and filled from the row, from verl's
+``extra_info.tools_kwargs.<tool name>.create_kwargs`` (:func:`row_arguments`). A row's
+answer key for its tool (the lookup task's table of codes) reaches the tool this way, and
+the model cannot set it: a call that names it is refused as an unknown argument."""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from ..checks import ConfigError
 from .calls import Call
 from .parsers import ParsedCall
 
-__all__ = ["Tool", "ToolResult", "ToolRunner", "check_arguments", "load_tools"]
+__all__ = ["Tool", "ToolResult", "ToolRunner", "check_arguments", "load_tools", "row_arguments"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -27,6 +33,8 @@ class Tool:
     name: str
     fn: Callable[..., Any]
     schema: dict[str, Any]
+    bound: tuple[str, ...] = ()
+    """Its keyword-only parameters: filled from the data row, not in ``schema``."""
 
     @property
     def is_async(self) -> bool:
@@ -76,12 +84,40 @@ def load_tools(specs: list[str]) -> list[Tool]:
                 f"agent.tools: {spec!r} has no JSON schema: {err} (a tool needs type hints on "
                 "every argument and a docstring with an Args section describing each)"
             ) from None
+        bound = _row_parameters(fn)
+        parameters = schema["function"].get("parameters", {})
+        for key in bound:
+            parameters.get("properties", {}).pop(key, None)
+        if "required" in parameters:
+            parameters["required"] = [k for k in parameters["required"] if k not in bound]
         name = schema["function"]["name"]
         if name in names:
             raise ConfigError(f"agent.tools: two tools are named {name!r}")
         names.add(name)
-        tools.append(Tool(name, fn, schema))
+        tools.append(Tool(name, fn, schema, bound))
     return tools
+
+
+def _row_parameters(fn: Callable[..., Any]) -> tuple[str, ...]:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to bind
+        return ()
+    return tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def row_arguments(extra_info: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Each tool's arguments from a data row's ``extra_info`` (verl's
+    ``tools_kwargs.<tool name>.create_kwargs``), by tool name; none where it has none."""
+    given = (extra_info or {}).get("tools_kwargs") or {}
+    if not isinstance(given, dict):
+        return {}
+    out = {}
+    for name, entry in given.items():
+        kwargs = entry.get("create_kwargs") if isinstance(entry, dict) else None
+        if isinstance(kwargs, dict):
+            out[str(name)] = dict(kwargs)
+    return out
 
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -133,12 +169,15 @@ class ToolRunner:
         self.tools = {t.name: t for t in tools}
         self.timeout, self.max_chars = timeout, max_chars
 
-    def run(self, calls: list[ParsedCall]) -> list[ToolResult]:
-        """Every call's result, in order; all start at once."""
-        started = [self._start(call) for call in calls]
+    def run(
+        self, calls: list[ParsedCall], row: dict[str, dict[str, Any]] | None = None
+    ) -> list[ToolResult]:
+        """Every call's result, in order; all start at once. ``row``: each tool's arguments
+        from the data row (:func:`row_arguments`), given to its keyword-only parameters."""
+        started = [self._start(call, row or {}) for call in calls]
         return [finish() for finish in started]
 
-    def _start(self, call: ParsedCall) -> Callable[[], ToolResult]:
+    def _start(self, call: ParsedCall, row: dict[str, dict[str, Any]]) -> Callable[[], ToolResult]:
         began = time.perf_counter()
 
         def failed(error: str) -> Callable[[], ToolResult]:
@@ -155,7 +194,8 @@ class ToolRunner:
         problem = check_arguments(tool, call.arguments)
         if problem is not None:
             return failed(f"bad arguments for {call.name!r}: {problem}")
-        running = Call(tool.fn, name=f"tool-{tool.name}", **call.arguments)
+        hidden = {k: v for k, v in row.get(tool.name, {}).items() if k in tool.bound}
+        running = Call(tool.fn, name=f"tool-{tool.name}", **call.arguments, **hidden)
 
         def finish() -> ToolResult:
             answered = running.wait(self._left(began))

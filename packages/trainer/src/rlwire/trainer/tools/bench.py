@@ -9,6 +9,7 @@ python -m rlwire.trainer.bench --vs trl --trl-python PATH [--models 64x2,640x8] 
 python -m rlwire.trainer.bench --update [--models 64x2] [--budgets 256,512,1024,16384]
 [--repeats 5]
 python -m rlwire.trainer.bench --in-flight 1,2,4,8,16,32,64 [--conversations 64] [--threads 1]
+python -m rlwire.trainer.bench --reading MODEL_DIR[,MODEL_DIR...] [--conversations 64]
 
 Runs the default job (or ``--preset``'s, with the given overrides) with the same steps,
 seed and resources as: colocated; one-step off-policy; fully async with its default
@@ -144,6 +145,29 @@ def weight_sync(args: argparse.Namespace, root: Path) -> int:
     return 0
 
 
+def reading_bench(models: list[str], count: int, seeds: str) -> int:
+    """The lookup task's reading probe (:func:`~rlwire.trainer.agent.lookup.reading_probe`)
+    of each model directory: a table row per model and seed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..agent.lookup import reading_probe
+
+    print(f"Reading probe: {count} data rows a seed, greedy; the tool returns a wrong code")
+    print("| model | seed | key written | answer = tool's code | answer = row's code "
+          "| answer = tool's code (row's own) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for path in models:
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        for seed in (int(s) for s in seeds.split(",")):
+            got = reading_probe(model, tokenizer, count=count, seed=seed)
+            print(
+                f"| {path} | {seed} | {got['key_written']:.3f} | {got['follows_tool']:.3f} "
+                f"| {got['row_code']:.3f} | {got['follows_row_tool']:.3f} |"
+            )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlwire.trainer.bench", description=__doc__)
     parser.add_argument("--steps", type=int, default=None, help="default: the job's")
@@ -176,8 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--conversations", type=int, default=64, help="per point (--in-flight)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (--in-flight)")
+    parser.add_argument(
+        "--reading", default=None, help="lookup models to probe: do answers follow the tool?"
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    if args.reading:
+        return reading_bench(args.reading.split(","), args.conversations, args.seeds)
     if args.in_flight:
         from .bench_inflight import inflight_bench
 
