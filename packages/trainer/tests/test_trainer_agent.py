@@ -433,7 +433,7 @@ def test_turn_limits_end_a_conversation():
 def lookup_model():
     from cached_models import cached_lookup_model
 
-    # seed 1: primed in about 16 s here (seed 0 takes twice as long); once per machine
+    # seed 1: primed in about 20 s here, once per machine
     return cached_lookup_model(seed=1)
 
 

@@ -26,7 +26,9 @@ class AgentConfig:
     tools: list[str] = dataclasses.field(default_factory=list)
     """Tools as dotted paths ``package.module:function`` (plain Python functions, sync or
     async; type hints and a Google-style docstring give the JSON schema through
-    transformers' ``get_json_schema``). The ``lookup`` task's:
+    transformers' ``get_json_schema``). A tool's keyword-only parameters are not in its
+    schema: they come from the data row's ``extra_info.tools_kwargs.<tool
+    name>.create_kwargs`` (verl's key). The ``lookup`` task's:
     ``rlwire.trainer.agent.lookup:lookup``."""
     environment: str | None = None
     """A stateful task as a dotted path ``package.module:Class`` to a
@@ -69,7 +71,8 @@ class AgentConfig:
     no call to the model, or ran past ``timeout``) gives: ``zero`` (reward 0; its sampled
     tokens are trained on as a wrong answer's) or ``drop`` (its prompt group is replaced by
     the next prompt's, as ``algorithm.filter_groups`` replaces a group). Counted
-    (``agent_failures``) and named in the log either way."""
+    (``agent_failures`` with ``zero``, ``filtered_groups`` with ``drop``) and named in the
+    rollout worker's log either way."""
     endpoint_host: str = "127.0.0.1"
     """Where each rollout worker's OpenAI-compatible endpoint listens (``agent.function``):
     loopback, for agents in the worker's process; every call needs its session's key."""

@@ -12,8 +12,8 @@ A session that **failed** (the agent raised, returned no finite reward, made no 
 model, or ran past ``agent.timeout``) gets reward 0 (``agent.failure=zero``: its sampled
 tokens are trained on as a wrong answer's), or its group is replaced by another prompt's, as
 dynamic sampling replaces a group (``agent.failure=drop``); either way it is counted
-(``agent_failures``), and each is named in the worker's log and in its trajectory's
-``error``.
+(``agent_failures``; ``filtered_groups`` with ``drop``), and each is named in the worker's
+log and in its trajectory's ``error``.
 
 A session whose calls did not extend each other token for token (the agent rewrote its
 history: a break) is trained on its **last** sequence, the one that ends in the answer the

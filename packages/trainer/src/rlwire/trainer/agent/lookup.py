@@ -6,26 +6,26 @@ prompt or the model's weights tells it: only reading the tool's result does. The
 call the tool in the Hermes format, read the result and answer with it.
 
 Its model is the built-in tiny Qwen2, with three layers (with two, copying a code it has
-never seen took priming 1,800-2,400 steps to begin, against 200-300 with three), the
-tokens the task needs (role tokens, the tool-call and tool-response tags, and the fixed
-parts of the call's JSON as two tokens) and a chat template. A randomly initialised model cannot find a JSON tool call by sampling,
-nor (measured) learn by RL alone to read a tool's result, so it is primed before RL, as an
-instruct model knows its tool syntax: on conversations that all call the tool with the
-prompt's key and answer with its result, until the greedy model does both on held-out
-keys; then briefly, at a tenth of the learning rate, on conversations of which only one in
-ten calls the tool and the others answer three random digits. Priming teaches the call's
-format, copying the key and copying the result, on keys disjoint from the training keys
-(:func:`priming_key`: the keys whose letters' places sum to an even number; the data rows
-use the others) and on codes drawn at random per conversation. It starts knowing how to call
-and read but calling in a few percent of its first turns, near chance (a digit in ten
-right): RL has to learn to call the tool. :func:`reading_probe` shows that the answers
-follow the tool: the tool returns a code the row does not hold, and the greedy answer is
+never seen took priming 1,800 steps to begin, against 200-300 with three), the tokens the
+task needs (role tokens, the tool-call and tool-response tags, and the fixed parts of the
+call's JSON as two tokens) and a chat template. A randomly initialised model cannot find a
+JSON tool call by sampling, nor (measured) learn by RL alone to read a tool's result, so it
+is primed before RL, as an instruct model knows its tool syntax: on conversations that all
+call the tool with the prompt's key and answer with its result, until the greedy model does
+both on held-out conversations; then briefly, at a tenth of the learning rate, on
+conversations of which only one in ten calls the tool and the others answer three random
+digits. Priming teaches the call's format, copying the key and copying the result, on keys
+disjoint from the training keys (:func:`priming_key`: the keys whose letters' places sum to
+an even number; the data rows use the others) and on codes drawn at random per
+conversation. It starts knowing how to call and read but calling in a few percent of its
+first turns, near chance (a digit in ten right): RL has to learn to call the tool.
+:func:`reading_probe` shows that the answers follow the tool: the tool returns a code the
+row does not hold, and the greedy answer is
 checked against it (``python -m rlwire.trainer.bench --reading MODEL_DIR``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 from pathlib import Path
 
@@ -284,11 +284,14 @@ def build_lookup_model(
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
+        def skilled() -> bool:
+            return min(reading(model, tokenizer, held_out, held_codes)) >= SKILLED
+
         done = 0
-        while done < PRIMING_MAX_STEPS and min(reading(model, tokenizer, held_out, held_codes)) < SKILLED:
+        while done < PRIMING_MAX_STEPS and not skilled():
             train(PRIMING_CHECK_EVERY, 1.0)
             done += PRIMING_CHECK_EVERY
-        if min(reading(model, tokenizer, held_out, held_codes)) < SKILLED:
+        if not skilled():
             raise RuntimeError(
                 f"the lookup model (seed {seed}) did not learn to call and read the tool in "
                 f"{PRIMING_MAX_STEPS} priming steps; try another trainer.seed"
