@@ -16,6 +16,20 @@ import time
 __all__ = ["command", "main"]
 
 
+def importable_from_here() -> None:
+    """The user's modules that dotted paths name (``reward.function``, ``agent.tools``,
+    ``agent.environment``, ``agent.function``) found in the working directory, as
+    ``python -m`` finds them: added to ``sys.path`` (after what is installed, so nothing
+    installed is shadowed) and to ``PYTHONPATH``, which the workers of the cluster the run
+    starts inherit (a cluster joined with ``ray.address`` needs them installed there)."""
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.append(here)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, here])
+
+
 def _fail(message: str) -> int:
     print(f"rlwire-train: error: {message}", file=sys.stderr)
     return 2
@@ -72,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
+        importable_from_here()
         config = load_config(args.config, args.overrides, preset=args.preset)
     except ConfigError as err:
         return _fail(str(err))

@@ -5,8 +5,9 @@ row (``extra_info.tools_kwargs.lookup.create_kwargs.table``, verl's key), so not
 prompt or the model's weights tells it: only reading the tool's result does. The model must
 call the tool in the Hermes format, read the result and answer with it.
 
-Its model is the built-in tiny Qwen2, with three layers (with two, copying a code it has
-never seen took priming 1,800 steps to begin, against 200-300 with three), the tokens the
+Its model is the built-in tiny Qwen2, 96 wide (three heads) and two layers deep (64 wide,
+copying a code it has never seen took priming 1,800 steps to begin on seed 1 with two
+layers, and 1,000 on seed 0 with three; 96 wide, 200-400 steps on seeds 0-4), the tokens the
 task needs (role tokens, the tool-call and tool-response tags, and the fixed parts of the
 call's JSON as two tokens) and a chat template. A randomly initialised model cannot find a
 JSON tool call by sampling, nor (measured) learn by RL alone to read a tool's result, so it
@@ -15,8 +16,8 @@ call the tool with the prompt's key and answer with its result, until the greedy
 both on held-out conversations; then briefly, at a tenth of the learning rate, on
 conversations of which only one in ten calls the tool and the others answer three random
 digits. Priming teaches the call's format, copying the key and copying the result, on keys
-disjoint from the training keys (:func:`priming_key`: the keys whose letters' places sum to
-an even number; the data rows use the others) and on codes drawn at random per
+disjoint from the training keys (:func:`priming_key`: half of the keys, by a hash; the data
+rows use the others) and on codes drawn at random per
 conversation. It starts knowing how to call and read but calling in a few percent of its
 first turns, near chance (a digit in ten right): RL has to learn to call the tool.
 :func:`reading_probe` shows that the answers follow the tool: the tool returns a code the
@@ -26,6 +27,7 @@ checked against it (``python -m rlwire.trainer.bench --reading MODEL_DIR``).
 
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 
@@ -92,9 +94,11 @@ def lookup(key: str, *, table: dict[str, str]) -> str:
 
 
 def priming_key(key: str) -> bool:
-    """Whether ``key`` is one of the keys priming uses (its letters' places in a-j sum to an
-    even number); data rows use the others, so no training key was seen in priming."""
-    return sum(LETTERS.index(c) for c in key) % 2 == 0
+    """Whether ``key`` is one of the keys priming uses: a fixed half of the keys, by a hash
+    (a split by a feature of the letters, the parity of their places' sum, left the primed
+    model writing half of the other keys wrong); data rows use the others, so no training
+    key was seen in priming."""
+    return hashlib.sha256(key.encode()).digest()[0] % 2 == 0
 
 
 def _key(rng: random.Random, priming: bool) -> str:
@@ -258,7 +262,7 @@ def probe_rows(count: int, *, seed: int) -> tuple[list[str], list[str]]:
 
 
 def build_lookup_model(
-    directory: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 3
+    directory: str | Path, *, seed: int = 0, hidden: int = 96, layers: int = 2
 ) -> Path:
     """Create (once) the lookup task's tiny model and tokenizer in ``directory``, primed
     (see the module's docstring); return it."""

@@ -58,8 +58,8 @@ class JobStart:
         self.val_examples = list(validation)  # held-out prompts (validation.source)
         gpus = f", sharing {layout.gpus} GPU(s)" if layout else ""
         try:
-            if config.model.path == "tiny":
-                ray.get(self.actors[0].build_model.remote(), timeout=config.ray.startup_timeout)
+            if config.model.path == "tiny":  # work, not start-up: priming the lookup model
+                self._build_model(config.ray.task_timeout)
             master = ray.get(self.actors[0].address.remote(), timeout=config.ray.startup_timeout)
             ready = [] if self.hybrid else [r.load_engine.remote() for r in self.rollouts]
             if layout is not None:  # on GPUs the rollout engines measure free memory first
@@ -139,6 +139,19 @@ class JobStart:
             lines = self.metrics_path.read_text().splitlines()
             kept = [line for line in lines if _step(line) <= self.start_step]
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def _build_model(self, timeout: float) -> None:
+        """``model.path=tiny``: actor rank 0 builds the task's tiny model (the lookup task's
+        is primed: seconds to minutes, by seed), bounded by ``ray.task_timeout``."""
+        import ray
+
+        try:
+            ray.get(self.actors[0].build_model.remote(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise RunError(
+                f"model.path=tiny: the task's model was not built within {timeout:g} s "
+                "(ray.task_timeout)"
+            ) from None
 
     def _resume(self, checkpoint, saved: dict[str, Any]) -> None:
         """Load ``checkpoint`` on every actor rank (resharded to this world size)."""
