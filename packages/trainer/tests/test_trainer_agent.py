@@ -464,7 +464,7 @@ def test_the_lookup_task_learns_to_call_its_tool_in_every_mode(
         "data.source=builtin:lookup",
         f"model.path={lookup_model}",
         "trainer.seed=1",
-        "trainer.steps=30",
+        "trainer.steps=20",
         f"trainer.rollout_data_dir={data}",
         *mode,
         cluster=ray_cluster,
@@ -472,12 +472,13 @@ def test_the_lookup_task_learns_to_call_its_tool_in_every_mode(
     first, last = records[0], records[-5:]
     samples = 8 * 8
     # the primed model calls in a few answers and guesses otherwise (chance: 0.1)
-    assert first["reward_mean"] < 0.3 and first["tool_calls_mean"] < 0.5
+    # measured (colocated): 0.22 and 16% calls at step 1; 0.93 and 99% over the last 5
+    assert first["reward_mean"] < 0.35 and first["tool_calls_mean"] < 0.5
     assert sum(r["reward_mean"] for r in last) / 5 > 0.45
     assert sum(r["tool_calls_mean"] for r in last) / 5 > 0.8
     # the samples each step trained, read back
-    lines = [json.loads(x) for x in (data / "30.jsonl").read_text().splitlines()]
-    assert len(lines) == samples and {x["step"] for x in lines} == {30}
+    lines = [json.loads(x) for x in (data / "20.jsonl").read_text().splitlines()]
+    assert len(lines) == samples and {x["step"] for x in lines} == {20}
     called = next(x for x in lines if x["tool_calls"])
     mask = called["loss_mask"]
     assert len(mask) == len(called["response_ids"]) == len(called["logprobs"])
@@ -510,6 +511,7 @@ def test_an_openai_agent_learns_the_lookup_task_through_the_endpoint_fully_async
         "agent.function=rlwire.trainer.agent.lookup_agent:solve",
         "trainer.seed=1",
         "trainer.steps=20",
+        "data.train_batch_size=4",
         f"trainer.rollout_data_dir={data}",
         "trainer.mode=fully_async",
         "rollout.num_workers=2",
@@ -518,13 +520,14 @@ def test_an_openai_agent_learns_the_lookup_task_through_the_endpoint_fully_async
         cluster=ray_cluster,
     )
     first, last = records[0], records[-5:]
-    assert first["reward_mean"] < 0.3 and first["model_calls_mean"] < 1.5
-    # chance 0.1, also for a model that calls and does not read: the codes are per row
-    assert sum(r["reward_mean"] for r in last) / 5 > 0.4
-    assert sum(r["model_calls_mean"] for r in last) / 5 > 1.8  # it calls the tool
+    # 32 sessions a step: measured 0.25 at step 1, 0.81 over the last 5 (chance 0.1, also
+    # for a model that calls and does not read: the codes are per row)
+    assert first["reward_mean"] < 0.4 and first["model_calls_mean"] < 1.5
+    assert sum(r["reward_mean"] for r in last) / 5 > 0.5
+    assert sum(r["model_calls_mean"] for r in last) / 5 > 1.7  # it calls the tool
     assert all(r["agent_failures"] == 0 and r["agent_breaks"] == 0 for r in records)
     lines = [json.loads(x) for x in (data / "20.jsonl").read_text().splitlines()]
-    assert len(lines) == 64 and {x["stop"] for x in lines} == {"agent_returned"}
+    assert len(lines) == 32 and {x["stop"] for x in lines} == {"agent_returned"}
     called = next(x for x in lines if x["model_calls"] == 2)
     mask, turns = called["loss_mask"], called["turns"]
     assert [t["role"] for t in turns] == ["assistant", "context", "assistant"]
