@@ -343,3 +343,23 @@ def test_automatic_worker_threads_follow_the_model_size_and_the_processes_comput
     assert load_config(overrides=["ray.worker_threads=3"]).worker_threads(small, 2) == 3
     with pytest.raises(ConfigError, match=r"^ray.worker_threads: 0 is not allowed; use an int"):
         load_config(overrides=["ray.worker_threads=0"])
+
+
+def test_rlwire_train_finds_the_users_modules_in_the_working_directory(
+    tmp_path, monkeypatch, capsys
+):
+    """``agent.function=mypkg_agent:solve`` next to the command imports, as ``python -m``
+    would find it, and the workers the run starts inherit the folder (``PYTHONPATH``)."""
+    import os
+    import sys
+
+    from rlwire.trainer import cli
+
+    (tmp_path / "mypkg_agent.py").write_text("async def solve(row, client):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert cli.main(["--print-config", "agent.function=mypkg_agent:solve"]) == 0
+    assert "function: mypkg_agent:solve" in capsys.readouterr().out
+    assert sys.path[-1] == str(tmp_path)
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == ["/elsewhere", str(tmp_path)]
