@@ -117,3 +117,35 @@ def fsdp2_reference(fsdp2_reference_run) -> list[dict]:
     from trainer_cli import metrics
 
     return metrics(fsdp2_reference_run)
+
+
+EOS_BIAS = 3.0
+"""Added to the end-of-sequence logit of :func:`lookup_core`'s model: replies of a few
+tokens, then ``<eos>``."""
+
+
+@pytest.fixture(scope="module")
+def lookup_core(tmp_path_factory):
+    """``(core, model, tokenizer)``: a random tiny model with the lookup task's tokenizer
+    (whose added tokens make decode then encode not a bijection), its end-of-sequence logit
+    raised by :data:`EOS_BIAS`, on an ``hf`` engine core (``submit``)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlwire.trainer.agent.lookup import build_lookup_tokenizer
+    from rlwire.trainer.models.tiny import build_tiny_model
+    from rlwire.trainer.rollout.hf_batch import HFBatch
+    from rlwire.trainer.rollout.requests import EngineCore
+
+    tokenizer = build_lookup_tokenizer()
+    path = build_tiny_model(tmp_path_factory.mktemp("lookup-core") / "tiny", tokenizer=tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    eos = tokenizer.eos_token_id
+
+    def favour_eos(_module, _inputs, logits):
+        logits[..., eos] += EOS_BIAS
+        return logits
+
+    model.get_output_embeddings().register_forward_hook(favour_eos)
+    core = EngineCore(HFBatch(model, eos_id=eos, pad_id=tokenizer.pad_token_id), max_num_seqs=8)
+    yield core, model, tokenizer
+    core.close()

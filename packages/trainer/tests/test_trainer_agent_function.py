@@ -6,6 +6,7 @@ checked when the config loads."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 import types
 
@@ -17,33 +18,16 @@ from rlwire.trainer.agent.lookup import as_example, build_lookup_tokenizer
 from rlwire.trainer.agent.sessions import merge_calls
 from rlwire.trainer.checks import ConfigError
 from rlwire.trainer.config import load_config
-from rlwire.trainer.models.tiny import build_tiny_model
-from rlwire.trainer.rollout.hf_batch import HFBatch
-from rlwire.trainer.rollout.requests import EngineCore, request_seed
+from rlwire.trainer.rollout.requests import request_seed
 
 pytest.importorskip("openai", reason="needs the openai extra")
 
-EOS_BIAS = 3.0
-
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    """A random tiny model with the lookup tokenizer on an engine core (``submit``)."""
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = build_lookup_tokenizer()
-    path = build_tiny_model(tmp_path_factory.mktemp("agents") / "tiny", tokenizer=tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    eos = tokenizer.eos_token_id
-
-    def favour_eos(_module, _inputs, logits):
-        logits[..., eos] += EOS_BIAS
-        return logits
-
-    model.get_output_embeddings().register_forward_hook(favour_eos)
-    core = EngineCore(HFBatch(model, eos_id=eos, pad_id=tokenizer.pad_token_id), max_num_seqs=8)
-    yield types.SimpleNamespace(submit=core.submit, tokenizer=tokenizer, model=model)
-    core.close()
+def engine(lookup_core):
+    """The lookup engine core (conftest) as a rollout engine: its ``submit``, tokenizer."""
+    core, model, tokenizer = lookup_core
+    return types.SimpleNamespace(submit=core.submit, tokenizer=tokenizer, model=model)
 
 
 def _runner(engine, function: str, *more: str) -> FunctionRunner:
@@ -164,7 +148,7 @@ def test_the_row_an_agent_gets_has_verl_keys(engine):
     ],
 )
 def test_agent_function_settings_are_checked_when_the_config_loads(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(overrides=overrides)
 
 

@@ -14,40 +14,14 @@ from rlwire.trainer.agent.lookup import build_lookup_tokenizer
 from rlwire.trainer.agent.parsers import HermesParser
 from rlwire.trainer.agent.render import ChatRenderer
 from rlwire.trainer.agent.sessions import CallRecord, SessionStore, merge_calls
-from rlwire.trainer.models.tiny import build_tiny_model
-from rlwire.trainer.rollout.hf_batch import HFBatch
-from rlwire.trainer.rollout.requests import EngineCore
 
 openai = pytest.importorskip("openai", reason="needs the openai extra")
 
-EOS_BIAS = 3.0  # added to the end-of-sequence logit: replies of a few tokens, then <eos>
-
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory):
-    """A random tiny model with the lookup task's tokenizer (whose added tokens make decode
-    then encode not a bijection) on an engine core."""
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = build_lookup_tokenizer()
-    path = build_tiny_model(tmp_path_factory.mktemp("endpoint") / "tiny", tokenizer=tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    eos = tokenizer.eos_token_id
-
-    def favour_eos(_module, _inputs, logits):
-        logits[..., eos] += EOS_BIAS
-        return logits
-
-    model.get_output_embeddings().register_forward_hook(favour_eos)
-    engine = EngineCore(HFBatch(model, eos_id=eos, pad_id=tokenizer.pad_token_id), max_num_seqs=8)
-    yield engine, model, tokenizer
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def served(core):
-    """The engine core behind an endpoint on loopback."""
-    engine, model, tokenizer = core
+def served(lookup_core):
+    """The lookup engine core (conftest) behind an endpoint on loopback."""
+    engine, model, tokenizer = lookup_core
     endpoint = Endpoint(
         engine.submit, tokenizer, HermesParser(), temperature=1.0, max_new_tokens=16, timeout=60
     )

@@ -7,7 +7,7 @@ call the tool in the Hermes format, read the result and answer with it.
 
 Its model is the built-in tiny Qwen2, 96 wide (three heads) and two layers deep (64 wide,
 copying a code it has never seen took priming 1,800 steps to begin on seed 1 with two
-layers, and 1,000 on seed 0 with three; 96 wide, 200-400 steps on seeds 0-4), the tokens the
+layers, and 1,100 on seed 0 with three; 96 wide, 200-600 steps on seeds 0-3), the tokens the
 task needs (role tokens, the tool-call and tool-response tags, and the fixed parts of the
 call's JSON as two tokens) and a chat template. A randomly initialised model cannot find a
 JSON tool call by sampling, nor (measured) learn by RL alone to read a tool's result, so it
@@ -42,7 +42,6 @@ __all__ = [
     "lookup_examples",
     "lookup_reward",
     "priming_key",
-    "probe_rows",
     "reading",
     "reading_probe",
     "row_table",
@@ -192,73 +191,77 @@ def _encode(
     return out
 
 
-def _greedy(model, tokenizer, keys: list[str], codes: list[str]) -> tuple[list[str], list[str]]:
-    """What the greedy model writes as each key in its call, and as its answer once the
-    tool returned ``codes`` (each given what precedes it)."""
+def _continue(model, tokenizer, prefixes: list[str], count: int) -> list[str]:
+    """The greedy model's next ``count`` tokens after each of ``prefixes``, decoded."""
     import torch
 
-    def greedy(prefixes: list[str], count: int) -> list[str]:
-        ids = torch.tensor([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes])
-        with torch.no_grad():
-            for _ in range(count):
-                step = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
-                ids = torch.cat([ids, step], dim=1)
-        return [tokenizer.decode(row[-count:]) for row in ids.tolist()]
-
-    opening = [f"<|user|>{k}<eos><|assistant|><tool_call>{CALL_HEAD}" for k in keys]
-    called = [
-        f"{o}{k}{CALL_TAIL}</tool_call><eos><|tool|><tool_response>{c}"
-        "</tool_response><eos><|assistant|>"
-        for o, k, c in zip(opening, keys, codes, strict=True)
-    ]
-    return greedy(opening, KEY_LENGTH), greedy(called, CODE_LENGTH)
+    ids = torch.tensor([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes])
+    with torch.no_grad():
+        for _ in range(count):
+            step = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, step], dim=1)
+    return [tokenizer.decode(row[-count:]) for row in ids.tolist()]
 
 
-def reading(model, tokenizer, keys: list[str], codes: list[str]) -> tuple[float, float]:
-    """The two skills, greedy: the share of ``keys`` the model writes right in its call, and
-    the share of answers that are the code the tool returned (``codes``, one per key)."""
-    written, answered = _greedy(model, tokenizer, keys, codes)
+def _opening(key: str) -> str:
+    """A conversation up to the key in the model's call."""
+    return f"<|user|>{key}<eos><|assistant|><tool_call>{CALL_HEAD}"
+
+
+def _called(key: str, code: str) -> str:
+    """A conversation whose call of ``key`` the tool answered with ``code``, up to the
+    model's answer."""
     return (
-        sum(w == k for w, k in zip(written, keys, strict=True)) / len(keys),
-        sum(a == c for a, c in zip(answered, codes, strict=True)) / len(keys),
+        f"{_opening(key)}{key}{CALL_TAIL}</tool_call><eos><|tool|><tool_response>{code}"
+        "</tool_response><eos><|assistant|>"
     )
 
 
+def _share(values: list[str], targets: list[str]) -> float:
+    return sum(v == t for v, t in zip(values, targets, strict=True)) / len(targets)
+
+
+def _written(model, tokenizer, keys: list[str]) -> list[str]:
+    return _continue(model, tokenizer, [_opening(k) for k in keys], KEY_LENGTH)
+
+
+def _answered(model, tokenizer, keys: list[str], codes: list[str]) -> list[str]:
+    called = [_called(k, c) for k, c in zip(keys, codes, strict=True)]
+    return _continue(model, tokenizer, called, CODE_LENGTH)
+
+
+def reading(model, tokenizer, keys: list[str], codes: list[str]) -> tuple[float, float]:
+    """The two skills, greedy, each given what precedes it: the share of ``keys`` the model
+    writes right in its call, and the share of answers that are the code the tool returned
+    (``codes``, one per key)."""
+    written = _written(model, tokenizer, keys)
+    return _share(written, keys), _share(_answered(model, tokenizer, keys, codes), codes)
+
+
 def reading_probe(model, tokenizer, *, count: int = 64, seed: int = 0) -> dict[str, float]:
-    """The probe that answers follow the tool: ``count`` data rows (keys priming never used),
-    greedy, the call made and the tool's result given. ``follows_tool``: the share of
-    answers that are the code the tool returned when it returns a wrong one (not the row's);
-    ``row_code``: the share that are the row's code then (a model that knew the codes would
-    answer with it); ``follows_row_tool``: the share that are the code when the tool returns
-    the row's own; ``key_written``: the share of calls whose key is the prompt's."""
-    keys, wrong = probe_rows(count, seed=seed)
-    right = [code for _, code in lookup_examples(count, seed=seed)]
-    written, answered = _greedy(model, tokenizer, keys, wrong)
-    _, answered_right = _greedy(model, tokenizer, keys, right)
-
-    def share(values: list[str], targets: list[str]) -> float:
-        return sum(v == t for v, t in zip(values, targets, strict=True)) / count
-
-    return {
-        "key_written": share(written, keys),
-        "follows_tool": share(answered, wrong),
-        "row_code": share(answered, right),
-        "follows_row_tool": share(answered_right, right),
-    }
-
-
-def probe_rows(count: int, *, seed: int) -> tuple[list[str], list[str]]:
-    """``count`` training keys (outside priming's) and a code for each that is not its data
-    row's code (:func:`lookup_examples` with ``seed``): the tool's wrong answers."""
+    """The probe that answers follow the tool: ``count`` data rows (:func:`lookup_examples`
+    with ``seed``: keys priming never used), greedy, the call made and the tool's result
+    given. ``follows_tool``: the share of answers that are the code the tool returned when
+    it returns a wrong one (not the row's); ``row_code``: the share that are the row's code
+    then (a model that knew the codes would answer with it); ``follows_row_tool``: the share
+    that are the code when the tool returns the row's own; ``key_written``: the share of
+    calls whose key is the prompt's."""
     rows = lookup_examples(count, seed=seed)
+    keys, right = [key for key, _ in rows], [code for _, code in rows]
     rng = random.Random(seed + 7)
-    codes = []
-    for _, code in rows:
-        wrong = _code(rng)
-        while wrong == code:
-            wrong = _code(rng)
-        codes.append(wrong)
-    return [key for key, _ in rows], codes
+    wrong = []
+    for code in right:
+        other = _code(rng)
+        while other == code:
+            other = _code(rng)
+        wrong.append(other)
+    answered = _answered(model, tokenizer, keys, wrong)
+    return {
+        "key_written": _share(_written(model, tokenizer, keys), keys),
+        "follows_tool": _share(answered, wrong),
+        "row_code": _share(answered, right),
+        "follows_row_tool": _share(_answered(model, tokenizer, keys, right), right),
+    }
 
 
 def build_lookup_model(
