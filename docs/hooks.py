@@ -3,8 +3,9 @@
 A line holding only a marker below is replaced by the Markdown its function returns, so
 the site cannot drift from the code: the configuration reference from the trainer's
 dataclasses, verl's key table from the alias list, Megatron's bytes per parameter from the
-memory model. (The READMEs keep copies of these three; tests compare them with the same
-functions.) A marker that no page uses fails the build, as does a function that raises.
+memory model. (megatron_ddp's README keeps a copy of its table, which a test compares with
+the same function; the other two are on the site only.) A marker that no page uses fails the
+build, as does a function that raises.
 
 The hook imports the rlwire packages, so the site is built in the workspace environment:
 ``uv run --with mkdocs-material==9.8.2 ... mkdocs build --strict`` (see ``.ci/run``).

@@ -1,4 +1,4 @@
-"""Workspace invariants every package must keep (see README "Layout")."""
+"""Workspace invariants every package must keep (see CONTRIBUTING.md "Layout")."""
 
 from __future__ import annotations
 

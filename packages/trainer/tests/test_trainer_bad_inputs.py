@@ -10,7 +10,7 @@ import torch
 from rlwire.trainer.algorithms.scoring import fill, score
 from rlwire.trainer.config.root import ConfigError, load_config
 from rlwire.trainer.data.dataset import load_data, load_validation
-from rlwire.trainer.data.rewards import Reward, load_reward
+from rlwire.trainer.data.rewards import Reward, Rewards, load_reward
 from rlwire.trainer.errors import RunError
 from rlwire.trainer.rollout import Example, Rollout
 
@@ -238,7 +238,7 @@ def _acc_reward(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def test_dynamic_sampling_by_a_per_sample_extra_keeps_the_groups_where_it_differs():
-    reward = Reward(_acc_reward, "test:acc_reward")
+    reward = Rewards([Reward(_acc_reward, "test:acc_reward")])
 
     def first():  # group 0: rewards differ, acc not; 1: acc differs, rewards not; 2: both; 3: none
         texts = ["y", "yy", "y", "n", "nn", "y", "n", "n"]
@@ -257,7 +257,7 @@ def test_dynamic_sampling_by_a_per_sample_extra_keeps_the_groups_where_it_differ
 
 
 def test_dynamic_sampling_by_an_extra_the_reward_lacks_is_named(rewards_file):
-    reward = Reward(_acc_reward, "test:acc_reward")
+    reward = Rewards([Reward(_acc_reward, "test:acc_reward")])
     batch = _generated(["y", "n"], ["p0", "p0"])
     assert _run_error(lambda: fill(_filtering("hit", 1), reward, batch, None)) == (
         "algorithm.filter_groups.metric='hit': the reward returned no per-sample 'hit' (its "

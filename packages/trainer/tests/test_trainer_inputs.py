@@ -9,7 +9,8 @@ import torch
 from rlwire.trainer.config.root import ConfigError, load_config
 from rlwire.trainer.data.dataset import load_data
 from rlwire.trainer.data.inputs import latest_checkpoint, prune_checkpoints, resolve_model
-from rlwire.trainer.data.rewards import gsm8k_score, load_reward, math_score
+from rlwire.trainer.data.rewards import load_reward
+from rlwire.trainer.data.scorers import gsm8k_score, math_score
 from rlwire.trainer.errors import RunError
 from rlwire.trainer.rollout import Example
 
@@ -155,6 +156,12 @@ def test_verl_rows_render_chat_messages_and_carry_source_and_extra_info(tmp_path
         data_source="openai/gsm8k",
         extra_info={"index": 0, "split": "train"},
         messages=[{"role": "user", "content": "what is 0 + 1?"}],  # for multi-turn rollouts
+        columns={  # every field but the prompt, for TRL-signature rewards
+            "data_source": "openai/gsm8k",
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "1"},
+            "extra_info": {"index": 0, "split": "train"},
+        },
     )
     # dotted keys address nested fields explicitly, too
     nested = load_config(
@@ -216,7 +223,7 @@ def test_verl_per_sample_reward_with_dict_results_through_verls_keys(tmp_path):
     config = load_config(overrides=[f"custom_reward_function.path={f}"])
     assert config.reward.function == f"{f}:compute_score"  # verl's default name
     reward = load_reward(config)
-    assert reward.per_sample
+    assert reward.rewards[0].per_sample
     examples = [Example("q", "7", "src", {"index": i}) for i in range(4)]
     rewards, extra = reward(examples, ["7", " 7 ", "8", ""])
     assert rewards.tolist() == [1.0, 1.0, 0.0, 0.0]

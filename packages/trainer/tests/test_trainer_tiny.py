@@ -69,7 +69,7 @@ def test_the_realistic_preset_and_the_built_in_task_it_names():
     assert config.data.source == "builtin:count" and config.rollout.max_new_tokens == 32
     assert config.actor.optim.lr == 5e-4 and config.trainer.output_dir == "runs/realistic"
     assert config.trainer.steps == 7  # the command line's overrides win
-    assert load_reward(config).fn is count_reward  # reward.function=builtin: the task's
+    assert load_reward(config).rewards[0].fn is count_reward  # unset: the task's own
     with pytest.raises(ConfigError, match=r"^--preset: 'real' is unknown; use one of"):
         load_config(preset="real")
 

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         "arguments: the embedded job (tiny local model, built-in task) on this machine.",
         epilog="Options and key=value overrides may come in any order; later overrides win. "
         "Every key with its type, default and meaning: rlwire-train --help-config (the "
-        "'Configuration reference' of the trainer's README); verl's key names are accepted.",
+        "docs' configuration reference, docs/reference/configuration.md); verl's key names "
+        "are accepted (docs/integrations/verl.md).",
     )
     parser.add_argument("--config", help="a YAML file merged over the defaults")
     parser.add_argument(

@@ -7,10 +7,14 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .actor.config import OptimConfig
 from .config.root import TrainerConfig, to_dict
 from .data.dataset import load_data, load_validation
 from .data.inputs import checkpoint_step, latest_checkpoint, resolve_model
@@ -27,7 +31,7 @@ from .outputs.summary import records, summarise
 from .runtime.cluster import init_ray, ray_environment, stop_ray
 from .runtime.job import Job
 
-__all__ = ["AlreadyFinished", "RunError", "RunResult", "run"]
+__all__ = ["AlreadyFinished", "Inputs", "RunError", "RunResult", "run"]
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -42,7 +46,20 @@ class RunResult:
     """The step this call started from (a resumed checkpoint's)."""
 
 
-def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Inputs:
+    """What the Python API hands the run in place of names in the config (one code path:
+    the command gives none of them)."""
+
+    train_rows: list[Mapping[str, Any]] | None = None
+    """The training rows (``data.source`` is then only a label)."""
+    eval_rows: list[Mapping[str, Any]] | None = None
+    """The held-out rows (``validation.source`` then only a label)."""
+    reward_functions: list[Callable[..., Any]] | None = None
+    """The reward functions themselves (``reward.function`` then only names them)."""
+
+
+def run(config: TrainerConfig, *, progress: bool = True, inputs: Inputs = Inputs()) -> RunResult:
     """Run the job; return the run directory and a summary of the steps trained.
 
     Raises:
@@ -56,9 +73,18 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
     # The tiny model is built by actor rank 0, which imports transformers anyway (the
     # driver would spend ~2 s importing it, on the cores Ray and the workers start on).
     model_path = resolve_model(config, run_dir, build=False)
-    batches = load_data(config, model_path)
-    validation = load_validation(config, model_path) if config.validation.source else []
-    reward_fn = load_reward(config)
+    reward_fn = load_reward(config, inputs.reward_functions)  # its signature, checked first
+    answer = reward_fn.needs_answer()
+    batches = load_data(config, model_path, rows=inputs.train_rows, needs_answer=answer)
+    validation = []
+    if config.validation.source or inputs.eval_rows is not None:
+        validation = load_validation(config, model_path, rows=inputs.eval_rows, needs_answer=answer)
+    if config.agent.function is None and config.agent.environment is None:
+        reward_fn.check_rows([*(batches.rows or []), *validation], "the data")
+    _resolve_epochs(config, batches)
+    for warning in real_model_warnings(config):
+        log.warning("%s", warning)
+        print(f"rlwire-train: warning: {warning}", file=sys.stderr)
     resume_from = None
     if config.trainer.resume == "auto":
         resume_from = latest_checkpoint(run_dir)
@@ -118,6 +144,50 @@ def run(config: TrainerConfig, *, progress: bool = True) -> RunResult:
         handler.close()
         if plotted is not None:
             plotted.result()  # its error, if any
+
+
+def _resolve_epochs(config: TrainerConfig, batches) -> None:
+    """``trainer.total_epochs`` into ``trainer.steps``, now that the rows are counted."""
+    epochs = config.trainer.total_epochs
+    if epochs is None:
+        return
+    per_epoch = batches.epoch_steps()
+    if per_epoch is None:
+        raise RunError(
+            f"trainer.total_epochs={epochs}: data.source {config.data.source!r} is a built-in "
+            "task, which has no epochs; set trainer.steps instead"
+        )
+    if per_epoch == 0:
+        raise RunError(
+            f"trainer.total_epochs={epochs}: the data has {len(batches.rows)} rows, fewer than "
+            f"one batch (data.train_batch_size={config.data.train_batch_size}); lower it"
+        )
+    config.trainer.steps = epochs * per_epoch
+    log.info(
+        "trainer.total_epochs=%d: %d steps of %d prompts",
+        epochs,
+        config.trainer.steps,
+        config.data.train_batch_size,
+    )
+
+
+def real_model_warnings(config: TrainerConfig) -> list[str]:
+    """What a run of a real model (not ``tiny``) is warned about: the toy's learning rate,
+    float32 weights on a GPU."""
+    if config.model.path == "tiny":
+        return []
+    warnings = []
+    if config.actor.optim.lr == OptimConfig().lr:
+        warnings.append(
+            f"actor.optim.lr={config.actor.optim.lr:g} is the tiny model's default; real models "
+            "train at about 1e-6 (verl's examples; --preset qwen2.5-0.5b)"
+        )
+    if config.model.dtype == "float32" and torch.cuda.is_available():
+        warnings.append(
+            "model.dtype=float32 on a GPU doubles the memory and time of bfloat16; real models "
+            "train in model.dtype=bfloat16"
+        )
+    return warnings
 
 
 def _phase(bar, what: str) -> None:

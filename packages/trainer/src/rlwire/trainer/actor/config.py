@@ -4,11 +4,12 @@ optimizer, Megatron's own settings, LoRA), beside the engines that read it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from rlwire.grad_sync import GradSyncConfig
 
-from ..checks import check, check_engine
+from ..checks import check, check_choice, check_engine
 from ..models.lora import LoraSection
 from .base import ACTOR_ENGINES, actor_engine_class
 
@@ -18,7 +19,23 @@ __all__ = ["ActorConfig", "MegatronSection", "OptimConfig"]
 @dataclasses.dataclass(kw_only=True, slots=True)
 class OptimConfig:
     lr: float = 3e-3
-    """AdamW learning rate (suits the built-in tiny model; real models want ~1e-6)."""
+    """AdamW learning rate: suits the built-in tiny model only; real models want about 1e-6
+    (verl's examples; the ``qwen2.5-0.5b`` preset), and a run of another model at this
+    default is warned about."""
+    lr_warmup_steps: int = -1
+    """Steps over which the learning rate rises linearly from 0 (verl's key; the first step
+    takes 0). -1 (or 0): ``lr_warmup_steps_ratio`` of ``trainer.steps``."""
+    lr_warmup_steps_ratio: float = 0.0
+    """The warm-up as a fraction of ``trainer.steps`` (verl's key), when
+    ``lr_warmup_steps`` is not set."""
+    lr_scheduler_type: str = "constant"
+    """After the warm-up: ``constant``, or ``cosine`` (down to ``min_lr_ratio`` x lr by
+    ``trainer.steps``, over ``num_cycles`` cosine cycles). verl's key (its older
+    ``warmup_style`` is accepted)."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule's floor, as a fraction of ``lr`` (verl's key)."""
+    num_cycles: float = 0.5
+    """Cosine cycles over the steps after the warm-up (0.5: one half-cosine down)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -30,18 +47,53 @@ class OptimConfig:
     (``kl_behaviour_proximal`` x ``response_length``, over the whole batch): there one-step
     stale gradients at the full step overshoot, and token-level importance weights do not
     see a shift of the whole response (measured: docs/trainer/modes.md). 0: on every stale
-    batch; null: never. ``lr_scale`` in the metrics shows each step's factor; colocated
-    updates (lag 0) are never scaled."""
+    batch; null: never. ``lr_scale`` in the metrics shows each step's factor on ``lr``
+    (this one times the schedule's); colocated updates (lag 0) are never scaled."""
 
     def __post_init__(self) -> None:
         check(self.lr > 0, "actor.optim.lr", self.lr, "use a float > 0")
         check(self.grad_clip >= 0, "actor.optim.grad_clip", self.grad_clip, "use a float >= 0")
+        check_choice(
+            self.lr_scheduler_type, "actor.optim.lr_scheduler_type", ("constant", "cosine")
+        )
+        check(
+            0 <= self.lr_warmup_steps_ratio < 1,
+            "actor.optim.lr_warmup_steps_ratio",
+            self.lr_warmup_steps_ratio,
+            "use a float in [0, 1)",
+        )
+        check(
+            0 <= self.min_lr_ratio <= 1,
+            "actor.optim.min_lr_ratio",
+            self.min_lr_ratio,
+            "use a float in [0, 1]",
+        )
         check(
             self.stale_lr_kl is None or self.stale_lr_kl >= 0,
             "actor.optim.stale_lr_kl",
             self.stale_lr_kl,
             "use a float >= 0, or null (never)",
         )
+
+    def warmup_steps(self, total: int) -> int:
+        """Warm-up steps of a run of ``total`` steps."""
+        if self.lr_warmup_steps > 0:
+            return self.lr_warmup_steps
+        return int(self.lr_warmup_steps_ratio * total)
+
+    def schedule(self, step: int, total: int) -> float:
+        """The factor on ``lr`` at update ``step`` (0-based) of ``total``: verl's
+        ``get_constant_schedule_with_warmup`` and ``get_cosine_schedule_with_warmup``
+        (a pure function of the step, so a resumed run goes on where it stopped)."""
+        warmup = self.warmup_steps(total)
+        if step < warmup:
+            return step / max(1, warmup)
+        if self.lr_scheduler_type == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        wave = math.cos(math.pi * self.num_cycles * 2.0 * progress)
+        low = self.min_lr_ratio
+        return max(low, wave * (1 - low) * 0.5 + (1 + low) * 0.5)
 
     def lr_scale(self, lag: float, kl: float) -> float:
         """The factor on ``lr`` for an update whose samples lag ``lag`` versions on average,
@@ -111,6 +163,10 @@ class ActorConfig:
     default): the memory knob, as ``micro_batch_size`` is for fixed rows (activations grow
     with it; packed under ``sdpa`` or ``eager`` attention, the attention mask with its
     square)."""
+    log_prob_micro_batch_size: int | None = None
+    """Sequences per forward-only pass (the proximal and reference log-probs) on one rank:
+    verl's ``rollout.`` and ``ref.log_prob_micro_batch_size_per_gpu`` (one value here).
+    None: as the update's (``micro_batch_size``)."""
     log_prob_use_dynamic_bsz: bool | None = None
     """Token-budget micro-batches for the forward-only passes (the proximal and reference
     log-probs; verl's ``rollout.`` and ``ref.log_prob_use_dynamic_bsz``). None: as
@@ -158,7 +214,12 @@ class ActorConfig:
         )
         check(self.world_size >= 1, "actor.world_size", self.world_size, "use an int >= 1")
         check(self.ppo_epochs >= 1, "actor.ppo_epochs", self.ppo_epochs, "use an int >= 1")
-        for key in ("micro_batch_size", "ppo_mini_batch_size", "log_prob_max_token_len_per_gpu"):
+        for key in (
+            "micro_batch_size",
+            "ppo_mini_batch_size",
+            "log_prob_max_token_len_per_gpu",
+            "log_prob_micro_batch_size",
+        ):
             value = getattr(self, key)
             check(value is None or value >= 1, f"actor.{key}", value, "use an int >= 1 or null")
         check(

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..algorithms.step import clip_and_step
 from ..models import lora
-from ..models.modeling import load_hf_model
+from ..models.modeling import load_hf_model, set_gradient_checkpointing
 from .base import ActorEngine
 
 __all__ = ["FSDP1Engine", "FSDP2Engine"]
@@ -41,7 +41,7 @@ class _FSDPEngine(ActorEngine):
     def __init__(self, config, model_path: str, device: torch.device) -> None:
         super().__init__(config, model_path, device)
         hf_model = load_hf_model(model_path, config.model.dtype, device)
-        hf_model.gradient_checkpointing_disable()
+        set_gradient_checkpointing(hf_model, config.model.enable_gradient_checkpointing)
         model: torch.nn.Module = hf_model
         self.lora = config.actor.lora if config.actor.lora.enabled else None
         self._info: list[str] = []

@@ -32,7 +32,7 @@ from unittest import mock
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..models.modeling import load_hf_model
+from ..models.modeling import load_hf_model, set_gradient_checkpointing
 from .base import ActorEngine
 from .megatron_state import full_optimizer_state, load_full_optimizer_state
 
@@ -242,7 +242,7 @@ class MegatronEngine(ActorEngine):
     def __init__(self, config, model_path: str, device: torch.device) -> None:
         super().__init__(config, model_path, device)
         model = load_hf_model(model_path, config.model.dtype, device)
-        model.gradient_checkpointing_disable()
+        set_gradient_checkpointing(model, config.model.enable_gradient_checkpointing)
         self.megatron = MegatronActor(config, model, device)
         self.model, self.optimizer = self.megatron.model, self.megatron.optimizer
         if config.algorithm.uses_reference:  # the frozen reference policy: the initial weights

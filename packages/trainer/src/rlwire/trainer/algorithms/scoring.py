@@ -59,8 +59,9 @@ def score(config, reward_fn, batch: Rollout) -> Scored:
                 f"numbers ({len(bad)} of {len(rewards)} were not)"
             )
     else:
-        rewards, columns = reward_fn(batch.examples, batch.texts)
-    extra = {key: float(column.mean()) for key, column in columns.items()}
+        rewards, columns = reward_fn(batch.examples, batch.texts, lambda: _response_ids(batch))
+    # a TRL function's None (not applicable) is NaN in its column: the mean of the others
+    extra = {key: float(column.nanmean()) for key, column in columns.items()}
     overlong = config.reward.overlong_buffer
     if overlong.enable:  # DAPO's shaping, after the reward function
         lengths = batch.response_mask.sum(dim=1)
@@ -72,6 +73,14 @@ def score(config, reward_fn, batch: Rollout) -> Scored:
             "overlong_fraction": float((penalty < 0).float().mean()),
         }
     return Scored(rewards, extra, time.perf_counter() - start, sample_extras=columns)
+
+
+def _response_ids(batch: Rollout) -> list[list[int]]:
+    """Each sample's response token ids (the loss-masked ones: the model's own tokens)."""
+    return [
+        ids[mask.bool()].tolist()
+        for ids, mask in zip(batch.response_ids, batch.response_mask, strict=True)
+    ]
 
 
 def _agent_extras(trajectories) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from ..checks import ConfigError
 
 __all__ = [
     "field_key",
+    "joined",
     "flatten",
     "merge",
     "nest",
@@ -98,7 +99,16 @@ def _coerce(key: str, annotation: Any, value: Any) -> Any:
     raise ConfigError(f"{key}: {value!r} is not a {hint.__name__}")
 
 
-def merge(cls: type, base: Any, updates: Mapping[str, Any], prefix: str) -> Any:
+def merge(
+    cls: type, base: Any, updates: Mapping[str, Any], prefix: str, problems: list | None = None
+) -> Any:
+    """``base`` (a ``cls``) with ``updates`` merged in, checked. Every problem of the tree is
+    gathered and raised in one :class:`ConfigError`, a line each (an unknown key, a wrong
+    type, a section's own check), so that one pass shows them all; the top level's own
+    cross-checks run once its sections are sound."""
+    top = problems is None
+    found: list[str] = [] if problems is None else problems
+    before, own = len(found), 0  # own: this section's fields' problems (not its sections')
     fields = {field_key(f.name): f.name for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     values = {name: getattr(base, name) for name in fields.values()}
@@ -107,28 +117,52 @@ def merge(cls: type, base: Any, updates: Mapping[str, Any], prefix: str) -> Any:
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
-            raise ConfigError(
+            found.append(
                 f"{full}: unknown key; valid keys under {prefix.rstrip('.') or 'the top level'}: "
                 f"{', '.join(sorted(fields))}{hint}"
             )
+            own += 1
+            continue
         name = fields[key]
         hint_type = hints[name]
         if isinstance(hint_type, type) and dataclasses.is_dataclass(hint_type):
             if not isinstance(value, Mapping):
-                raise ConfigError(f"{full}: expected a section (mapping), got {value!r}")
-            values[name] = merge(hint_type, values[name], value, f"{full}.")
+                found.append(f"{full}: expected a section (mapping), got {value!r}")
+                own += 1
+                continue
+            values[name] = merge(hint_type, values[name], value, f"{full}.", found)
         else:
-            values[name] = _coerce(full, hint_type, value)
+            try:
+                values[name] = _coerce(full, hint_type, value)
+            except ConfigError as err:
+                found.append(str(err))
+                own += 1
+    if top and found:
+        raise ConfigError(joined(found))
+    # A section's checks over half-merged fields would mislead (the root's cross-checks over
+    # any half-merged section too); over a sound section beside a bad one they still run.
+    if own or (not prefix and len(found) > before):
+        return base
     try:
         return cls(**values)
-    except ConfigError:
-        raise
     except (TypeError, ValueError) as err:
-        # A library's config names its own fields ("GradSyncConfig.policy: ..."): ours.
-        message = str(err).replace(f"{cls.__name__}.", prefix)
-        if message != str(err):
+        if isinstance(err, ConfigError):
+            message = str(err)
+        else:  # a library's config names its own fields ("GradSyncConfig.policy: ..."): ours
+            message = str(err).replace(f"{cls.__name__}.", prefix)
+            if message == str(err):
+                message = f"{prefix.rstrip('.') or 'config'}: {err}"
+        if top:
             raise ConfigError(message) from None
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {err}") from err
+        found.append(message)
+        return base
+
+
+def joined(problems: list[str]) -> str:
+    """Problems as one error: the problem itself, or a count and a line each."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{len(problems)} problems in the configuration:\n  " + "\n  ".join(problems)
 
 
 def nest(dotted: Mapping[str, Any]) -> dict:

@@ -1,6 +1,5 @@
 """The configuration reference: every section and key with its type, default and the
-docstring written under its field, as Markdown (``--help-config``, the docs site, the
-trainer's README)."""
+docstring written under its field, as Markdown (``--help-config`` and the docs site)."""
 
 from __future__ import annotations
 

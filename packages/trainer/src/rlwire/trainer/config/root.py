@@ -11,6 +11,7 @@ closest match; a wrong type or out-of-range value fails naming the key.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from ..checks import check
 from ..data.tasks import builtin_task
 from ..data.validation import ValidationConfig
 from ..rollout.base import rollout_engine_class
-from .overrides import flatten, merge, nest, parse_item, parse_scalar, to_dict
+from .overrides import flatten, joined, merge, nest, parse_item, parse_scalar, to_dict
 from .sections import (
     ActorConfig,
     AlgorithmConfig,
@@ -37,6 +38,8 @@ from .sections import (
     TrainerSection,
 )
 from .verl_keys import translate
+
+log = logging.getLogger("rlwire.trainer")
 
 SMALL_MODEL_PARAMETERS = 1_000_000
 """Below this a worker computes on one thread (``ray.worker_threads`` automatic)."""
@@ -274,11 +277,23 @@ def load_config(
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r}: expected dotted.key=value")
         flat[key.strip()] = parse_scalar(text)
-    ours = translate(flat)
+    ours, problems, notes = translate(flat)
+    for note in notes:
+        log.warning("%s", note)
+    if "trainer.steps" in ours:  # verl: total_training_steps wins over total_epochs
+        ours.pop("trainer.total_epochs", None)
     task = builtin_task(ours.get("data.source", DataConfig().source))
     if task is not None:  # the task's own settings, under everything the run sets
         defaults = dict(parse_item(i) for i in task.defaults)
         if ours.get("agent.function") is not None:  # the agent calls the task's tools itself
             defaults.pop("agent.tools", None)
         ours = {**defaults, **ours}
-    return merge(TrainerConfig, TrainerConfig(), nest(ours), "")
+    try:
+        nested = nest(ours)
+    except ConfigError as err:
+        problems.append(str(err))
+        nested = {}
+    config = merge(TrainerConfig, TrainerConfig(), nested, "", problems)
+    if problems:  # the keys' own problems and the sections': one pass, a line each
+        raise ConfigError(joined(problems))
+    return config

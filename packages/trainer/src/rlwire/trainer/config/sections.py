@@ -43,12 +43,20 @@ __all__ = [
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ModelConfig:
     path: str = "tiny"
-    """A local Hugging Face model directory, or ``tiny``: a small Qwen2-architecture
-    model with random weights and a matching tokenizer, built locally (no
-    download) and cached under the output directory."""
+    """A local Hugging Face model directory, a Hub id (``Qwen/Qwen2.5-0.5B-Instruct``:
+    downloaded through ``huggingface_hub`` on first use, from its cache after that and
+    with ``HF_HUB_OFFLINE=1``), or ``tiny``: a small Qwen2-architecture model with random
+    weights and a matching tokenizer, built locally (no download) and cached under the
+    output directory."""
     dtype: str = "float32"
     """Parameter dtype of the actor and of the rollout copy it updates: ``float32`` or
-    ``bfloat16``."""
+    ``bfloat16`` (what real models train in on GPUs; a run of another model than ``tiny``
+    in float32 on a GPU is warned about)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping
+    them (verl's key; Hugging Face's ``gradient_checkpointing_enable``, non-reentrant):
+    activation memory of one layer instead of all, for about one more forward pass of
+    compute. The gradients are the same."""
 
     def __post_init__(self) -> None:
         check_choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
@@ -56,16 +64,53 @@ class ModelConfig:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class RewardConfig:
-    function: str = "builtin"
-    """``builtin`` (the built-in task's partial-credit reward), ``gsm8k`` (the ``#### answer``
-    format), ``math`` (boxed answers checked with ``math-verify``; extra
-    ``rlwire-trainer[math]``), or ``module.path:function`` / ``file.py:function``: either
-    ``f(prompts, responses, answers) -> list[float]`` for a batch, or verl's per-sample
-    ``compute_score(data_source, solution_str, ground_truth, extra_info=None)`` returning a
-    float or a dict with ``"score"`` (its other numbers become metrics, and
-    ``algorithm.filter_groups.metric`` may name one). verl's
-    ``custom_reward_function.path`` and ``.name`` are accepted."""
+    function: list[str] | str | None = None
+    """The reward, or a list of them (TRL's ``reward_funcs``). Unset: a built-in task's own
+    reward; for a data file, the scorer each row's ``data_source`` names, as verl's
+    ``default_compute_score`` does (``openai/gsm8k``: gsm8k; ``lighteval/MATH``,
+    ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``, ``math``,
+    ``math_dapo``, ``aime*``: math), a source with none refused at start. Names:
+    ``builtin`` (the built-in task's reward, for its data only), ``gsm8k`` (the
+    ``#### answer`` format), ``math`` (boxed answers checked with ``math-verify``; extra
+    ``rlwire-trainer[math]``), or ``module.path:function`` / ``file.py:function`` with
+    verl's per-sample ``compute_score(data_source, solution_str, ground_truth,
+    extra_info=None)`` (a float, or a dict with ``"score"`` whose other numbers become
+    metrics and may be ``algorithm.filter_groups.metric``), TRL's ``f(prompts,
+    completions, completion_ids, **kwargs)`` (every other column by name; a float or None
+    per completion) or a batch ``f(prompts, responses, answers) -> list[float]``; the
+    signature is checked at start. verl's ``custom_reward_function.path`` and ``.name`` are
+    accepted."""
+    weights: list[float] | None = None
+    """One weight per function of a list (TRL's ``reward_weights``): the reward is
+    ``sum(weight x value)``, a None (not applicable) left out. None: 1 each."""
     overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
+
+    def __post_init__(self) -> None:
+        specs = self.function if isinstance(self.function, list) else [self.function]
+        check(
+            self.function is None or (specs and all(isinstance(s, str) and s for s in specs)),
+            "reward.function",
+            self.function,
+            "use a name, package.module:function, or a list of them",
+        )
+        weights = self.weights
+        check(
+            weights is None
+            or (
+                isinstance(weights, list)
+                and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
+                and len(weights) == len(specs)
+            ),
+            "reward.weights",
+            weights,
+            f"use a list of {len(specs)} number(s), one per reward.function",
+        )
+
+    def specs(self) -> list[str]:
+        """The functions named (none when unset)."""
+        if self.function is None:
+            return []
+        return list(self.function) if isinstance(self.function, list) else [self.function]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -210,7 +255,12 @@ class TrainerSection:
     into a bounded queue while the actor trains; see the ``async`` section; verl's
     ``fully_async_policy`` is accepted)."""
     steps: int = 100
-    """Optimizer steps to run (the embedded job: about a minute on 2 CPU cores)."""
+    """Training steps to run (each one batch of ``data.train_batch_size`` prompts)."""
+    total_epochs: int | None = None
+    """Passes over a data file (verl's key): sets ``trainer.steps`` to this times the
+    file's rows over ``data.train_batch_size`` (a last partial batch left out, as verl's
+    loader drops it). ``trainer.steps`` (verl's ``total_training_steps``) given as well
+    wins; a built-in task has no epochs."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     output_dir: str = "runs/default"
@@ -263,6 +313,12 @@ class TrainerSection:
         for name in self.logger:
             check_choice(name, "trainer.logger", LOGGERS)
         check(self.steps >= 1, "trainer.steps", self.steps, "use an int >= 1")
+        check(
+            self.total_epochs is None or self.total_epochs >= 1,
+            "trainer.total_epochs",
+            self.total_epochs,
+            "use an int >= 1, or null",
+        )
         check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
         keep = self.max_checkpoints_to_keep
         check(

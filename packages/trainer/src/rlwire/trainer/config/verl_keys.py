@@ -3,8 +3,10 @@ keys (overrides and ``--config`` files alike); the ones naming a feature it lack
 together in one message.
 
 A verl key for a missing feature is accepted only when it leaves the feature off (false,
-null, 0 or empty), since nothing is then asked for; any other value stops the run.
-:func:`alias_table` is the README's table.
+null, 0 or empty), since nothing is then asked for; any other value stops the run. A verl key
+whose job is done another way here (``use_shm``, ``layered_summon``, ``load_format``, ...)
+is accepted with one line saying it changes nothing. Every problem is reported in one pass.
+:func:`alias_table` is the docs' table.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from ..checks import ConfigError
 
-__all__ = ["ALIASES", "alias_table", "translate"]
+__all__ = ["ALIASES", "NO_EFFECT", "alias_table", "translate"]
 
 
 def _same(key: str, value: Any) -> Any:
@@ -97,6 +99,17 @@ ALIASES: tuple[Alias, ...] = (
     Alias(_ACTOR + "strategy", "actor.strategy"),
     Alias(_ACTOR + "optim.lr", "actor.optim.lr"),
     Alias(_ACTOR + "optim.weight_decay", "actor.optim.weight_decay"),
+    *(
+        Alias(_ACTOR + f"optim.{key}", f"actor.optim.{key}")
+        for key in (
+            "lr_warmup_steps",
+            "lr_warmup_steps_ratio",
+            "lr_scheduler_type",
+            "min_lr_ratio",
+            "num_cycles",
+        )
+    ),
+    Alias(_ACTOR + "optim.warmup_style", "actor.optim.lr_scheduler_type", note="verl's older name"),
     Alias(_ACTOR + "grad_clip", "actor.optim.grad_clip"),
     Alias(_ACTOR + "clip_ratio", "algorithm.clip_ratio"),
     Alias(_ACTOR + "ppo_mini_batch_size", "actor.ppo_mini_batch_size"),
@@ -109,7 +122,20 @@ ALIASES: tuple[Alias, ...] = (
         for part in ("rollout", "ref")
         for key in ("use_dynamic_bsz", "max_token_len_per_gpu")
     ),
+    *(
+        Alias(
+            f"actor_rollout_ref.{part}.log_prob_micro_batch_size_per_gpu",
+            "actor.log_prob_micro_batch_size",
+            _same,
+            _ONE,
+        )
+        for part in ("rollout", "ref")
+    ),
     Alias("actor_rollout_ref.model.use_remove_padding", "actor.use_remove_padding"),
+    Alias(
+        "actor_rollout_ref.model.enable_gradient_checkpointing",
+        "model.enable_gradient_checkpointing",
+    ),
     Alias(_ACTOR + "clip_ratio_low", "algorithm.clip_ratio_low"),
     Alias(_ACTOR + "clip_ratio_high", "algorithm.clip_ratio_high"),
     Alias(_ACTOR + "clip_ratio_c", "algorithm.clip_ratio_c"),
@@ -131,6 +157,9 @@ ALIASES: tuple[Alias, ...] = (
     Alias(_ROLLOUT + "gpu_memory_utilization", "rollout.vllm.gpu_memory_utilization"),
     Alias(_ROLLOUT + "enforce_eager", "rollout.vllm.enforce_eager"),
     Alias(_ROLLOUT + "max_model_len", "rollout.vllm.max_model_len"),
+    Alias(_ROLLOUT + "tensor_model_parallel_size", "rollout.vllm.tensor_parallel_size"),
+    Alias(_ROLLOUT + "top_p", "rollout.top_p"),
+    Alias(_ROLLOUT + "top_k", "rollout.top_k"),
     Alias(
         _ROLLOUT + "checkpoint_engine.backend",
         "ckpt_engine.backend",
@@ -230,7 +259,24 @@ _COMBINED = (
         "reward.function",
         "path:name (name defaults to compute_score)",
     ),
+    (
+        ("trainer.n_gpus_per_node", "trainer.nnodes"),
+        "actor.world_size",
+        "their product (1 each when unset); rollout.num_workers follows unless set: one "
+        "engine per rollout.vllm.tensor_parallel_size GPUs",
+    ),
 )
+
+NO_EFFECT: dict[str, str] = {
+    "actor_rollout_ref.model.use_shm": "model.path is read as it is",
+    _ROLLOUT + "layered_summon": "the weights reach the rollout in buckets (ckpt_engine)",
+    _ROLLOUT + "load_format": "the rollout engine takes the actor's weights at every sync",
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "the reference policy moves with "
+    "actor.offload",
+    _ACTOR + "fsdp_config.grad_offload": "gradients move with actor.offload",
+    "data.val_batch_size": "validation generates every held-out prompt in one batch",
+}
+"""verl keys accepted with a line saying they change nothing here, and why."""
 
 _VERL_SECTIONS = (
     "actor_rollout_ref.",
@@ -244,8 +290,6 @@ _VERL_SHARED = {
     "data.return_raw_chat",
     "data.shuffle",
     "algorithm.lam",
-    "trainer.n_gpus_per_node",
-    "trainer.nnodes",
     "trainer.critic_warmup",
 }
 _BY_KEY = {a.verl: a for a in ALIASES}
@@ -277,24 +321,55 @@ def _combine(flat: dict[str, Any], out: dict[str, Any]) -> None:
     path, name = (flat.pop(k, None) for k in _COMBINED[2][0])
     if path:  # verl leaves the path null for its built-in rewards
         out["reward.function"] = f"{path}:{name or 'compute_score'}"
+    gpus, nodes = (flat.pop(k, None) for k in _COMBINED[3][0])
+    if gpus is not None or nodes is not None:
+        for key, value in zip(_COMBINED[3][0], (gpus, nodes), strict=True):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ConfigError(f"{key}: {value!r} is not allowed; use an int >= 1")
+        out["actor.world_size"] = (gpus or 1) * (nodes or 1)
 
 
-def translate(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """Dotted keys with verl's replaced by ours; verl keys for missing features refused."""
+def _world_to_workers(flat: Mapping[str, Any], out: dict[str, Any]) -> None:
+    """verl's rollout runs on every GPU: with ``trainer.n_gpus_per_node`` given and
+    ``rollout.num_workers`` not, one rollout engine per tensor-parallel group."""
+    if "actor.world_size" not in out or "rollout.num_workers" in out:
+        return
+    if not any(k in flat for k in _COMBINED[3][0]):
+        return
+    tp = out.get("rollout.vllm.tensor_parallel_size", 1)
+    if isinstance(tp, int) and tp >= 1 and out["actor.world_size"] % tp == 0:
+        out["rollout.num_workers"] = out["actor.world_size"] // tp
+
+
+def translate(flat: Mapping[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Dotted keys with verl's replaced by ours, the problems found (verl keys for missing
+    features, values a key does not allow: all of them, a line each) and the notes (verl
+    keys accepted that change nothing here)."""
+    given_flat = dict(flat)
     flat = dict(flat)
     out: dict[str, Any] = {}
-    _combine(flat, out)
+    problems: list[str] = []
+    notes: list[str] = []
+    try:
+        _combine(flat, out)
+    except ConfigError as err:
+        problems.append(str(err))
     given: dict[str, str] = {}  # our key -> the key that set it
 
     def put(ours: str, value: Any, source: str) -> None:
         """``ours`` from ``source``; two spellings of one key must agree."""
         if ours in given and out[ours] != value:
-            raise ConfigError(
+            problems.append(
                 f"{given[ours]}={out[ours]!r} and {source}={value!r} both set {ours}; "
                 "give one value"
             )
         given[ours], out[ours] = source, value
 
+    for keys, ours, _ in _COMBINED:
+        if ours in out:
+            given[ours] = " and ".join(k for k in keys if k in given_flat)
     refused = []
     for key, value in flat.items():
         given_key = key
@@ -302,8 +377,14 @@ def translate(flat: Mapping[str, Any]) -> dict[str, Any]:
             if key.startswith(theirs):
                 key = ours + key.removeprefix(theirs)
         alias = _BY_KEY.get(key)
-        if alias is not None:
-            converted = alias.convert(key, value)
+        if key in NO_EFFECT:
+            notes.append(f"{key}={value!r} changes nothing here: {NO_EFFECT[key]}")
+        elif alias is not None:
+            try:
+                converted = alias.convert(key, value)
+            except ConfigError as err:
+                problems.append(str(err))
+                continue
             if alias.ours and converted is not None:  # None: nothing to set
                 put(alias.ours, converted, given_key)
         elif key.startswith(_VERL_SECTIONS) or key in _VERL_SHARED:
@@ -311,13 +392,14 @@ def translate(flat: Mapping[str, Any]) -> dict[str, Any]:
                 refused.append(f"{key}={value!r}")
         else:
             put(key, value, given_key)
+    _world_to_workers(given_flat, out)
     if refused:
-        raise ConfigError(
+        problems.append(
             f"verl keys for features rlwire-train does not have: {', '.join(refused)}; remove "
-            "them (or set them off: false, null or 0). The mapped keys are listed in the "
-            "trainer README (verl's keys)"
+            "them (or set them off: false, null or 0). The mapped keys: "
+            "docs/integrations/verl.md (verl's keys)"
         )
-    return out
+    return out, problems, notes
 
 
 def alias_table() -> str:
@@ -327,6 +409,8 @@ def alias_table() -> str:
         rows.append(f"| `{a.verl}` | {f'`{a.ours}`' if a.ours else '(checked only)'} | {a.note} |")
     for keys, ours, note in _COMBINED:
         rows.append(f"| {', '.join(f'`{k}`' for k in keys)} | `{ours}` | {note} |")
+    for key, why in NO_EFFECT.items():
+        rows.append(f"| `{key}` | (accepted: changes nothing) | {why} |")
     for theirs, ours in _PREFIXES:
         rows.append(f"| `{theirs}*` | `{ours}*` | the same keys |")
     return "\n".join(rows) + "\n"

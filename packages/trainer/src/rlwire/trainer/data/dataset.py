@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
     from ..config.root import TrainerConfig
 
-__all__ = ["DataConfig", "load_data", "load_validation"]
+__all__ = ["Batches", "DataConfig", "is_hub_id", "load_data", "load_validation"]
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -44,8 +45,15 @@ class DataConfig:
     letter, partial credit per character), ``builtin:count`` (answer a letter and a count,
     ``c3:``, with the letter that many times and stop: response lengths with a long tail;
     the ``realistic`` preset's), ``builtin:lookup`` (multi-turn: call a tool and answer with
-    what it returned; with its own ``agent`` settings and primed model) or a JSONL/Parquet
-    file."""
+    what it returned; with its own ``agent`` settings and primed model), a JSONL/Parquet
+    file, or a Hub dataset id (``org/name``, with ``subset`` and ``split``: downloaded
+    through ``huggingface_hub`` on first use, from its cache after that and with
+    ``HF_HUB_OFFLINE=1``, read with ``datasets``; extra ``rlwire-trainer[datasets]``)."""
+    subset: str | None = None
+    """A Hub dataset's configuration (``datasets``' ``name``, TRL's ``dataset_config``:
+    ``main`` for ``openai/gsm8k``)."""
+    split: str = "train"
+    """A Hub dataset's split to train on (TRL's ``dataset_train_split``)."""
     prompt_key: str = "prompt"
     """Field holding the prompt in a user file: text, or a list of chat messages (verl's
     layout) rendered with the tokenizer's chat template. Dots address nested fields."""
@@ -125,11 +133,42 @@ def _reader(path: Path, key: str) -> list[tuple[str, Any]]:
     raise RunError(f"{key}: {path} must be .jsonl or .parquet")
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` looks like a Hub id (``org/name``) rather than a local path."""
+    return bool(_HUB_ID.match(text)) and not Path(text).exists()
+
+
+def _hub_rows(repo_id: str, subset: str | None, split: str, key: str) -> list[tuple[str, Any]]:
+    """Every row of split ``split`` of the Hub dataset ``repo_id`` (a local snapshot first:
+    :func:`rlwire.trainer.models.hub.snapshot`)."""
+    from ..models.hub import snapshot
+
+    folder = snapshot(repo_id, key, repo_type="dataset")
+    try:
+        import datasets
+    except ImportError:
+        raise RunError(
+            f"{key}: reading the Hub dataset {repo_id!r} needs datasets: pip install "
+            "'rlwire-trainer[datasets]'"
+        ) from None
+    try:
+        table = datasets.load_dataset(str(folder), name=subset, split=split)
+    except (ValueError, FileNotFoundError) as err:  # no such subset or split
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RunError(
+            f"{key}: cannot read split {split!r} of {repo_id!r} (subset {subset!r}): {first}"
+        ) from None
+    return [(f"row {i}", row) for i, row in enumerate(table, 1)]
+
+
 class _Renderer:
     """Chat messages -> prompt text, and prompts -> token counts, with the model's tokenizer
     (loaded on first use)."""
 
-    def __init__(self, model_path: Path, source: Path, key: str) -> None:
+    def __init__(self, model_path: Path, source: Path | str, key: str) -> None:
         self.model_path, self.source, self.key = model_path, source, key
         self._tokenizer: PreTrainedTokenizerBase | None = None
 
@@ -172,14 +211,22 @@ class _Renderer:
             ) from None
 
 
-def _example(row: Any, where: str, config: TrainerConfig, render: _Renderer, path: Path, key: str):
+def _example(
+    row: Any,
+    where: str,
+    config: TrainerConfig,
+    render: _Renderer,
+    path: Path | str,
+    key: str,
+    needs_answer: bool = True,
+):
     if not isinstance(row, Mapping):
         raise RunError(f"{key}: {path} {where} is not an object (a mapping of fields)")
     prompt_key = config.data.prompt_key
     prompt = _field(row, prompt_key)
     answer_keys = (config.data.answer_key,) if config.data.answer_key else _ANSWER_KEYS
     answer = next((v for k in answer_keys if (v := _field(row, k)) is not _MISSING), _MISSING)
-    if prompt is _MISSING or answer is _MISSING:
+    if prompt is _MISSING or (answer is _MISSING and needs_answer):
         wanted = " or ".join(repr(k) for k in answer_keys)
         raise RunError(f"{key}: {path} {where} lacks {prompt_key!r} or {wanted}")
     if not isinstance(prompt, (str, list, tuple)):
@@ -197,62 +244,108 @@ def _example(row: Any, where: str, config: TrainerConfig, render: _Renderer, pat
     extra = _field(row, "extra_info")
     return Example(
         prompt=str(prompt),
-        answer=str(answer),
+        answer="" if answer is _MISSING else str(answer),
         data_source="" if source is _MISSING else str(source),
         extra_info=dict(extra) if isinstance(extra, Mapping) else None,
         messages=messages,
+        columns={k: v for k, v in row.items() if k != prompt_key},
     )
 
 
 def _source(source: str, key: str):
-    """The built-in task ``builtin:<name>`` names, or the data file ``source`` (named ``key``
-    in the error when it is neither)."""
+    """The built-in task ``builtin:<name>`` names, the data file ``source``, or the Hub
+    dataset id (a str; named ``key`` in the error when it is none of them)."""
     task = builtin_task(source)
     if task is not None:
         return task
     path = Path(source)
-    if not path.is_file():
-        names = " or ".join(repr(f"builtin:{name}") for name in BUILTIN_TASKS)
-        raise RunError(f"{key}: {source!r} is neither {names} nor a file")
-    return path
+    if path.is_file():
+        return path
+    if is_hub_id(source):
+        return source
+    names = " or ".join(repr(f"builtin:{name}") for name in BUILTIN_TASKS)
+    raise RunError(f"{key}: {source!r} is neither {names}, a file, nor a Hub dataset id (org/name)")
 
 
 def _task_examples(task, count: int, seed: int, source: str) -> list[Example]:
     return task.examples(count, seed, source)
 
 
-def load_data(config: TrainerConfig, model_path: Path) -> Callable[[int], list[Example]]:
-    """A function ``step -> [Example] * train_batch_size`` (deterministic in step); every row
-    is read and checked now. ``model_path``: its tokenizer renders chat-message prompts."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Batches:
+    """The training data as ``step -> [Example] * train_batch_size`` (deterministic in
+    step), with the rows of a file or dataset (None: a built-in task's, generated)."""
+
+    size: int
+    draw: Callable[[int], list[Example]]
+    rows: list[Example] | None = None
+
+    def __call__(self, step: int) -> list[Example]:
+        return self.draw(step)
+
+    def epoch_steps(self) -> int | None:
+        """Whole batches in one pass over the rows (verl's loader drops a partial last one);
+        None for a built-in task."""
+        return None if self.rows is None else len(self.rows) // self.size
+
+
+def load_data(
+    config: TrainerConfig,
+    model_path: Path,
+    *,
+    rows: list[Mapping[str, Any]] | None = None,
+    needs_answer: bool = True,
+) -> Batches:
+    """The training batches; every row is read and checked now. ``model_path``: its
+    tokenizer renders chat-message prompts. ``rows``: the rows themselves, in place of
+    ``data.source`` (the Python API's ``train_dataset``); ``needs_answer``: whether a row
+    must carry a ground truth (not for TRL-signature rewards, which read columns)."""
     size, seed = config.data.train_batch_size, config.trainer.seed
     source = config.data.source
-    found = _source(source, "data.source")
-    if not isinstance(found, Path):
+    if rows is None:
+        found = _source(source, "data.source")
+        if not isinstance(found, (Path, str)):
 
-        def generated(step: int) -> list[Example]:
-            return _task_examples(found, size, seed * 1_000_003 + step, source)
+            def generated(step: int) -> list[Example]:
+                return _task_examples(found, size, seed * 1_000_003 + step, source)
 
-        return generated
-    rows = _file_rows(config, found, model_path, "data.source")
+            return Batches(size, generated)
+        read = _read(config, found, "data.source", config.data.subset, config.data.split)
+    else:
+        found, read = "train_dataset", [(f"row {i}", row) for i, row in enumerate(rows, 1)]
+    examples = _checked_rows(config, read, found, model_path, "data.source", needs_answer)
 
     def batch(step: int) -> list[Example]:
         start = step * size
-        return [rows[(start + i) % len(rows)] for i in range(size)]
+        return [examples[(start + i) % len(examples)] for i in range(size)]
 
-    return batch
+    return Batches(size, batch, examples)
 
 
-def _file_rows(config: TrainerConfig, path: Path, model_path: Path, key: str) -> list[Example]:
-    """Every row of the data file ``path`` (named ``key`` in errors), checked; those whose
-    prompt is too long dropped with ``data.filter_overlong_prompts``."""
-    render = _Renderer(model_path, path, key)
+def _read(config: TrainerConfig, found: Path | str, key: str, subset, split):
+    if isinstance(found, Path):
+        return _reader(found, key)
+    return _hub_rows(found, subset, split, key)
+
+
+def _checked_rows(
+    config: TrainerConfig,
+    read: list[tuple[str, Any]],
+    source: Path | str,
+    model_path: Path,
+    key: str,
+    needs_answer: bool,
+) -> list[Example]:
+    """Every row read from ``source`` (named ``key`` in errors), checked; those whose prompt
+    is too long dropped with ``data.filter_overlong_prompts``."""
+    render = _Renderer(model_path, source, key)
     rows = [
-        (where, _example(row, where, config, render, path, key))
-        for where, row in _reader(path, key)
+        (where, _example(row, where, config, render, source, key, needs_answer))
+        for where, row in read
     ]
     if not rows:
-        raise RunError(f"{key}: {path} holds no rows")
-    return _fitting(config, rows, render, model_path, f"{key}: {path}")
+        raise RunError(f"{key}: {source} holds no rows")
+    return _fitting(config, rows, render, model_path, f"{key}: {source}")
 
 
 def _context(config: TrainerConfig, model_path: Path) -> tuple[int, str] | None:
@@ -338,13 +431,25 @@ def _fitting(
     return kept
 
 
-def load_validation(config: TrainerConfig, model_path: Path) -> list[Example]:
-    """The held-out prompts of ``validation.source``: every row of a file, or
-    ``validation.prompts`` of a built-in task drawn apart from any training batch."""
+def load_validation(
+    config: TrainerConfig,
+    model_path: Path,
+    *,
+    rows: list[Mapping[str, Any]] | None = None,
+    needs_answer: bool = True,
+) -> list[Example]:
+    """The held-out prompts of ``validation.source`` (or ``rows``: the Python API's
+    ``eval_dataset``): every row of a file or dataset, or ``validation.prompts`` of a
+    built-in task drawn apart from any training batch."""
+    key = "validation.source"
+    if rows is not None:
+        read = [(f"row {i}", row) for i, row in enumerate(rows, 1)]
+        return _checked_rows(config, read, "eval_dataset", model_path, key, needs_answer)
     source = config.validation.source
     assert source is not None, "validation.source: not set (the driver checks)"
-    found = _source(source, "validation.source")
-    if not isinstance(found, Path):  # training draws seed x 1_000_003 + step, step >= 0
+    found = _source(source, key)
+    if not isinstance(found, (Path, str)):  # training draws seed x 1_000_003 + step, step >= 0
         seed = config.trainer.seed * 1_000_003 - 1
         return _task_examples(found, config.validation.prompts, seed, source)
-    return _file_rows(config, found, model_path, "validation.source")
+    read = _read(config, found, key, config.data.subset, config.validation.split)
+    return _checked_rows(config, read, found, model_path, key, needs_answer)

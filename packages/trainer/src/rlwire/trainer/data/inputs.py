@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import RunError
+from ..models.hub import snapshot
+from .dataset import is_hub_id
 from .tasks import BUILTIN_TASKS, Task, builtin_task
 
 if TYPE_CHECKING:
@@ -36,17 +38,19 @@ def build_tiny(config: TrainerConfig, directory: Path) -> Path:
 
 def resolve_model(config: TrainerConfig, run_dir: Path, *, build: bool = True) -> Path:
     """The model directory: the built-in tiny model (built once, unless ``build`` is false:
-    then only its place) or the user's."""
+    then only its place), the user's, or a Hub id's snapshot (downloaded once)."""
     if config.model.path == "tiny":
         # One directory per seed: a new trainer.seed on an old run directory gets its model.
         seed = config.trainer.seed
         directory = run_dir / f"{tiny_task(config).model_name}-seed{seed}"
         return build_tiny(config, directory) if build else directory
     path = Path(config.model.path).resolve()
+    if not path.exists() and is_hub_id(config.model.path):
+        path = snapshot(config.model.path, "model.path")
     if not (path / "config.json").is_file():
         raise RunError(
             f"model.path: {path} is not a Hugging Face model directory "
-            "(no config.json there); give a local directory or 'tiny'"
+            "(no config.json there); give a local directory, a Hub id (org/name) or 'tiny'"
         )
     return path
 

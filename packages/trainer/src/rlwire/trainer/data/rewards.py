@@ -1,11 +1,20 @@
-"""Rewards: the built-ins (``builtin``, ``gsm8k``, ``math``) and user functions with either
-signature, scored into one float per response plus numeric extras for the metrics.
+"""Rewards: one function or several with weights (``reward.function``, ``reward.weights``:
+TRL's ``reward_funcs`` and ``reward_weights``), each with one of three signatures, told apart
+by its parameter names when it is loaded, before anything starts:
 
-- a *batch* function ``f(prompts, responses, answers) -> list[float]``;
-- verl's *per-sample* ``compute_score(data_source, solution_str, ground_truth,
-  extra_info=None)`` returning a float or a dict with ``"score"`` (its other numeric entries
-  are kept per response: the metrics log their batch means, dynamic sampling may group by
-  one). It is told apart by its parameter names.
+- verl's per-sample ``compute_score(data_source, solution_str, ground_truth,
+  extra_info=None)``, returning a float or a dict with ``"score"`` (its other numeric
+  entries are kept per response: the metrics log their batch means, dynamic sampling may
+  group by one);
+- TRL's ``f(prompts, completions, completion_ids, **kwargs)`` over the batch, returning a
+  float or None ("not applicable") per completion; every other column of the row is
+  passed by name (a named parameter no column fills is refused at start);
+- a batch ``f(prompts, responses, answers) -> list[float]``.
+
+Several functions score ``sum(weight x reward)``, a None left out (TRL's ``nansum``); each
+one's batch mean is logged (``reward_extra/<name>``). Unset, a built-in task scores with its
+own reward and a data file's rows with the scorer their ``data_source`` names
+(:mod:`.scorers`).
 
 A value is a number when ``float()`` takes it without parsing text (``int``, ``float``,
 ``bool``, NumPy and one-element torch scalars); anything else, a string ``"1.0"`` included,
@@ -17,63 +26,51 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import re
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import RunError
-from ..models.tiny import repeat_reward
 from ..rollout import Example
+from .scorers import MATH_INSTALL_HINT, SCORERS, by_data_source, known_sources, unscored_sources
 from .tasks import builtin_task
 
 if TYPE_CHECKING:
     from ..config.root import TrainerConfig
 
-__all__ = ["Reward", "gsm8k_score", "load_reward", "math_score"]
+__all__ = ["Reward", "Rewards", "load_reward", "signature_kind"]
 
-MATH_INSTALL_HINT = "reward.function=math needs math-verify: pip install 'rlwire-trainer[math]'"
-
-_GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9.,$]+)")
-
-
-def _number(text: str) -> str:
-    return text.replace(",", "").replace("$", "").strip().rstrip(".")
-
-
-def gsm8k_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """GSM8K's format: 1.0 when the last ``#### <number>`` of the response equals the
-    ground truth (commas and dollar signs ignored), else 0.0."""
-    found = _GSM8K_ANSWER.findall(solution_str)
-    return float(bool(found) and _number(found[-1]) == _number(str(ground_truth)))
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
+"""What TRL passes every reward function besides the dataset's columns."""
+_SIGNATURES = (
+    "verl's compute_score(data_source, solution_str, ground_truth, extra_info=None), TRL's "
+    "f(prompts, completions, completion_ids, **kwargs), or f(prompts, responses, answers)"
+)
 
 
-def math_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """1.0 when the response's final (boxed) answer is mathematically equal to the ground
-    truth, checked with ``math-verify``, else 0.0."""
+def signature_kind(fn: Callable[..., Any], spec: str) -> str:
+    """``"verl"``, ``"trl"`` or ``"batch"``: which signature ``fn`` has (by its parameter
+    names). Raises RunError naming ``spec`` for a function with none of them."""
     try:
-        from math_verify import parse, verify
-    except ImportError:
-        raise RunError(MATH_INSTALL_HINT) from None
-    gold = parse(f"${ground_truth}$")
-    return float(bool(gold) and verify(gold, parse(solution_str)))
-
-
-BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
-    "builtin": repeat_reward,
-    "gsm8k": gsm8k_score,
-    "math": math_score,
-}
-
-
-def _per_sample(fn: Callable[..., Any]) -> bool:
-    try:
-        names = list(inspect.signature(fn).parameters)
+        signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: the batch form
-        return False
-    return "solution_str" in names or names[:1] == ["data_source"]
+        return "batch"
+    names = list(signature.parameters)
+    if "solution_str" in names or names[:1] == ["data_source"]:
+        return "verl"
+    if "completions" in names:
+        return "trl"
+    try:
+        signature.bind(None, None, None)
+    except TypeError:
+        raise RunError(
+            f"reward.function {spec!r}: its parameters ({', '.join(names) or 'none'}) fit none "
+            f"of the reward signatures: {_SIGNATURES}"
+        ) from None
+    return "batch"
 
 
 def _as_float(value: Any) -> float | None:
@@ -102,32 +99,44 @@ def _shown(value: Any) -> str:
 
 
 class Reward:
-    """A reward function of either signature, called on a batch of examples and responses."""
+    """One reward function of any of the three signatures, called on a batch."""
 
     def __init__(self, fn: Callable[..., Any], spec: str) -> None:
         self.fn, self.spec = fn, spec
-        self.per_sample = _per_sample(fn)
+        self.kind = signature_kind(fn, spec)
+        self.name = spec.rpartition(":")[2] or spec
 
-    def __call__(
-        self, examples: list[Example], texts: list[str]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``(B,)`` float32 rewards and a per-sample function's numeric extras, ``(B,)``
-        float32 each (a key must be a number for every response, or for none: then it is
-        left out); a batch function has none."""
-        if self.per_sample:
-            values, extras = self._samples(examples, texts)
-        else:
-            values, extras = self._batch(examples, texts), {}
-        rewards = torch.tensor(values, dtype=torch.float32)
-        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-        if bad:  # NaN would train on nothing and end "reward nan" with exit 0
-            first = bad[0]
-            raise RunError(
-                f"reward.function {self.spec!r} returned {rewards[first].item()} for response "
-                f"{first} (prompt {examples[first].prompt[:60]!r}); rewards must be finite "
-                f"numbers ({len(bad)} of {len(texts)} were not)"
-            )
-        return rewards, extras
+    @property
+    def per_sample(self) -> bool:
+        return self.kind == "verl"
+
+    def needs_answer(self) -> bool:
+        """Whether rows must carry a ground truth (TRL's functions read columns instead)."""
+        return self.kind != "trl"
+
+    def required_columns(self) -> list[str]:
+        """A TRL function's named parameters without a default, which columns must fill."""
+        if self.kind != "trl":
+            return []
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return [
+            name
+            for name, p in inspect.signature(self.fn).parameters.items()
+            if p.kind in kinds and p.default is p.empty and name not in TRL_ARGUMENTS
+        ]
+
+    def scores(
+        self, examples: list[Example], texts: list[str], ids: Callable[[], list[list[int]]]
+    ) -> tuple[list[float | None], dict[str, list[float]]]:
+        """Each response's value (None: "not applicable", from a TRL function) and a
+        per-sample function's numeric extras."""
+        if self.kind == "verl":
+            return self._samples(examples, texts)
+        if self.kind == "trl":
+            return self._trl(examples, texts, ids), {}
+        prompts, answers = [e.prompt for e in examples], [e.answer for e in examples]
+        allowed = "a batch function returns a list of one number (a float) per response"
+        return self._numbers(self._call(prompts, texts, answers), examples, allowed), {}
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -145,32 +154,52 @@ class Reward:
             f"{examples[index].prompt[:60]!r}); {allowed}"
         )
 
-    def _batch(self, examples: list[Example], texts: list[str]) -> list[float]:
-        prompts, answers = [e.prompt for e in examples], [e.answer for e in examples]
-        out = self._call(prompts, texts, answers)
-        allowed = "a batch function returns a list of one number (a float) per response"
+    def _numbers(
+        self, out: Any, examples: list[Example], allowed: str, none: bool = False
+    ) -> list[float | None]:
         listed = _listed(out)
         if listed is None:
             raise RunError(
-                f"reward.function {self.spec!r} returned {_shown(out)} for {len(texts)} "
+                f"reward.function {self.spec!r} returned {_shown(out)} for {len(examples)} "
                 f"responses; {allowed}"
             )
-        if len(listed) != len(texts):
+        if len(listed) != len(examples):
             raise RunError(
                 f"reward.function {self.spec!r} returned ({len(listed)},) values for "
-                f"{len(texts)} responses; {allowed}"
+                f"{len(examples)} responses; {allowed}"
             )
-        values = []
+        values: list[float | None] = []
         for index, value in enumerate(listed):
             number = _as_float(value)
-            if number is None:
+            if number is None and not (none and value is None):
                 raise self._refuse(_shown(value), index, examples, allowed)
             values.append(number)
         return values
 
-    def _samples(self, examples, texts) -> tuple[list[float], dict[str, torch.Tensor]]:
+    def _trl(self, examples: list[Example], texts: list[str], ids) -> list[float | None]:
+        """TRL's call: prompts and completions as the rows gave them (chat messages, or
+        text), the completions' token ids, and every column by name."""
+        chat = all(e.messages is not None for e in examples)
+        prompts = [e.messages if chat else e.prompt for e in examples]
+        completions: list[Any] = (
+            [[{"role": "assistant", "content": t}] for t in texts] if chat else list(texts)
+        )
+        columns: dict[str, list[Any]] = {}
+        for index, example in enumerate(examples):
+            for key, value in (example.columns or {}).items():
+                columns.setdefault(key, [None] * len(examples))[index] = value
+        arguments = {"prompts": prompts, "completions": completions, "completion_ids": ids()}
+        arguments |= {k: v for k, v in columns.items() if k not in arguments}
+        parameters = inspect.signature(self.fn).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            arguments = {k: v for k, v in arguments.items() if k in parameters}
+        out = self._call(**arguments)
+        allowed = "a TRL reward function returns one float (or None) per completion"
+        return self._numbers(out, examples, allowed, none=True)
+
+    def _samples(self, examples, texts) -> tuple[list[float | None], dict[str, list[float]]]:
         allowed = "return a number (a float) or a dict with 'score' holding one"
-        values: list[float] = []
+        values: list[float | None] = []
         extras: list[dict[str, float]] = []
         for index, (example, text) in enumerate(zip(examples, texts, strict=True)):
             out = self._call(
@@ -195,9 +224,9 @@ class Reward:
             extras.append({k: v for k, v in numbers.items() if k != "score"})
         return values, self._columns(extras, examples)
 
-    def _columns(self, extras: list[dict[str, float]], examples) -> dict[str, torch.Tensor]:
-        """The extras as ``(B,)`` float32 columns; a key given by some responses only stops
-        the run (a column with holes could neither be averaged nor grouped by)."""
+    def _columns(self, extras: list[dict[str, float]], examples) -> dict[str, list[float]]:
+        """The extras as columns; a key given by some responses only stops the run (a column
+        with holes could neither be averaged nor grouped by)."""
         keys = sorted({key for sample in extras for key in sample})
         for key in keys:
             has = [key in sample for sample in extras]
@@ -208,28 +237,89 @@ class Reward:
                     examples,
                     "an extra must be a number for every response or for none",
                 )
-        return {
-            key: torch.tensor([sample[key] for sample in extras], dtype=torch.float32)
-            for key in keys
-        }
+        return {key: [sample[key] for sample in extras] for key in keys}
 
 
-def load_reward(config: TrainerConfig) -> Reward:
-    """The configured reward (``reward.function``), imported and checked now."""
-    spec = config.reward.function
-    source = config.data.source
-    task = builtin_task(source)
-    if spec == "builtin" and task is not None:
-        return Reward(task.reward, spec)
-    if spec in BUILTIN_REWARDS:
-        if spec == "math" and importlib.util.find_spec("math_verify") is None:
-            raise RunError(MATH_INSTALL_HINT)
-        return Reward(BUILTIN_REWARDS[spec], spec)
+class Rewards:
+    """What the trainer scores a batch with: ``sum(weight x reward)`` over the functions
+    (a None left out), each one's values kept as an extra when there are several."""
+
+    def __init__(self, rewards: Sequence[Reward], weights: Sequence[float] | None = None):
+        self.rewards = list(rewards)
+        self.weights = list(weights) if weights is not None else [1.0] * len(self.rewards)
+        self.wants_ids = any(r.kind == "trl" for r in self.rewards)
+
+    def needs_answer(self) -> bool:
+        return any(r.needs_answer() for r in self.rewards)
+
+    def check_rows(self, examples: list[Example], source: str) -> None:
+        """Before the run: every row's ``data_source`` has a scorer where one is chosen by it,
+        and every column a TRL function names exists."""
+        for reward in self.rewards:
+            if reward.fn is by_data_source:
+                missing = unscored_sources(e.data_source for e in examples)
+                if missing:
+                    raise RunError(
+                        f"reward.function is unset and {source} has rows whose data_source "
+                        f"({', '.join(repr(s) for s in missing)}) has no built-in scorer "
+                        f"(those with one: {known_sources()}); set reward.function to gsm8k, "
+                        "math or package.module:function"
+                    )
+            needed = reward.required_columns()
+            have = set().union(*((e.columns or {}).keys() for e in examples)) if examples else set()
+            lacking = [c for c in needed if c not in have]
+            if lacking:
+                raise RunError(
+                    f"reward.function {reward.spec!r} takes {', '.join(map(repr, lacking))}, "
+                    f"which no column of {source} fills (its columns: "
+                    f"{', '.join(sorted(have)) or 'none'}); give it a default or a **kwargs"
+                )
+
+    def __call__(
+        self,
+        examples: list[Example],
+        texts: list[str],
+        ids: Callable[[], list[list[int]]] = lambda: [],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(B,)`` float32 rewards and the numeric extras, ``(B,)`` float32 each."""
+        columns: dict[str, torch.Tensor] = {}
+        total = torch.zeros(len(texts), dtype=torch.float64)
+        scored = torch.zeros(len(texts), dtype=torch.bool)
+        several = len(self.rewards) > 1
+        for reward, weight in zip(self.rewards, self.weights, strict=True):
+            values, extras = reward.scores(examples, texts, ids)
+            given = torch.tensor([v is not None for v in values])
+            column = torch.tensor([math.nan if v is None else v for v in values])
+            bad = (given & ~column.isfinite()).nonzero().flatten().tolist()
+            if bad:  # NaN would train on nothing and end "reward nan" with exit 0
+                first = bad[0]
+                raise RunError(
+                    f"reward.function {reward.spec!r} returned {values[first]} for response "
+                    f"{first} (prompt {examples[first].prompt[:60]!r}); rewards must be finite "
+                    f"numbers ({len(bad)} of {len(texts)} were not)"
+                )
+            total += torch.where(given, column.double() * weight, 0.0)
+            scored |= given
+            prefix = f"{reward.name}/" if several else ""
+            columns |= {prefix + k: torch.tensor(v, dtype=torch.float32) for k, v in extras.items()}
+            if several:  # its batch mean over the responses it scored
+                columns[reward.name] = column.float()
+        if not bool(scored.all()):
+            first = int((~scored).nonzero()[0])
+            names = ", ".join(repr(r.spec) for r in self.rewards)
+            raise RunError(
+                f"reward.function {names} returned None for response {first} (prompt "
+                f"{examples[first].prompt[:60]!r}): no function scored it; one must"
+            )
+        return total.float(), columns
+
+
+def _imported(spec: str) -> Callable[..., Any]:
     target, _, name = spec.rpartition(":")
     if not target or not name:
-        builtins = ", ".join(repr(b) for b in BUILTIN_REWARDS)
+        names = ", ".join(repr(b) for b in ("builtin", *SCORERS))
         raise RunError(
-            f"reward.function: {spec!r} is not one of {builtins}, 'module.path:function' or "
+            f"reward.function: {spec!r} is not one of {names}, 'module.path:function' or "
             "'file.py:function'"
         )
     try:
@@ -246,4 +336,51 @@ def load_reward(config: TrainerConfig) -> Reward:
         raise RunError(f"reward.function: cannot import {spec!r}: {err}") from None
     if not callable(fn):
         raise RunError(f"reward.function: {spec!r} is not callable")
-    return Reward(fn, spec)
+    return fn
+
+
+def _one(spec: str, config: TrainerConfig) -> Reward:
+    task = builtin_task(config.data.source)
+    if spec == "builtin":
+        if task is None:
+            raise RunError(
+                "reward.function=builtin is the built-in task's reward, and data.source "
+                f"{config.data.source!r} is not a built-in task; leave reward.function unset "
+                "(each row's data_source chooses the scorer), or name gsm8k, math or "
+                "package.module:function"
+            )
+        return Reward(task.reward, spec)
+    if spec in SCORERS:
+        if spec == "math" and importlib.util.find_spec("math_verify") is None:
+            raise RunError(MATH_INSTALL_HINT)
+        return Reward(SCORERS[spec], spec)
+    return Reward(_imported(spec), spec)
+
+
+def load_reward(
+    config: TrainerConfig, functions: Sequence[Callable[..., Any]] | None = None
+) -> Rewards:
+    """The configured reward (``reward.function`` and ``reward.weights``), imported and its
+    signature checked now; ``functions``: callables given in place of the names (the
+    Python API's ``reward_funcs``)."""
+    weights = config.reward.weights
+    if functions is not None:
+        rewards = [Reward(fn, getattr(fn, "__name__", type(fn).__name__)) for fn in functions]
+    else:
+        specs = config.reward.specs()
+        if not specs:  # unset: the task's own, or each row's data_source
+            task = builtin_task(config.data.source)
+            if task is not None:
+                return Rewards([Reward(task.reward, "builtin")])
+            return Rewards([Reward(by_data_source, "data_source")])
+        rewards = [_one(spec, config) for spec in specs]
+    if weights is not None and len(weights) != len(rewards):
+        raise RunError(
+            f"reward.weights: {len(weights)} weights for {len(rewards)} reward functions; "
+            "give one per function"
+        )
+    names = [r.name for r in rewards]
+    for index, name in enumerate(names):
+        if name in names[:index]:
+            rewards[index].name = f"{name}_{index}"
+    return Rewards(rewards, weights)

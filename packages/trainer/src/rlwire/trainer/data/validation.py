@@ -34,9 +34,11 @@ __all__ = [
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ValidationConfig:
     source: str | None = None
-    """Held-out prompts (verl's ``data.val_files``): a JSONL or Parquet file read like
-    ``data.source``, or ``builtin:<task>`` (``prompts`` of them, apart from the training
-    ones). None: no validation."""
+    """Held-out prompts (verl's ``data.val_files``): a JSONL or Parquet file or a Hub
+    dataset read like ``data.source``, or ``builtin:<task>`` (``prompts`` of them, apart
+    from the training ones). None: no validation."""
+    split: str = "test"
+    """A Hub dataset's split for validation (TRL's ``dataset_test_split``)."""
     every: int = 0
     """Validate after every ``every`` updates and after the last (verl's
     ``trainer.test_freq``; its -1 is 0). 0: not during training."""

@@ -12,7 +12,13 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["load_hf_model", "preload_hf", "replace_directory", "save_hf_model"]
+__all__ = [
+    "load_hf_model",
+    "preload_hf",
+    "replace_directory",
+    "save_hf_model",
+    "set_gradient_checkpointing",
+]
 
 
 def preload_hf() -> None:
@@ -27,6 +33,16 @@ def load_hf_model(path: str, dtype: str, device: torch.device) -> PreTrainedMode
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.to(device)  # type: ignore[arg-type]  # typeshed: @wraps(Module.to) loses self
+
+
+def set_gradient_checkpointing(model: PreTrainedModel, enable: bool) -> None:
+    """Activation checkpointing of ``model``'s decoder layers on or off
+    (``model.enable_gradient_checkpointing``). Non-reentrant: it needs no input that
+    requires a gradient (a LoRA model's frozen embeddings) and runs under FSDP."""
+    if enable:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def save_hf_model(

@@ -64,6 +64,9 @@ class Example:
     messages: list[dict] | None = None
     """The prompt as chat messages, when the row gave them (multi-turn rollouts render
     them with the tools' schemas: :mod:`rlwire.trainer.agent`)."""
+    columns: dict | None = None
+    """The row's other fields by name (everything but the prompt), for a reward function
+    with TRL's signature, which takes every dataset column; None for a built-in task."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -24,6 +24,10 @@ class VLLMSection:
     """Longest prompt + response (None: the model's own limit)."""
     enforce_eager: bool = True
     """No CUDA graphs / compilation: fast start, slower decoding on GPUs."""
+    tensor_parallel_size: int = 1
+    """GPUs per vLLM engine (verl's ``rollout.tensor_model_parallel_size``). Only 1 in this
+    version: each rollout worker is one Ray actor on one GPU (an engine over several GPUs
+    needs a placement this trainer does not make yet); scale with ``rollout.num_workers``."""
     request_timeout: float = 600.0
     """``vllm_server``: seconds any HTTP call to a server may take before the run stops
     with a line naming the server."""
@@ -40,6 +44,13 @@ class VLLMSection:
             "rollout.vllm.gpu_memory_utilization",
             self.gpu_memory_utilization,
             "use a float in (0, 1]",
+        )
+        check(
+            self.tensor_parallel_size == 1,
+            "rollout.vllm.tensor_parallel_size",
+            self.tensor_parallel_size,
+            "use 1: an engine over several GPUs is not built yet (each rollout worker holds "
+            "the whole model on one GPU); scale with rollout.num_workers",
         )
         check(
             self.request_timeout > 0,

@@ -206,7 +206,8 @@ class Job(JobStart):
             shards = [tensors.select(torch.tensor(rows)) for rows in shares]
         else:
             shards = [tensors.shard(r, self.world) for r in range(self.world)]
-        refs = [a.train.remote(s, lag) for a, s in zip(self.actors, shards, strict=True)]
+        step, self.next_update = self.next_update, self.next_update + 1
+        refs = [a.train.remote(s, lag, step) for a, s in zip(self.actors, shards, strict=True)]
 
         def done() -> UpdateMetrics:
             results = self.call(refs, "update")

@@ -99,7 +99,7 @@ class JobStart:
         for warning in described["warnings"]:
             log.warning("%s", warning)
             print(f"rlwire-train: warning: {warning}", file=sys.stderr)
-        self.start_step = 0
+        self.start_step = self.next_update = 0
         self.extra_batches = 0  # generation batches beyond one per step (dynamic sampling)
         self.kl_ctrl = KLController(config.algorithm.kl_ctrl)  # beta of the KL in reward
         self.resumed: dict[str, Any] = {}  # the checkpoint's trainer_state.json
@@ -156,6 +156,7 @@ class JobStart:
     def _resume(self, checkpoint, saved: dict[str, Any]) -> None:
         """Load ``checkpoint`` on every actor rank (resharded to this world size)."""
         self.resumed, self.start_step = saved, saved["step"]
+        self.next_update = self.start_step  # the learning-rate schedule goes on from it
         self.extra_batches = saved.get("extra_batches", 0)
         self.kl_ctrl = KLController(self.config.algorithm.kl_ctrl, saved.get("kl_ctrl_value"))
         load_checkpoint(self, checkpoint, saved)

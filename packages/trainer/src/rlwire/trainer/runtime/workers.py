@@ -96,13 +96,14 @@ class ActorWorker(WeightPush, WorkerProcess):
         return self.actor.describe()
 
     # --- a training step -----------------------------------------------------------------
-    def train(self, batch: Rollout, lag: float = 0.0) -> dict[str, Any]:
+    def train(self, batch: Rollout, lag: float = 0.0, step: int = 0) -> dict[str, Any]:
         """Proximal log-probs (a forward pass, unless ``bypass_mode``, or the update is
         exactly on-policy and they are the training forward's own), the off-policy
         correction against the behaviour log-probs, the staleness-aware step size for a
         batch ``lag`` versions old on average (``actor.optim.stale_lr_kl``; every rank
-        takes the same), then PPO mini-batches and epochs over this rank's shard of the
-        batch (with its ``advantages``). Times its phases."""
+        takes the same) times the learning-rate schedule at update ``step``
+        (``actor.optim.lr_scheduler_type``), then PPO mini-batches and epochs over this rank's
+        shard of the batch (with its ``advantages``). Times its phases."""
         began = time.perf_counter()
         cfg, actor = self.config, self.actor
         correction = cfg.algorithm.rollout_correction
@@ -139,6 +140,7 @@ class ActorWorker(WeightPush, WorkerProcess):
             tokens = float(rollout.response_mask.sum())
             kl = weights.metrics["kl_behaviour_proximal"] * tokens / len(rollout)
             lr_scale = cfg.actor.optim.lr_scale(lag, self._mean_over_ranks(kl, len(rollout)))
+        lr_scale *= cfg.actor.optim.schedule(step, cfg.trainer.steps)  # warm-up, decay
         if lr_scale != self.lr_scale:
             actor.scale_lr(lr_scale)
             self.lr_scale = lr_scale
@@ -195,7 +197,8 @@ class ActorWorker(WeightPush, WorkerProcess):
         return functools.partial(
             compute_old_logprobs,
             rollout=rollout,
-            micro_batch_size=self.config.micro_batch_rows(),
+            micro_batch_size=self.config.actor.log_prob_micro_batch_size
+            or self.config.micro_batch_rows(),
             max_tokens=self.config.actor.log_prob_token_budget(),
             remove_padding=self.config.actor.use_remove_padding,
             temperature=self.config.rollout.temperature,
