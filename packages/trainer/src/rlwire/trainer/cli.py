@@ -86,11 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_config(), end="")
         return 0
 
+    # what the config says as it loads (verl keys that change nothing here): on the terminal
+    notes = logging.StreamHandler(sys.stderr)
+    notes.setLevel(logging.WARNING)
+    notes.setFormatter(logging.Formatter("rlwire-train: note: %(message)s"))
+    logging.getLogger("rlwire.trainer").addHandler(notes)
     try:
         importable_from_here()
         config = load_config(args.config, args.overrides, preset=args.preset)
     except ConfigError as err:
         return _fail(str(err))
+    finally:
+        logging.getLogger("rlwire.trainer").removeHandler(notes)
     if args.print_config:
         import yaml
 

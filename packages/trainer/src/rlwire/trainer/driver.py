@@ -82,9 +82,6 @@ def run(config: TrainerConfig, *, progress: bool = True, inputs: Inputs = Inputs
     if config.agent.function is None and config.agent.environment is None:
         reward_fn.check_rows([*(batches.rows or []), *validation], "the data")
     _resolve_epochs(config, batches)
-    for warning in real_model_warnings(config):
-        log.warning("%s", warning)
-        print(f"rlwire-train: warning: {warning}", file=sys.stderr)
     resume_from = None
     if config.trainer.resume == "auto":
         resume_from = latest_checkpoint(run_dir)
@@ -112,6 +109,9 @@ def run(config: TrainerConfig, *, progress: bool = True, inputs: Inputs = Inputs
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    for warning in real_model_warnings(config):  # in train.log, and on the terminal
+        log.warning("%s", warning)
+        print(f"rlwire-train: warning: {warning}", file=sys.stderr)
 
     trackers = open_trackers(config, run_dir, to_dict(config))  # a missing package fails here
     from tqdm import tqdm

@@ -29,8 +29,9 @@ class OptimConfig:
     """The warm-up as a fraction of ``trainer.steps`` (verl's key), when
     ``lr_warmup_steps`` is not set."""
     lr_scheduler_type: str = "constant"
-    """After the warm-up: ``constant``, or ``cosine`` (down to ``min_lr_ratio`` x lr by
-    ``trainer.steps``, over ``num_cycles`` cosine cycles). verl's key (its older
+    """After the warm-up: ``constant``, ``cosine`` (down to ``min_lr_ratio`` x lr by
+    ``trainer.steps``, over ``num_cycles`` cosine cycles; verl's) or ``linear`` (down to 0
+    by ``trainer.steps``: transformers' default, TRL's). verl's key (its older
     ``warmup_style`` is accepted)."""
     min_lr_ratio: float = 0.0
     """The cosine schedule's floor, as a fraction of ``lr`` (verl's key)."""
@@ -54,7 +55,9 @@ class OptimConfig:
         check(self.lr > 0, "actor.optim.lr", self.lr, "use a float > 0")
         check(self.grad_clip >= 0, "actor.optim.grad_clip", self.grad_clip, "use a float >= 0")
         check_choice(
-            self.lr_scheduler_type, "actor.optim.lr_scheduler_type", ("constant", "cosine")
+            self.lr_scheduler_type,
+            "actor.optim.lr_scheduler_type",
+            ("constant", "cosine", "linear"),
         )
         check(
             0 <= self.lr_warmup_steps_ratio < 1,
@@ -83,14 +86,17 @@ class OptimConfig:
 
     def schedule(self, step: int, total: int) -> float:
         """The factor on ``lr`` at update ``step`` (0-based) of ``total``: verl's
-        ``get_constant_schedule_with_warmup`` and ``get_cosine_schedule_with_warmup``
-        (a pure function of the step, so a resumed run goes on where it stopped)."""
+        ``get_constant_schedule_with_warmup`` and ``get_cosine_schedule_with_warmup``,
+        transformers' ``get_linear_schedule_with_warmup`` (a pure function of the step, so
+        a resumed run goes on where it stopped)."""
         warmup = self.warmup_steps(total)
         if step < warmup:
             return step / max(1, warmup)
         if self.lr_scheduler_type == "constant":
             return 1.0
         progress = (step - warmup) / max(1, total - warmup)
+        if self.lr_scheduler_type == "linear":  # transformers' get_linear_schedule_with_warmup
+            return max(0.0, 1.0 - progress)
         wave = math.cos(math.pi * self.num_cycles * 2.0 * progress)
         low = self.min_lr_ratio
         return max(low, wave * (1 - low) * 0.5 + (1 + low) * 0.5)

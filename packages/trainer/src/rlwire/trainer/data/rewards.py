@@ -358,14 +358,19 @@ def _one(spec: str, config: TrainerConfig) -> Reward:
 
 
 def load_reward(
-    config: TrainerConfig, functions: Sequence[Callable[..., Any]] | None = None
+    config: TrainerConfig, functions: Sequence[Callable[..., Any] | str] | None = None
 ) -> Rewards:
     """The configured reward (``reward.function`` and ``reward.weights``), imported and its
-    signature checked now; ``functions``: callables given in place of the names (the
-    Python API's ``reward_funcs``)."""
+    signature checked now; ``functions``: callables (or names) given in place of the names
+    (the Python API's ``reward_funcs``)."""
     weights = config.reward.weights
     if functions is not None:
-        rewards = [Reward(fn, getattr(fn, "__name__", type(fn).__name__)) for fn in functions]
+        rewards = [
+            _one(fn, config)
+            if isinstance(fn, str)
+            else Reward(fn, getattr(fn, "__name__", type(fn).__name__))
+            for fn in functions
+        ]
     else:
         specs = config.reward.specs()
         if not specs:  # unset: the task's own, or each row's data_source

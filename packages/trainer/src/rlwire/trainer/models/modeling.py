@@ -39,7 +39,13 @@ def set_gradient_checkpointing(model: PreTrainedModel, enable: bool) -> None:
     """Activation checkpointing of ``model``'s decoder layers on or off
     (``model.enable_gradient_checkpointing``). Non-reentrant: it needs no input that
     requires a gradient (a LoRA model's frozen embeddings) and runs under FSDP."""
-    if enable:
+    # transformers 5.24 renamed them activation_checkpointing_* (the old names warn)
+    if hasattr(model, "activation_checkpointing_enable"):
+        if enable:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif enable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_disable()
