@@ -417,7 +417,7 @@ def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_gradien
         model.train()
         count = [0]
         for layer in model.model.layers:
-            layer.mlp.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+            layer.mlp.register_forward_pre_hook(lambda *_, c=count: c.__setitem__(0, c[0] + 1))
         model(input_ids=ids, labels=ids).loss.backward()
         grads.append([p.grad for p in model.parameters()])
         calls.append(count[0])
@@ -450,3 +450,65 @@ def test_the_learning_rate_schedule_is_transformers_and_verls(kind):
     ours = [optim.schedule(step, total) for step in range(total)]
     assert ours == pytest.approx(expected, abs=1e-12)
     assert ours[0] == 0.0 and ours[warmup] == 1.0
+
+
+def test_the_real_model_preset_and_the_warnings_for_the_toys_settings(monkeypatch):
+    from rlwire.trainer.driver import real_model_warnings
+
+    preset = load_config(preset="qwen2.5-0.5b")
+    assert (preset.model.path, preset.model.dtype) == ("Qwen/Qwen2.5-0.5B-Instruct", "bfloat16")
+    assert preset.actor.optim.lr == 1e-6 and preset.actor.optim.lr_warmup_steps == 10
+    assert preset.mini_batch_rows() == 32 * 5 and preset.rollout.backend == "vllm"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert real_model_warnings(preset) == []
+    assert real_model_warnings(load_config()) == []  # the tiny model: its own defaults
+    toy = load_config(overrides=["model.path=Qwen/Qwen2.5-0.5B-Instruct"])
+    assert real_model_warnings(toy) == [
+        "actor.optim.lr=0.003 is the tiny model's default; real models train at about 1e-6 "
+        "(verl's examples; --preset qwen2.5-0.5b)",
+        "model.dtype=float32 on a GPU doubles the memory and time of bfloat16; real models "
+        "train in model.dtype=bfloat16",
+    ]
+
+
+# --- the examples ---------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def examples_importable(monkeypatch):
+    """The repository's ``examples`` importable, as from its root (``python -m examples...``)."""
+    monkeypatch.syspath_prepend(str(REPO))
+
+
+def test_the_gsm8k_recipe_writes_verls_rows_and_its_config_is_the_presets(examples_importable):
+    from examples.gsm8k.prepare import INSTRUCTION as ASKED
+    from examples.gsm8k.prepare import verl_row
+
+    row = {"question": "How many?", "answer": "3 + 4 = 7 and 1,000 more\n#### 1,007"}
+    assert verl_row(row, "train", 3) == {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": f"How many? {ASKED}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "1007"},
+        "extra_info": {"split": "train", "index": 3, "question": "How many?"},
+    }
+    with pytest.raises(ValueError, match=r"^test row 0: the answer has no '#### <number>'"):
+        verl_row({"question": "q", "answer": "7"}, "test", 0)
+    recipe = load_config(REPO / "examples" / "gsm8k" / "qwen2.5-0.5b.yaml")
+    preset = load_config(preset="qwen2.5-0.5b")
+    for section in ("model", "actor", "algorithm", "rollout"):
+        assert getattr(recipe, section) == getattr(preset, section), section
+    assert recipe.data.train_batch_size == preset.data.train_batch_size
+
+
+@pytest.mark.job
+def test_the_trl_style_example_script_trains(ray_cluster, examples_importable, tmp_path):
+    from examples.trl_grpo import build_trainer, parse
+
+    args = parse(["--steps", "3", "--output-dir", str(tmp_path / "run")])
+    result = build_trainer(args, [f"ray.address={ray_cluster}"]).train(progress=False)
+    rows = metrics(result.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert {"reward_extra/repeats", "reward_extra/brevity"} <= set(rows[0])

@@ -35,11 +35,14 @@ def _core(model, tokenizer, max_num_seqs: int) -> EngineCore:
     return EngineCore(batch, max_num_seqs=max_num_seqs)
 
 
-def _serve(core: EngineCore, rows: list[list[int]], *, temperature=0.9, new=12, greedy=False):
+def _serve(
+    core: EngineCore, rows: list[list[int]], *, temperature=0.9, new=12, greedy=False, **cut
+):
     """The rows' requests, all waiting when the core takes its first step (it is held by a
-    call until they are queued)."""
+    call until they are queued). ``cut``: ``top_p``, ``top_k``."""
     requests = [
-        Request(tuple(r), new, temperature, seed=100 + i, greedy=greedy) for i, r in enumerate(rows)
+        Request(tuple(r), new, temperature, seed=100 + i, greedy=greedy, **cut)
+        for i, r in enumerate(rows)
     ]
     queued = threading.Event()
     held = core.call(lambda: queued.wait(30))
@@ -91,6 +94,28 @@ def test_greedy_requests_take_the_most_likely_token_at_temperature_one(tiny):
     # the first token is the argmax of the prompt's next-token distribution
     first = model(input_ids=torch.tensor([rows[0]])).logits[0, -1].argmax()
     assert done[0].token_ids[0] == int(first)
+
+
+def test_top_k_and_top_p_cut_the_distribution_sampled_and_its_logprobs(tiny):
+    from rlwire.trainer.rollout.hf_batch import truncated
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4)
+    asked = [
+        Request((1,), 1, 1.0, seed=0, top_k=2),
+        Request((1,), 1, 1.0, seed=0, top_p=0.7),
+        Request((1,), 1, 1.0, seed=0, top_p=0.45),
+        Request((1,), 1, 1.0, seed=0),
+    ]
+    cut = truncated(probs.log(), asked).exp()
+    expected = [[0.625, 0.375, 0, 0], [0.625, 0.375, 0, 0], [1, 0, 0, 0], [0.5, 0.3, 0.15, 0.05]]
+    torch.testing.assert_close(cut, torch.tensor(expected), atol=1e-6, rtol=0)
+    # through the engine: top_k=1 is the most likely token with certainty (log-prob 0)
+    model, tokenizer = tiny
+    rows = _rows(tokenizer)[:3]
+    done = _serve(_core(model, tokenizer, 4), rows, temperature=0.7, top_k=1)
+    greedy = _serve(_core(model, tokenizer, 4), rows, greedy=True)
+    assert [d.token_ids for d in done] == [g.token_ids for g in greedy]
+    assert all(lp == 0.0 for d in done for lp in d.logprobs)
 
 
 class _UpdateAfter:

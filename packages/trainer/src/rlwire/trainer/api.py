@@ -54,6 +54,8 @@ TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "max_completion_length": ("rollout.max_new_tokens", int),
     "num_train_epochs": ("trainer.total_epochs", int),
     "temperature": ("rollout.temperature", float),
+    "top_p": ("rollout.top_p", float),
+    "top_k": ("rollout.top_k", lambda v: -1 if v is None else int(v)),
     "beta": ("algorithm.kl_coef", float),
     "epsilon": ("algorithm.clip_ratio", float),
     "epsilon_high": ("algorithm.clip_ratio_high", lambda v: v),
@@ -143,7 +145,7 @@ def _rows(dataset: Any, name: str) -> list[Mapping[str, Any]] | None:
             f"GRPOTrainer: {name} is a {type(dataset).__name__}; give a datasets.Dataset or a "
             "list of dicts (or name a file or Hub dataset with overrides=['data.source=...'])"
         )
-    rows = [dict(row) for row in dataset]
+    rows: list[Mapping[str, Any]] = [dict(row) for row in dataset]
     if not rows:
         raise ConfigError(f"GRPOTrainer: {name} holds no rows")
     return rows

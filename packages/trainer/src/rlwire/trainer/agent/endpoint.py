@@ -77,10 +77,12 @@ class Endpoint:
         max_new_tokens: int,
         timeout: float,
         model: str = "rlwire-policy",
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> None:
         self.submit, self.tokenizer, self.parser = submit, tokenizer, parser
         self.temperature, self.max_new_tokens, self.timeout = temperature, max_new_tokens, timeout
-        self.model = model
+        self.model, self.top_p, self.top_k = model, top_p, top_k
         self.sessions = SessionStore()
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -182,6 +184,8 @@ class Endpoint:
             min(asked, self.max_new_tokens),
             self.temperature,
             seed=request_seed(session.seed, calls),
+            top_p=self.top_p,
+            top_k=self.top_k,
         )
         future = asyncio.wrap_future(self.submit(request))
         try:

@@ -134,6 +134,7 @@ class FunctionRunner:
             temperature=rollout.temperature,
             max_new_tokens=rollout.max_new_tokens,
             timeout=rollout.request_timeout,
+            **rollout.truncation(),
         )
         self.url = self.endpoint.start(host=agent.endpoint_host)
         self.call_timeout = rollout.request_timeout + 5.0

@@ -85,11 +85,14 @@ class AgentLoop:
         max_tokens: int,
         *,
         temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
         request_timeout: float = 600.0,
     ) -> None:
         self.engine, self.tokenizer, self.renderer = engine, tokenizer, renderer
         self.environment, self.config, self.max_tokens = environment, config, max_tokens
         self.temperature, self.request_timeout = temperature, request_timeout
+        self.top_p, self.top_k = top_p, top_k
 
     def run(self, examples: list[Example], n: int, seed: int) -> Rollout:
         """``n`` conversations per example (consecutive), all in flight together: a
@@ -141,6 +144,8 @@ class AgentLoop:
             self.max_tokens - len(conv.ids),
             self.temperature,
             seed,
+            top_p=self.top_p,
+            top_k=self.top_k,
         )
         future = self.engine.submit(request)
         try:
@@ -248,4 +253,5 @@ def build_loop(config, engine, model_path: str) -> AgentLoop | FunctionRunner:
         rollout.max_new_tokens,
         temperature=rollout.temperature,
         request_timeout=rollout.request_timeout,
+        **rollout.truncation(),
     )

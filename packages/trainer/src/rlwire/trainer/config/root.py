@@ -52,11 +52,36 @@ PRESETS: dict[str, tuple[str, ...]] = {
         "trainer.steps=400",
         "trainer.output_dir=runs/realistic",
     ),
+    "qwen2.5-0.5b": (
+        "model.path=Qwen/Qwen2.5-0.5B-Instruct",
+        "model.dtype=bfloat16",
+        "model.enable_gradient_checkpointing=true",
+        "actor.optim.lr=1e-6",
+        "actor.optim.lr_warmup_steps=10",
+        "actor.use_remove_padding=true",
+        "actor.ppo_mini_batch_size=32",
+        "actor.micro_batch_size=16",
+        "algorithm.kl_coef=0.001",
+        "data.train_batch_size=64",
+        "data.max_prompt_length=512",
+        "data.filter_overlong_prompts=true",
+        "rollout.backend=vllm",
+        "rollout.n=5",
+        "rollout.max_new_tokens=512",
+        "rollout.vllm.gpu_memory_utilization=0.5",
+        "trainer.save_every=50",
+        "trainer.output_dir=runs/qwen2.5-0.5b",
+    ),
 }
 """Named jobs (``rlwire-train --preset NAME``): overrides applied over the defaults, before
 a config file and the command line's own. ``realistic``: the ``count`` task (response
 lengths with a long tail) at a learning rate where one update moves the policy about as
-far per token as a real LLM run's (docs/trainer/modes.md, "Realistic-regime job")."""
+far per token as a real LLM run's (docs/trainer/modes.md, "Realistic-regime job").
+``qwen2.5-0.5b``: a real small model on one GPU (Qwen2.5-0.5B-Instruct from the Hub, in
+bfloat16, verl's GSM8K GRPO settings: lr 1e-6 after 10 warm-up steps, 64 prompts x 5
+samples a step in mini-batches of 32, responses up to 512 tokens, vLLM rollout); give it
+``data.source`` (examples/gsm8k prepares verl's GSM8K files) and ``trainer.steps`` or
+``trainer.total_epochs``. Not yet run on a GPU."""
 
 # The sections themselves are public in rlwire.trainer.config.sections.
 __all__ = ["PRESETS", "ConfigError", "TrainerConfig", "load_config", "to_dict"]

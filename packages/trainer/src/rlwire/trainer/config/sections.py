@@ -88,7 +88,7 @@ class RewardConfig:
     def __post_init__(self) -> None:
         specs = self.function if isinstance(self.function, list) else [self.function]
         check(
-            self.function is None or (specs and all(isinstance(s, str) and s for s in specs)),
+            self.function is None or (bool(specs) and all(isinstance(s, str) and s for s in specs)),
             "reward.function",
             self.function,
             "use a name, package.module:function, or a list of them",

@@ -258,7 +258,7 @@ def _source(source: str, key: str):
     task = builtin_task(source)
     if task is not None:
         return task
-    path = Path(source)
+    path = Path(source).expanduser()
     if path.is_file():
         return path
     if is_hub_id(source):

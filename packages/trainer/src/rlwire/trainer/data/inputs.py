@@ -44,7 +44,7 @@ def resolve_model(config: TrainerConfig, run_dir: Path, *, build: bool = True) -
         seed = config.trainer.seed
         directory = run_dir / f"{tiny_task(config).model_name}-seed{seed}"
         return build_tiny(config, directory) if build else directory
-    path = Path(config.model.path).resolve()
+    path = Path(config.model.path).expanduser().resolve()
     if not path.exists() and is_hub_id(config.model.path):
         path = snapshot(config.model.path, "model.path")
     if not (path / "config.json").is_file():

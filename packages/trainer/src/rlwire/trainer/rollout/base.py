@@ -233,7 +233,9 @@ class RequestsEngine(PartialRolloutEngine):
 
     def generate(self, prompts: list[str], seed: int, sampling: Sampling | None = None) -> Rollout:
         cfg = self.config.rollout
-        sampling = sampling or Sampling(n=cfg.n, temperature=cfg.temperature, greedy=False)
+        sampling = sampling or Sampling(
+            n=cfg.n, temperature=cfg.temperature, greedy=False, **cfg.truncation()
+        )
         encoded = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
         rows = [list(ids) for ids in encoded for _ in range(sampling.n)]
         done = self._complete(rows, cfg.max_new_tokens, seed, sampling)
@@ -250,6 +252,8 @@ class RequestsEngine(PartialRolloutEngine):
             temperature=sampling.temperature,
             seed=seed,
             greedy=sampling.greedy,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
         )
         timeout = self.config.rollout.request_timeout
         return wait_all(self.submit_all(requests), timeout, f"rollout engine {self.index}")
@@ -259,7 +263,7 @@ class RequestsEngine(PartialRolloutEngine):
     ) -> tuple[Rollout, torch.Tensor]:
         rows = continuation_rows(batch)
         cfg = self.config.rollout
-        sampling = Sampling(n=1, temperature=cfg.temperature, greedy=False)
+        sampling = Sampling(n=1, temperature=cfg.temperature, greedy=False, **cfg.truncation())
         done = self._complete([p + r for p, r, _ in rows], max_new_tokens, seed, sampling)
         grown = [
             (p, r + d.token_ids, lp + d.logprobs) for (p, r, lp), d in zip(rows, done, strict=True)

@@ -46,6 +46,10 @@ class Sampling:
     n: int
     temperature: float
     greedy: bool
+    top_p: float = 1.0
+    top_k: int = 0
+    """Training's ``rollout.top_p`` and ``top_k`` (0: off); validation samples whole
+    distributions."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

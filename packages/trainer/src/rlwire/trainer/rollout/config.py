@@ -79,6 +79,16 @@ class RolloutConfig:
     """Tokens generated per sample."""
     temperature: float = 1.0
     """Sampling temperature (> 0)."""
+    top_p: float = 1.0
+    """Nucleus sampling (verl's ``rollout.top_p``): each token is drawn from the smallest
+    set of most likely tokens whose probability reaches this, renormalised. 1.0: off. The
+    behaviour log-probs are those of the cut distribution (vLLM's ``processed_logprobs``)
+    while the actor's are the whole distribution's, so a cut shows in the off-policy
+    correction's ``kl_rollout`` (colocated mode takes the update's own log-probs as the
+    proximal ones and corrects nothing, as verl does)."""
+    top_k: int = -1
+    """The most likely tokens each draw keeps (verl's ``rollout.top_k``); -1 or 0: off. As
+    ``top_p`` for the log-probs."""
     hybrid_engine: bool | None = None
     """Run each rollout engine inside an actor rank's process (verl's
     ``actor_rollout_ref.hybrid_engine``), one per rank: a weight sync is a hand-over in
@@ -117,6 +127,11 @@ class RolloutConfig:
     using the CPU, as a GPU engine or a remote server looks to the trainer (benchmarks
     and tests of overlap)."""
 
+    def truncation(self) -> dict[str, float | int]:
+        """``top_p`` and ``top_k`` as a :class:`~rlwire.trainer.rollout.requests.Request`
+        takes them (its ``top_k`` 0 is off)."""
+        return {"top_p": self.top_p, "top_k": max(self.top_k, 0)}
+
     def __post_init__(self) -> None:
         check_engine(self.backend, "rollout.backend", ROLLOUT_ENGINES, rollout_engine_class)
         check(self.max_num_seqs >= 1, "rollout.max_num_seqs", self.max_num_seqs, "use an int >= 1")
@@ -132,6 +147,8 @@ class RolloutConfig:
             "use an int >= 1",
         )
         check(self.temperature > 0, "rollout.temperature", self.temperature, "use a float > 0")
+        check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "use a float in (0, 1]")
+        check(self.top_k >= -1, "rollout.top_k", self.top_k, "use an int >= 1, or -1 or 0 (off)")
         urls = self.server_urls
         if urls is not None:
             check(

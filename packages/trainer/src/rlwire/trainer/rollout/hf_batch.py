@@ -34,7 +34,7 @@ import torch
 
 from .requests import Live
 
-__all__ = ["HFBatch"]
+__all__ = ["HFBatch", "truncated"]
 
 
 class _Row:
@@ -194,6 +194,8 @@ class HFBatch:
             [1.0 if r.request.greedy else r.request.temperature for r in rows], device=device
         )
         logp = torch.log_softmax(logits / temperature.unsqueeze(1), dim=-1)
+        if any(r.request.truncated for r in rows):
+            logp = truncated(logp, [r.request for r in rows])
         cdf = logp.double().exp().cumsum(dim=-1)
         draws = torch.tensor([r.state.generator.random() for r in rows], dtype=torch.float64)
         target = (draws.to(device) * cdf[:, -1]).unsqueeze(1)
@@ -203,6 +205,30 @@ class HFBatch:
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         for live, token, logprob in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
             live.append(token, logprob, version, self.eos_id)
+
+
+def truncated(logp: torch.Tensor, requests: list) -> torch.Tensor:
+    """``(B, V)`` log-probs with each row cut to its request's ``top_k`` most likely tokens,
+    then to the smallest set of them whose probability reaches its ``top_p`` (vLLM's order:
+    the nucleus is taken of the top-k distribution), renormalised; rows with neither as
+    they are. Ties break by token id (a stable sort)."""
+    device, vocab = logp.device, logp.shape[-1]
+    cut = [r.truncated for r in requests]
+    top_k = torch.tensor(
+        [r.top_k if c and r.top_k else vocab for r, c in zip(requests, cut, strict=True)],
+        device=device,
+    )
+    top_p = torch.tensor(
+        [r.top_p if c else 1.0 for r, c in zip(requests, cut, strict=True)], device=device
+    )
+    ordered, order = logp.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab, device=device).expand_as(ordered)
+    ordered = torch.log_softmax(ordered.masked_fill(ranks >= top_k.unsqueeze(1), -torch.inf), -1)
+    probs = ordered.exp()
+    before = probs.cumsum(dim=-1) - probs  # the mass of the likelier tokens
+    ordered = ordered.masked_fill(before >= top_p.unsqueeze(1).to(probs.dtype), -torch.inf)
+    out = torch.full_like(logp, -torch.inf).scatter(1, order, ordered)
+    return torch.log_softmax(out, dim=-1)
 
 
 def _cache_of(out):

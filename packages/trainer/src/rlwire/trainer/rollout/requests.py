@@ -43,9 +43,11 @@ __all__ = [
 class Request:
     """One continuation: ``prompt_ids`` (the whole context: prompt and earlier turns) in,
     up to ``max_new_tokens`` sampled tokens out, from ``softmax(logits / temperature)``
-    with a generator seeded by ``seed`` (the same request gives the same tokens whatever
-    else is in the batch, up to the batch's floating-point noise), or the most likely
-    token with ``greedy`` (log-probs then at temperature 1)."""
+    (cut to its ``top_k`` most likely tokens and to its ``top_p`` nucleus when they are set,
+    then renormalised: the log-probs are that distribution's) with a generator seeded by
+    ``seed`` (the same request gives the same tokens whatever else is in the batch, up to
+    the batch's floating-point noise), or the most likely token with ``greedy`` (log-probs
+    then at temperature 1)."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
@@ -53,6 +55,16 @@ class Request:
     seed: int
     greedy: bool = False
     request_id: str = ""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of most likely tokens whose probability reaches
+    it (1.0: off)."""
+    top_k: int = 0
+    """The most likely tokens kept (0: off)."""
+
+    @property
+    def truncated(self) -> bool:
+        """Whether ``top_p`` or ``top_k`` cuts the distribution."""
+        return not self.greedy and (self.top_p < 1.0 or self.top_k > 0)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -61,6 +73,10 @@ class Request:
             raise ValueError(f"Request.max_new_tokens: {self.max_new_tokens}; use an int >= 1")
         if not self.temperature > 0:
             raise ValueError(f"Request.temperature: {self.temperature}; use a float > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"Request.top_p: {self.top_p}; use a float in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"Request.top_k: {self.top_k}; use an int >= 0 (0: off)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -307,13 +323,28 @@ def wait_all(futures: list[concurrent.futures.Future], timeout: float, what: str
 
 
 def sample_requests(
-    rows: list[list[int]], *, max_new_tokens: int, temperature: float, seed: int, greedy: bool
+    rows: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    greedy: bool,
+    top_p: float = 1.0,
+    top_k: int = 0,
 ) -> list[Request]:
     """One :class:`Request` per row of prompt token ids, row ``i`` seeded
     ``request_seed(seed, i)`` (greedy ones at temperature 1, whatever ``temperature``)."""
     temperature = 1.0 if greedy else temperature
     return [
-        Request(tuple(ids), max_new_tokens, temperature, request_seed(seed, row), greedy=greedy)
+        Request(
+            tuple(ids),
+            max_new_tokens,
+            temperature,
+            request_seed(seed, row),
+            greedy=greedy,
+            top_p=top_p,
+            top_k=top_k,
+        )
         for row, ids in enumerate(rows)
     ]
 

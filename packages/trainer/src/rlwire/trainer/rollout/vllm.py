@@ -253,18 +253,22 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
         if self.sleep_mode:
             self.llm.wake_up()
 
-    def sampling_params(self, *, max_tokens: int, seed: int, temperature: float):
-        """One sample of ``max_tokens`` at most (a request's)."""
+    def sampling_params(
+        self, *, max_tokens: int, seed: int, temperature: float, top_p: float = 1.0, top_k: int = 0
+    ):
+        """One sample of ``max_tokens`` at most (a request's): from softmax(logits /
+        temperature), cut to ``top_k`` and ``top_p`` when they are set (the run's
+        ``rollout.top_k`` and ``top_p``); the log-probs are the cut distribution's."""
         from vllm import SamplingParams
 
         eos = self.tokenizer.eos_token_id
-        # Every processor that could change the distribution, neutral: the tokens come from
-        # softmax(logits / temperature), the distribution the actor recomputes.
+        # Every other processor that could change the distribution, neutral: the tokens come
+        # from softmax(logits / temperature), the distribution the actor recomputes.
         return SamplingParams(
             n=1,
             temperature=temperature,
-            top_k=0,
-            top_p=1.0,
+            top_k=top_k,
+            top_p=top_p,
             min_p=0.0,
             repetition_penalty=1.0,
             presence_penalty=0.0,

@@ -104,7 +104,16 @@ class VLLMServerEngine(RequestsEngine, StagingRolloutEngine):
         return None  # the server's weights are repacked; updates are checked by log-probs
 
     # --- generation ------------------------------------------------------------------
-    def _body(self, prompt, *, max_tokens: int, seed: int, temperature: float) -> dict:
+    def _body(
+        self,
+        prompt,
+        *,
+        max_tokens: int,
+        seed: int,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: int = 0,
+    ) -> dict:
         eos = self.tokenizer.eos_token_id
         # Every processor that could change the distribution, neutral (as the vllm engine)
         return {
@@ -113,8 +122,8 @@ class VLLMServerEngine(RequestsEngine, StagingRolloutEngine):
             "n": 1,
             "max_tokens": max_tokens,
             "temperature": temperature,
-            "top_p": 1.0,
-            "top_k": 0,
+            "top_p": top_p,
+            "top_k": top_k,
             "min_p": 0.0,
             "repetition_penalty": 1.0,
             "presence_penalty": 0.0,
@@ -131,5 +140,13 @@ class VLLMServerEngine(RequestsEngine, StagingRolloutEngine):
     ) -> tuple[list[int], list[float], str]:
         """One completion call of a request's chain (:mod:`.chains`)."""
         temperature = vllm_temperature(request)
-        body = self._body(context, max_tokens=max_tokens, seed=seed, temperature=temperature)
+        greedy = request.greedy
+        body = self._body(
+            context,
+            max_tokens=max_tokens,
+            seed=seed,
+            temperature=temperature,
+            top_p=1.0 if greedy else request.top_p,
+            top_k=0 if greedy else request.top_k,
+        )
         return self.server.complete(body, expected=1)[0]

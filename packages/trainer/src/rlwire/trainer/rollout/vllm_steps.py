@@ -47,6 +47,8 @@ class VLLMStepper:
             max_tokens=request.max_new_tokens - len(live.token_ids),
             seed=continuation_seed(request.seed, times),
             temperature=vllm_temperature(request),
+            top_p=1.0 if request.greedy else request.top_p,
+            top_k=0 if request.greedy else request.top_k,
         )
         params.output_kind = RequestOutputKind.DELTA  # each step: the new tokens only
         key = f"rlwire-{next(self._ids)}"

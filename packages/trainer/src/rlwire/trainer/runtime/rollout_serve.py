@@ -214,6 +214,7 @@ async def generate_requests(worker, examples: list, seed: int) -> Rollout:
         temperature=cfg.temperature,
         seed=seed,
         greedy=False,
+        **cfg.truncation(),
     )
     futures = [asyncio.wrap_future(f) for f in backend.submit_all(requests)]
     try:
