@@ -13,6 +13,7 @@ from rlwire.trainer.agent import HermesParser, ParsedCall, load_tools
 from rlwire.trainer.agent.environment import ToolEnvironment, as_observation
 from rlwire.trainer.agent.tools import ToolRunner
 from rlwire.trainer.checks import ConfigError
+from rlwire.trainer.rollout.config import RolloutConfig
 
 TOOLS = "agent_tools"
 
@@ -378,7 +379,7 @@ def _scripted_loop(tool_or_env: str, turns: list[list[str]], **agent):
     # the parts of the trainer's config build_loop reads
     whole = types.SimpleNamespace(
         agent=config,
-        rollout=types.SimpleNamespace(max_new_tokens=200, temperature=1.0, request_timeout=60.0),
+        rollout=RolloutConfig(max_new_tokens=200, request_timeout=60.0),
     )
     example = Example(prompt="x", answer="", messages=[{"role": "user", "content": "x"}])
 

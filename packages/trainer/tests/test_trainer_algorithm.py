@@ -186,7 +186,7 @@ def test_dynamic_sampling_keeps_groups_that_differ_and_generates_until_full():
         overrides=["rollout.n=2", "data.train_batch_size=3", "algorithm.filter_groups.enable=true"]
     )
 
-    def reward(examples, texts):  # what the driver's reward gives: the response's length
+    def reward(examples, texts, ids):  # what the driver's reward gives: the length
         return torch.tensor([float(len(t)) for t in texts]), {}
 
     # 3 groups of 2: only the second differs; then 3 more, of which 2 differ; then 3 more
