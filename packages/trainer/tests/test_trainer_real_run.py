@@ -241,7 +241,16 @@ def test_rows_are_scored_by_their_data_source_and_an_unknown_one_is_refused(real
         rewards.check_rows(odd, "data.source x.parquet")
     assert str(err.value).startswith(
         "reward.function is unset and data.source x.parquet has rows whose data_source "
-        "('my/own') has no built-in scorer (those with one: openai/gsm8k, "
+        "('my/own') has no built-in scorer (the sources with a scorer: openai/gsm8k, "
+    )
+    plain = [Example(prompt="p", answer="1")]  # a user's own rows, without data_source
+    with pytest.raises(RunError) as err:
+        rewards.check_rows(plain, "data.source x.jsonl")
+    assert str(err.value).startswith(
+        "reward.function is unset and data.source x.jsonl has rows with no data_source (the "
+    )
+    assert str(err.value).endswith(
+        "; set reward.function to gsm8k, math or package.module:function"
     )
     builtin = load_config(overrides=["data.source=x.parquet", "reward.function=builtin"])
     with pytest.raises(RunError, match=r"^reward.function=builtin is the built-in task's reward"):

@@ -80,7 +80,10 @@ def run(config: TrainerConfig, *, progress: bool = True, inputs: Inputs = Inputs
     if config.validation.source or inputs.eval_rows is not None:
         validation = load_validation(config, model_path, rows=inputs.eval_rows, needs_answer=answer)
     if config.agent.function is None and config.agent.environment is None:
-        reward_fn.check_rows([*(batches.rows or []), *validation], "the data")
+        label = f"data.source {config.data.source!r}"
+        if validation:
+            label += f" with validation.source {config.validation.source!r}"
+        reward_fn.check_rows([*(batches.rows or []), *validation], label)
     _resolve_epochs(config, batches)
     resume_from = None
     if config.trainer.resume == "auto":

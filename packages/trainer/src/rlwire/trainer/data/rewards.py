@@ -259,10 +259,13 @@ class Rewards:
             if reward.fn is by_data_source:
                 missing = unscored_sources(e.data_source for e in examples)
                 if missing:
+                    named = ", ".join(repr(s) for s in missing if s)
+                    which = f"whose data_source ({named}) has no built-in scorer" if named else ""
+                    if "" in missing:
+                        which = "with no data_source" + (f" and rows {which}" if named else "")
                     raise RunError(
-                        f"reward.function is unset and {source} has rows whose data_source "
-                        f"({', '.join(repr(s) for s in missing)}) has no built-in scorer "
-                        f"(those with one: {known_sources()}); set reward.function to gsm8k, "
+                        f"reward.function is unset and {source} has rows {which} (the sources "
+                        f"with a scorer: {known_sources()}); set reward.function to gsm8k, "
                         "math or package.module:function"
                     )
             needed = reward.required_columns()
