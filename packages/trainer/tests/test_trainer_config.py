@@ -27,6 +27,10 @@ def test_verl_alias_sets_the_grad_sync_policy(value, policy):
     assert config.actor.grad_sync.policy == policy
 
 
+def test_a_value_yaml_cannot_read_is_taken_as_text():
+    assert load_config(overrides=["model.path=..."]).model.path == "..."  # YAML's document end
+
+
 def test_unknown_key_lists_valid_keys_and_closest_match():
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["actor.micro_batchsize=4"])

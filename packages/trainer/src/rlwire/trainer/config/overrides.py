@@ -51,7 +51,10 @@ def parse_scalar(text: str) -> Any:
     """YAML's reading of an override value; numbers YAML 1.1 leaves as strings (``3e-4``) too."""
     import yaml
 
-    value = yaml.safe_load(text) if text.strip() else ""
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:  # not YAML ("...", "a: b: c"): the text as it is
+        value = text
     if isinstance(value, str):
         number = _number(value)
         return value if number is None else number
