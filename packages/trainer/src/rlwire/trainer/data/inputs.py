@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import RunError
 from ..models.hub import snapshot
-from .dataset import is_hub_id
+from .readers import is_hub_id
 from .tasks import BUILTIN_TASKS, Task, builtin_task
 
 if TYPE_CHECKING:
