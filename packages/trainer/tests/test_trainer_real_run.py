@@ -512,12 +512,20 @@ def test_the_gsm8k_recipe_writes_verls_rows_and_its_config_is_the_presets(exampl
     assert recipe.data.train_batch_size == preset.data.train_batch_size
 
 
-@pytest.mark.job
-def test_the_trl_style_example_script_trains(ray_cluster, examples_importable, tmp_path):
+def test_the_trl_style_example_script_builds_its_job_and_scores_its_dataset(examples_importable):
+    """The script's trainer (its training itself is the GRPOTrainer job above): the config
+    its TRL names give, and its two TRL rewards over its own dataset's rows."""
     from examples.trl_grpo import build_trainer, parse
 
-    args = parse(["--steps", "3", "--output-dir", str(tmp_path / "run")])
-    result = build_trainer(args, [f"ray.address={ray_cluster}"]).train(progress=False)
-    rows = metrics(result.run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert {"reward_extra/repeats", "reward_extra/brevity"} <= set(rows[0])
+    trainer = build_trainer(parse(["--steps", "3", "--output-dir", "runs/x"]))
+    config = trainer.config
+    assert (config.data.train_batch_size, config.rollout.n, config.trainer.steps) == (8, 8, 3)
+    assert config.reward.weights == [1.0, 0.5] and config.model.path == "tiny"
+    rewards = load_reward(config, trainer.reward_funcs)
+    rows = trainer.train_rows
+    examples = load_data(config, Path("unused"), rows=rows, needs_answer=False).rows
+    assert examples is not None and len(examples) == 256
+    want = rows[0]["letter"] * rows[0]["count"]
+    values, extras = rewards(examples[:2], [want, "zzzzzzzzzz"], lambda: [[], []])
+    assert values.tolist() == pytest.approx([1.0, 0.5 * -0.1])  # right; wrong and 2 too long
+    assert extras["repeats"].tolist() == [1.0, 0.0]
