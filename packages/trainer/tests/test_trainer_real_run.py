@@ -373,6 +373,8 @@ def test_trl_signatures_are_told_apart_weighted_and_checked_before_anything_star
         load_reward(plain, [lambda x: x])
     with pytest.raises(ConfigError, match=r"^GRPOConfig: use_liger_kernel not taken here; "):
         GRPOConfig(use_liger_kernel=True)
+    with pytest.raises(ConfigError, match=r"^GRPOConfig.learning_rate: 'fast' is not allowed; "):
+        GRPOTrainer(model="tiny", reward_funcs=length_reward, args=GRPOConfig(learning_rate="fast"))
 
 
 @pytest.mark.floor

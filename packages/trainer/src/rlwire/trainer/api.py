@@ -115,7 +115,15 @@ class GRPOConfig:
         for name, value in self.given.items():
             if name in TRL_KEYS:
                 key, convert = TRL_KEYS[name]
-                out[key] = convert(value)
+                try:
+                    out[key] = convert(value)
+                except (TypeError, ValueError) as err:
+                    if isinstance(err, ConfigError):
+                        raise
+                    raise ConfigError(
+                        f"GRPOConfig.{name}: {value!r} is not allowed; it sets {key} "
+                        "(rlwire-train --help-config)"
+                    ) from None
         steps = self.given.get("max_steps", -1)
         if steps is not None and steps > 0:  # TRL: max_steps wins over num_train_epochs
             out["trainer.steps"] = int(steps)
