@@ -104,7 +104,8 @@ def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
     assert code == 0 and out == (
         f"rlwire-train: {run} already holds a finished run (3 of trainer.steps=3): nothing "
         "to train. To go on, raise trainer.steps; to start a new run, choose another "
-        "trainer.output_dir (or trainer.resume=never to overwrite this one)\n"
+        "trainer.output_dir (or trainer.resume=never to start over here: its checkpoints are "
+        "moved aside)\n"
     ), out + err[-2000:]
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3]
     # one logical state (DCP), not one file per rank; AdamW's own step count continued

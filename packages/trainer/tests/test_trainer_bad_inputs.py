@@ -279,3 +279,49 @@ def test_filter_groups_metric_accepts_a_name_of_the_rewards_extras():
         "algorithm.filter_groups.metric: 'a b' is not allowed; use 'reward' or the name of an "
         "extra the reward function returns (an identifier such as 'acc')"
     )
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (
+            '{"prompt": ["a", "b"], "answer": "a"}',
+            "'prompt' item 0 is 'a'; chat messages are objects with 'role' and 'content'",
+        ),
+        (
+            '{"prompt": "a:", "answer": null}',
+            "'answer' is null; a ground truth is text or a number",
+        ),
+        (
+            '{"prompt": "a:", "answer": ["7"]}',
+            "'answer' is a list (['7']); a ground truth is text or a number",
+        ),
+    ],
+)
+def test_a_row_that_would_train_on_garbage_is_named(tmp_path, tiny_dir, line, message):
+    data = tmp_path / "d.jsonl"
+    data.write_text(line + "\n")
+    config = load_config(overrides=[f"data.source={data}", "data.train_batch_size=1"])
+    assert (
+        _run_error(lambda: load_data(config, tiny_dir)) == f"data.source: {data} line 1: {message}"
+    )
+
+
+def test_an_unreadable_or_corrupt_file_is_one_line(tmp_path, tiny_dir, monkeypatch):
+    broken = tmp_path / "d.parquet"
+    broken.write_bytes(b"not parquet at all")
+    config = load_config(overrides=[f"data.source={broken}"])
+    assert _run_error(lambda: load_data(config, tiny_dir)).startswith(
+        f"data.source: cannot read {broken} as Parquet: "
+    )
+    locked = tmp_path / "locked.jsonl"
+    locked.write_text('{"prompt": "a:", "answer": "a"}\n')
+    config = load_config(overrides=[f"data.source={locked}"])
+
+    def refused(self):  # what a file without read permission gives a user who is not root
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(locked), "read_bytes", refused)
+    assert _run_error(lambda: load_data(config, tiny_dir)) == (
+        f"data.source: cannot read {locked}: Permission denied"
+    )

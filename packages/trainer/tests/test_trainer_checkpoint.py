@@ -381,3 +381,36 @@ def test_an_actor_killed_while_saving_leaves_the_last_checkpoint_to_resume_from(
     records, _ = train_cli(out, *overrides, f"trainer.steps={done + 2}", cluster=ray_cluster)
     assert [r["step"] for r in records] == list(range(1, done + 3))
     assert all((p / "COMPLETE").exists() for p in (out / "checkpoints").iterdir())
+
+
+def test_resume_never_moves_an_earlier_runs_checkpoints_aside_so_pruning_keeps_the_new_ones(
+    tmp_path,
+):
+    """Left in place, an earlier run's step_50 counts as the newest: pruning to one would remove
+    the new run's step_2 as soon as it is saved, and resume=auto would go on from step_50."""
+    from rlwire.trainer.data.inputs import (
+        latest_checkpoint,
+        prune_checkpoints,
+        set_aside_checkpoints,
+    )
+
+    def saved(step: int) -> None:
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step}" / "COMPLETE").touch()
+
+    saved(50)
+    saved(2)  # what happened before: the new run's step_2 beside the earlier run's step_50
+    assert prune_checkpoints(tmp_path, 1) == [tmp_path / "checkpoints" / "step_2"]
+    (tmp_path / "checkpoints" / "step_50" / "COMPLETE").unlink()
+    (tmp_path / "checkpoints" / "step_50").rmdir()
+    (tmp_path / "checkpoints").rmdir()
+    assert set_aside_checkpoints(tmp_path) is None  # nothing there: nothing moved
+    saved(50)
+    aside = set_aside_checkpoints(tmp_path)  # what trainer.resume=never does first
+    assert aside == tmp_path / "checkpoints.before-1"
+    assert (aside / "step_50" / "COMPLETE").exists()
+    saved(2)
+    assert prune_checkpoints(tmp_path, 1) == []
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_2"
+    saved(3)
+    assert set_aside_checkpoints(tmp_path) == tmp_path / "checkpoints.before-2"

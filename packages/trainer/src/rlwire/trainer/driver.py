@@ -17,7 +17,12 @@ import torch
 from .actor.config import OptimConfig
 from .config.root import TrainerConfig, to_dict
 from .data.dataset import load_data, load_validation
-from .data.inputs import checkpoint_step, latest_checkpoint, resolve_model
+from .data.inputs import (
+    checkpoint_step,
+    latest_checkpoint,
+    resolve_model,
+    set_aside_checkpoints,
+)
 from .data.rewards import load_reward
 from .errors import AlreadyFinished, RunError
 from .modes.colocated import run_colocated
@@ -96,9 +101,17 @@ def run(config: TrainerConfig, *, progress: bool = True, inputs: Inputs = Inputs
                 f"{run_dir} already holds a finished run ({done} of trainer.steps="
                 f"{config.trainer.steps}): nothing to train. To go on, raise trainer.steps; "
                 "to start a new run, choose another trainer.output_dir (or trainer.resume=never "
-                "to overwrite this one)"
+                "to start over here: its checkpoints are moved aside)"
             )
-    elif config.trainer.resume != "never":
+    elif config.trainer.resume == "never":
+        aside = set_aside_checkpoints(run_dir)
+        if aside is not None:
+            print(
+                f"rlwire-train: trainer.resume=never: the earlier run's checkpoints are moved to "
+                f"{aside}",
+                file=sys.stderr,
+            )
+    else:
         resume_from = Path(config.trainer.resume).resolve()
         if not (resume_from / "COMPLETE").exists():
             raise RunError(f"trainer.resume: {resume_from} is not a complete checkpoint")

@@ -164,10 +164,19 @@ def _example(
     prompt_key = config.data.prompt_key
     prompt = _field(row, prompt_key)
     answer_keys = (config.data.answer_key,) if config.data.answer_key else _ANSWER_KEYS
-    answer = next((v for k in answer_keys if (v := _field(row, k)) is not _MISSING), _MISSING)
+    found = [(k, v) for k in answer_keys if (v := _field(row, k)) is not _MISSING]
+    answer_key, answer = found[0] if found else ("", _MISSING)
     if prompt is _MISSING or (answer is _MISSING and needs_answer):
         wanted = " or ".join(repr(k) for k in answer_keys)
         raise RunError(f"{key}: {path} {where} lacks {prompt_key!r} or {wanted}")
+    if answer is not _MISSING and (
+        isinstance(answer, bool) or not isinstance(answer, (str, int, float))
+    ):  # None or a list would score as the text "None" / "['7']"
+        raise RunError(
+            f"{key}: {path} {where}: {answer_key!r} is "
+            f"{'null' if answer is None else f'a {type(answer).__name__} ({answer!r:.40})'}; "
+            "a ground truth is text or a number"
+        )
     if not isinstance(prompt, (str, list, tuple)):
         raise RunError(
             f"{key}: {path} {where}: {prompt_key!r} is a {type(prompt).__name__} "
@@ -177,6 +186,12 @@ def _example(
         raise RunError(f"{key}: {path} {where}: {prompt_key!r} is empty")
     messages = None
     if isinstance(prompt, (list, tuple)):
+        for index, message in enumerate(prompt):
+            if not (isinstance(message, Mapping) and "role" in message and "content" in message):
+                raise RunError(
+                    f"{key}: {path} {where}: {prompt_key!r} item {index} is "
+                    f"{message!r:.40}; chat messages are objects with 'role' and 'content'"
+                )
         messages = [dict(m) for m in prompt]
         prompt = render(prompt, where)
     source = _field(row, "data_source")

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "build_tiny",
+    "set_aside_checkpoints",
     "checkpoint_step",
     "latest_checkpoint",
     "prune_checkpoints",
@@ -67,6 +68,22 @@ def _checkpoints(run_dir: Path) -> list[tuple[int, bool, Path]]:
             if m := _STEP_DIR.match(child.name):
                 found.append((int(m[1]), (child / "COMPLETE").exists(), child))
     return sorted(found)
+
+
+def set_aside_checkpoints(run_dir: Path) -> Path | None:
+    """``trainer.resume=never`` on a directory holding an earlier run's checkpoints: move
+    its ``checkpoints/`` to ``checkpoints.before-<n>/`` (the first free ``n``) and return
+    where, so that the new run's pruning, and a later ``resume=auto``, see the new run's
+    checkpoints only (left in place, the earlier run's higher steps would count as the
+    newest: pruning would remove each new checkpoint as it is saved). None: nothing there."""
+    if not _checkpoints(run_dir):
+        return None
+    number = 1
+    while (run_dir / f"checkpoints.before-{number}").exists():
+        number += 1
+    target = run_dir / f"checkpoints.before-{number}"
+    (run_dir / "checkpoints").rename(target)
+    return target
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -17,7 +17,11 @@ def read_file(path: Path, key: str) -> list[tuple[str, Any]]:
     """``(where, row)`` for every row of the file (``where`` names it in errors)."""
     if path.suffix == ".jsonl":
         rows = []
-        for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            lines = path.read_bytes().splitlines()
+        except OSError as err:  # unreadable: permissions, a vanished file
+            raise RunError(f"{key}: cannot read {path}: {err.strerror}") from None
+        for number, raw in enumerate(lines, 1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -39,7 +43,12 @@ def read_file(path: Path, key: str) -> list[tuple[str, Any]]:
             raise RunError(
                 f"{key}: reading Parquet needs pyarrow: pip install 'rlwire-trainer[parquet]'"
             ) from None
-        return [(f"row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist(), 1)]
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as err:  # unreadable, or not Parquet (ArrowInvalid)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise RunError(f"{key}: cannot read {path} as Parquet: {first}") from None
+        return [(f"row {i}", row) for i, row in enumerate(table.to_pylist(), 1)]
     raise RunError(f"{key}: {path} must be .jsonl or .parquet")
 
 
