@@ -414,3 +414,31 @@ def test_resume_never_moves_an_earlier_runs_checkpoints_aside_so_pruning_keeps_t
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_2"
     saved(3)
     assert set_aside_checkpoints(tmp_path) == tmp_path / "checkpoints.before-2"
+
+
+def test_a_second_run_on_a_directory_a_live_run_holds_is_refused(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from rlwire.trainer.errors import RunError
+    from rlwire.trainer.outputs.run_lock import RunLock
+
+    held = RunLock(tmp_path)
+    with pytest.raises(RunError) as err:
+        RunLock(tmp_path)
+    assert str(err.value) == (
+        f"trainer.output_dir: {tmp_path} is in use by a live run (process {os.getpid()}); "
+        "wait for it to end, or choose another trainer.output_dir"
+    )
+    held.release()
+    RunLock(tmp_path).release()  # free again
+    # a run killed while holding it holds nothing: the kernel drops the lock with the process
+    script = (
+        "import os, sys; from pathlib import Path\n"
+        "from rlwire.trainer.outputs.run_lock import RunLock\n"
+        f"RunLock(Path({str(tmp_path)!r})); os.kill(os.getpid(), 9)\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", script], timeout=120)
+    assert killed.returncode == -9
+    RunLock(tmp_path).release()

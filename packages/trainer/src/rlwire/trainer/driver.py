@@ -32,6 +32,7 @@ from .outputs.checkpoint import read_trainer_state
 from .outputs.export import exported_step
 from .outputs.loggers import open_trackers
 from .outputs.plot import plot_run
+from .outputs.run_lock import RunLock
 from .outputs.summary import records, summarise
 from .runtime.cluster import init_ray, ray_environment, stop_ray
 from .runtime.job import Job
@@ -75,6 +76,14 @@ def run(config: TrainerConfig, *, progress: bool = True, inputs: Inputs = Inputs
 
     run_dir = Path(config.trainer.output_dir).resolve()  # workers may run elsewhere
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir)  # one live run per directory, or one line naming the other
+    try:
+        return _run(config, run_dir, progress, inputs)
+    finally:
+        lock.release()
+
+
+def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -> RunResult:
     # The tiny model is built by actor rank 0, which imports transformers anyway (the
     # driver would spend ~2 s importing it, on the cores Ray and the workers start on).
     model_path = resolve_model(config, run_dir, build=False)
