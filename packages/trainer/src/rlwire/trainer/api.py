@@ -244,8 +244,9 @@ class GRPOTrainer:
             items.append("validation.source=eval_dataset")
         names = [f if isinstance(f, str) else _name(f) for f in funcs]
         items.append(f"reward.function={_text(names)}")
-        overrides = [*items, *args.overrides]
-        world = load_config(overrides=overrides).actor.world_size
+        world = 1  # the batch shape's TRL names count completions over every rank
+        if any(name in args.given for name in _BATCH):
+            world = load_config(overrides=[*items, *args.overrides]).actor.world_size
         settings = [f"{key}={_text(value)}" for key, value in args.settings(world).items()]
         self.config: TrainerConfig = load_config(overrides=[*items, *settings, *args.overrides])
 

@@ -61,8 +61,9 @@ class Inputs:
     """The training rows (``data.source`` is then only a label)."""
     eval_rows: list[Mapping[str, Any]] | None = None
     """The held-out rows (``validation.source`` then only a label)."""
-    reward_functions: list[Callable[..., Any]] | None = None
-    """The reward functions themselves (``reward.function`` then only names them)."""
+    reward_functions: list[Callable[..., Any] | str] | None = None
+    """The reward functions themselves, or names among them (``reward.function`` then only
+    names them)."""
 
 
 def run(config: TrainerConfig, *, progress: bool = True, inputs: Inputs = Inputs()) -> RunResult:

@@ -257,10 +257,11 @@ class TrainerSection:
     steps: int = 100
     """Training steps to run (each one batch of ``data.train_batch_size`` prompts)."""
     total_epochs: int | None = None
-    """Passes over a data file (verl's key): sets ``trainer.steps`` to this times the
-    file's rows over ``data.train_batch_size`` (a last partial batch left out, as verl's
-    loader drops it). ``trainer.steps`` (verl's ``total_training_steps``) given as well
-    wins; a built-in task has no epochs."""
+    """Passes over a data file (verl's key): sets ``trainer.steps`` to this times the whole
+    batches of ``data.train_batch_size`` its rows make (as verl's loader, which drops a
+    partial last one; the batches walk the rows in order, wrapping around).
+    ``trainer.steps`` (verl's ``total_training_steps``) given as well wins; a built-in task
+    has no epochs."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     output_dir: str = "runs/default"

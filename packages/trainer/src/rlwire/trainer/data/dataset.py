@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ..checks import check
 from ..errors import RunError
 from ..rollout import Example
-from .readers import hub_rows, is_hub_id, read_file
+from .readers import is_hub_id, read_rows
 from .tasks import BUILTIN_TASKS, builtin_task
 
 if TYPE_CHECKING:
@@ -264,7 +264,7 @@ def load_data(
                 return _task_examples(found, size, seed * 1_000_003 + step, source)
 
             return Batches(size, generated)
-        read = _read(config, found, "data.source", config.data.subset, config.data.split)
+        read = read_rows(found, "data.source", config.data.subset, config.data.split)
     else:
         found, read = "train_dataset", [(f"row {i}", row) for i, row in enumerate(rows, 1)]
     examples = _checked_rows(config, read, found, model_path, "data.source", needs_answer)
@@ -274,12 +274,6 @@ def load_data(
         return [examples[(start + i) % len(examples)] for i in range(size)]
 
     return Batches(size, batch, examples)
-
-
-def _read(config: TrainerConfig, found: Path | str, key: str, subset, split):
-    if isinstance(found, Path):
-        return read_file(found, key)
-    return hub_rows(found, subset, split, key)
 
 
 def _checked_rows(
@@ -405,5 +399,5 @@ def load_validation(
     if not isinstance(found, (Path, str)):  # training draws seed x 1_000_003 + step, step >= 0
         seed = config.trainer.seed * 1_000_003 - 1
         return _task_examples(found, config.validation.prompts, seed, source)
-    read = _read(config, found, key, config.data.subset, config.validation.split)
+    read = read_rows(found, key, config.data.subset, config.validation.split)
     return _checked_rows(config, read, found, model_path, key, needs_answer)

@@ -10,7 +10,16 @@ from typing import Any
 
 from ..errors import RunError
 
-__all__ = ["hub_rows", "is_hub_id", "read_file"]
+__all__ = ["hub_rows", "is_hub_id", "read_file", "read_rows"]
+
+
+def read_rows(
+    source: Path | str, key: str, subset: str | None, split: str
+) -> list[tuple[str, Any]]:
+    """The rows of a data file (a ``Path``) or of split ``split`` of a Hub dataset (its id)."""
+    if isinstance(source, Path):
+        return read_file(source, key)
+    return hub_rows(source, subset, split, key)
 
 
 def read_file(path: Path, key: str) -> list[tuple[str, Any]]:

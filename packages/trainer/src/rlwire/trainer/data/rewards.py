@@ -23,6 +23,7 @@ stops the run naming the response.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -105,6 +106,8 @@ class Reward:
         self.fn, self.spec = fn, spec
         self.kind = signature_kind(fn, spec)
         self.name = spec.rpartition(":")[2] or spec
+        # a TRL function's parameters, read once: the names its call passes
+        self._parameters = inspect.signature(fn).parameters if self.kind == "trl" else {}
 
     @property
     def per_sample(self) -> bool:
@@ -121,7 +124,7 @@ class Reward:
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         return [
             name
-            for name, p in inspect.signature(self.fn).parameters.items()
+            for name, p in self._parameters.items()
             if p.kind in kinds and p.default is p.empty and name not in TRL_ARGUMENTS
         ]
 
@@ -190,7 +193,7 @@ class Reward:
                 columns.setdefault(key, [None] * len(examples))[index] = value
         arguments = {"prompts": prompts, "completions": completions, "completion_ids": ids()}
         arguments |= {k: v for k, v in columns.items() if k not in arguments}
-        parameters = inspect.signature(self.fn).parameters
+        parameters = self._parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
             arguments = {k: v for k, v in arguments.items() if k in parameters}
         out = self._call(**arguments)
@@ -247,7 +250,6 @@ class Rewards:
     def __init__(self, rewards: Sequence[Reward], weights: Sequence[float] | None = None):
         self.rewards = list(rewards)
         self.weights = list(weights) if weights is not None else [1.0] * len(self.rewards)
-        self.wants_ids = any(r.kind == "trl" for r in self.rewards)
 
     def needs_answer(self) -> bool:
         return any(r.needs_answer() for r in self.rewards)
@@ -255,6 +257,7 @@ class Rewards:
     def check_rows(self, examples: list[Example], source: str) -> None:
         """Before the run: every row's ``data_source`` has a scorer where one is chosen by it,
         and every column a TRL function names exists."""
+        have = set().union(*((e.columns or {}).keys() for e in examples)) if examples else set()
         for reward in self.rewards:
             if reward.fn is by_data_source:
                 missing = unscored_sources(e.data_source for e in examples)
@@ -269,7 +272,6 @@ class Rewards:
                         "math or package.module:function"
                     )
             needed = reward.required_columns()
-            have = set().union(*((e.columns or {}).keys() for e in examples)) if examples else set()
             lacking = [c for c in needed if c not in have]
             if lacking:
                 raise RunError(
@@ -284,7 +286,9 @@ class Rewards:
         texts: list[str],
         ids: Callable[[], list[list[int]]] = lambda: [],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``(B,)`` float32 rewards and the numeric extras, ``(B,)`` float32 each."""
+        """``(B,)`` float32 rewards and the numeric extras, ``(B,)`` float32 each. ``ids``:
+        the responses' token ids, computed on a TRL function's first call, once a batch."""
+        ids = functools.cache(ids)
         columns: dict[str, torch.Tensor] = {}
         total = torch.zeros(len(texts), dtype=torch.float64)
         scored = torch.zeros(len(texts), dtype=torch.bool)

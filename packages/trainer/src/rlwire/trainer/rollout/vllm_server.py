@@ -29,7 +29,7 @@ from .base import RequestsEngine, StagingRolloutEngine
 from .chains import chain_core
 from .requests import Request
 from .vllm_http import ServerProcess, VLLMServer
-from .vllm_steps import vllm_temperature
+from .vllm_steps import vllm_sampling
 
 __all__ = ["VLLMServerEngine"]
 
@@ -139,14 +139,5 @@ class VLLMServerEngine(RequestsEngine, StagingRolloutEngine):
         self, context: list[int], max_tokens: int, seed: int, request: Request
     ) -> tuple[list[int], list[float], str]:
         """One completion call of a request's chain (:mod:`.chains`)."""
-        temperature = vllm_temperature(request)
-        greedy = request.greedy
-        body = self._body(
-            context,
-            max_tokens=max_tokens,
-            seed=seed,
-            temperature=temperature,
-            top_p=1.0 if greedy else request.top_p,
-            top_k=0 if greedy else request.top_k,
-        )
+        body = self._body(context, max_tokens=max_tokens, seed=seed, **vllm_sampling(request))
         return self.server.complete(body, expected=1)[0]

@@ -15,15 +15,25 @@ and sampled tokens), with the rest of its budget: prefilled with the new weights
 from __future__ import annotations
 
 import itertools
+from typing import TypedDict
 
 from .requests import Live, Request, continuation_seed
 
-__all__ = ["VLLMStepper", "sampled_logprobs", "vllm_temperature"]
+__all__ = ["VLLMStepper", "sampled_logprobs", "vllm_sampling"]
 
 
-def vllm_temperature(request: Request) -> float:
-    """The temperature vLLM is given for ``request``: 0 for a greedy one (vLLM's greedy)."""
-    return 0.0 if request.greedy else request.temperature
+class VLLMSampling(TypedDict):
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+def vllm_sampling(request: Request) -> VLLMSampling:
+    """The temperature, ``top_p`` and ``top_k`` vLLM is given for ``request``: temperature 0
+    for a greedy one (vLLM's greedy), with no cut."""
+    if request.greedy:
+        return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    return {"temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k}
 
 
 class VLLMStepper:
@@ -46,9 +56,7 @@ class VLLMStepper:
         params = self.engine.sampling_params(
             max_tokens=request.max_new_tokens - len(live.token_ids),
             seed=continuation_seed(request.seed, times),
-            temperature=vllm_temperature(request),
-            top_p=1.0 if request.greedy else request.top_p,
-            top_k=0 if request.greedy else request.top_k,
+            **vllm_sampling(request),
         )
         params.output_kind = RequestOutputKind.DELTA  # each step: the new tokens only
         key = f"rlwire-{next(self._ids)}"
