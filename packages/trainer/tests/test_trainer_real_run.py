@@ -75,7 +75,7 @@ trainer.total_epochs=15
 )
 SIZES = {
     "data.train_batch_size": "4",
-    "data.max_response_length": "8",
+    "data.max_response_length": "4",
     "actor_rollout_ref.actor.ppo_mini_batch_size": "2",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "5",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "5",
@@ -161,7 +161,7 @@ def real_setup(tmp_path_factory):
     data = root / "gsm8k"
     data.mkdir()
     pq.write_table(pa.Table.from_pylist(gsm8k_rows(8, "train")), data / "train.parquet")
-    pq.write_table(pa.Table.from_pylist(gsm8k_rows(4, "test")), data / "test.parquet")
+    pq.write_table(pa.Table.from_pylist(gsm8k_rows(2, "test")), data / "test.parquet")
     return root
 
 
