@@ -16,9 +16,11 @@ __all__ = ["run_colocated"]
 def run_colocated(job: Job, bar) -> None:
     """Generate, update, sync: every sample comes from the weights being updated.
 
-    The calls of a step are made together: each worker runs them in order (the update, the
-    sync, then the next step's generation), so no worker waits for the driver between
-    them; the driver records the step while the next batch is generated. With dynamic
+    The update and the sync are made together (each actor rank runs them in order); the
+    next step's generation once the sync is complete, so that a rollout worker lost in the
+    sync is replaced, and holds the new weights, before anything generates
+    (:mod:`rlwire.trainer.runtime.healing`); the driver records the step while the next
+    batch is generated. With dynamic
     sampling (``algorithm.filter_groups``) the batch is scored first and filled up with more
     generation batches (the rollout engines hold the weights being updated). Validation
     (:mod:`rlwire.trainer.data.validation`) is queued between a sync and the next generation and
@@ -53,14 +55,15 @@ def run_colocated(job: Job, bar) -> None:
         # Sleeping engines (GPUs) wake only once the update has freed the device.
         early = update() if job.rollout_sleeps else None
         sync = job.start_sync(step + 1)
-        # validation: between the sync and the next generation on every rollout engine
-        due = validation_due(config, step + 1)
-        held_out = start_validation(job, job.val_examples) if due else None
-        following = job.start_generation(step + 1) if step + 1 < steps else None
         result = early if early is not None else update()
         t_update = time.perf_counter()
         synced = sync()
         t_sync = time.perf_counter()
+        # validation: between the sync and the next generation on every rollout engine;
+        # both once the sync is complete (a worker lost in it is replaced first)
+        due = validation_due(config, step + 1)
+        held_out = start_validation(job, job.val_examples) if due else None
+        following = job.start_generation(step + 1) if step + 1 < steps else None
         record = step_record(
             step,
             result,
@@ -70,6 +73,7 @@ def run_colocated(job: Job, bar) -> None:
             version=step + 1,
             lags=[0],
             **extra,
+            **({} if job.hybrid else job.fleet.record()),
         )
         t0 = t_sync
         job.record(record, bar, batch)

@@ -28,11 +28,13 @@ def run_one_step_off(job: Job, bar) -> None:
     """Train step ``t`` on the batch of ``v(t-1)`` while batch ``t+1`` is generated with
     ``v(t)``; sync ``v(t+1)`` between steps.
 
-    Each worker queues its calls: a rollout worker generates batch ``t+1``, then receives
-    ``v(t+1)``; an actor rank trains on batch ``t``, then sends ``v(t+1)``. The driver
-    waits for the update, then for the overlapped generation, then for the sync; the
-    step's times are those three waits (``time_rollout_s`` is the generation that the
-    update did not hide)."""
+    A rollout worker generates batch ``t+1`` while the actor ranks train on batch ``t``;
+    once both are done the actor sends ``v(t+1)`` to the rollout workers (the sync starts
+    only then, so that a rollout worker that died during the generation is replaced and
+    its share generated again with ``v(t)`` first: :mod:`rlwire.trainer.runtime.healing`).
+    The driver waits for the update, then for the overlapped generation, then for the
+    sync; the step's times are those three waits (``time_rollout_s`` is the generation
+    that the update did not hide)."""
     config = job.config
     steps = config.trainer.steps
     filtering = config.fills_batches()
@@ -54,18 +56,17 @@ def run_one_step_off(job: Job, bar) -> None:
         held_out = None
         if not last:  # generated with v(step), which the rollout workers hold now
             following = job.start_generation(step + 1)
-            sync = job.start_sync(step + 1)  # queued behind the update and that generation
-            if validation_due(config, step + 1):  # v(step + 1), before batch step + 2
-                held_out = start_validation(job, job.val_examples)
         result = update()
         t_update = time.perf_counter()
         synced: dict = {"weight_sync_gbps": 0.0, "pulls": []}
         trained = batch
-        if not last:
-            batch = following()
+        if not last:  # the sync starts once the batch is in: a worker lost meanwhile is
+            batch = following()  # replaced and its share generated with v(step) again
         t_samples = time.perf_counter()
         if not last:
-            synced = sync()
+            synced = job.sync(step + 1)
+            if validation_due(config, step + 1):  # v(step + 1), before batch step + 2
+                held_out = start_validation(job, job.val_examples)
         t_sync = time.perf_counter()
         record = step_record(
             step,
@@ -76,6 +77,7 @@ def run_one_step_off(job: Job, bar) -> None:
             version=step if last else step + 1,
             lags=lags,
             **extra,
+            **job.fleet.record(),
         )
         job.record(record, bar, trained)
         bar.update(1)

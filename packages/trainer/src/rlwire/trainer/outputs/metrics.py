@@ -104,6 +104,14 @@ class StepMetrics(UpdateMetrics):
     """Fully async only: the data position of each prompt group trained (``step x
     data.train_batch_size + i`` for the i-th prompt of the data's step), so a resumed run
     can be checked for groups lost or trained twice."""
+    rollout_restarts: int | None = None
+    """Rollout workers replaced so far in this run (``rollout.max_restarts``; None with the
+    hybrid engine, which has no rollout process)."""
+    rollout_engines_live: int | None = None
+    """Rollout engines in the weight group at the step's end (a replacement joins at the
+    next sync)."""
+    regenerated_groups: int | None = None
+    """Prompt groups generated again this step because the worker generating them died."""
     dropped_samples: int | None = None
     """Fully async only: samples dropped for lagging more than ``async.max_version_lag``."""
     wait_for_samples_s: float | None = None

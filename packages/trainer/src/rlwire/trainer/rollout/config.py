@@ -121,6 +121,16 @@ class RolloutConfig:
     request_timeout: float = 600.0
     """Seconds one request (a sample, or a model turn) may take from submission to its
     last token before the rollout stops with a line naming it."""
+    max_restarts: int = 3
+    """A rollout worker that dies (its process, or the ``vllm serve`` server it started) is
+    replaced while training goes on, in ``trainer.mode`` ``colocated`` and
+    ``one_step_off`` (``fully_async`` still stops the run): its share of the batch is
+    generated again by a worker that holds the same weights, with the same seed, and the
+    replacement joins the weight group at the next sync (:mod:`rlwire.trainer.runtime.healing`).
+    At most this many replacements per worker within ``rollout.restart_window_s``; the
+    next death stops the run with one line, as every death does with 0."""
+    restart_window_s: float = 3600.0
+    """The window ``rollout.max_restarts`` counts a worker's replacements in (seconds)."""
     paced_step_s: float = 0.004
     """``rollout.backend=paced`` only: wall seconds per decoding step of every generation
     call; the ``hf`` engine's generation, with the rest of that time waited out without
@@ -137,6 +147,13 @@ class RolloutConfig:
         check(self.max_num_seqs >= 1, "rollout.max_num_seqs", self.max_num_seqs, "use an int >= 1")
         check_choice(self.kv_on_update, "rollout.kv_on_update", ("keep", "recompute"))
         check(self.request_timeout > 0, "rollout.request_timeout", self.request_timeout, "use > 0")
+        check(self.max_restarts >= 0, "rollout.max_restarts", self.max_restarts, "use an int >= 0")
+        check(
+            self.restart_window_s > 0,
+            "rollout.restart_window_s",
+            self.restart_window_s,
+            "use seconds > 0",
+        )
         check(self.paced_step_s >= 0, "rollout.paced_step_s", self.paced_step_s, "use >= 0")
         check(self.num_workers >= 1, "rollout.num_workers", self.num_workers, "use an int >= 1")
         check(self.n >= 2, "rollout.n", self.n, "use an int >= 2 (GRPO compares a group)")

@@ -20,6 +20,7 @@ decorates them with ``@ray.method``; the trainer's workers do not, so handles st
 __all__ = [
     "GpuLayout",
     "Handle",
+    "RolloutLost",
     "Watch",
     "cause",
     "check_reachable",
@@ -255,14 +256,30 @@ _PEER_DEATH_S = 2.0
 _INTACT = "the last checkpoint in the run directory is intact (resume with the same command)"
 
 
+class RolloutLost(RunError):
+    """A rollout worker's process died: the line that stops the run, unless the job
+    replaces the worker (:mod:`rlwire.trainer.runtime.healing`); ``index``: the worker."""
+
+    def __init__(self, message: str, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 class Watch:
     """Waits on Ray futures (bounded unless ``timeout`` is None) that fail at once when one
     of them fails or a rollout worker's loop ends; ``names``: Ray actor id (hex) -> the
-    worker's name in messages (``actor rank 1``)."""
+    worker's name in messages (``actor rank 1``); ``rollouts``: Ray actor id (hex) -> the
+    index of a rollout worker, whose death is a :class:`RolloutLost`."""
 
-    def __init__(self, loops: list, names: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        loops: list,
+        names: dict[str, str] | None = None,
+        rollouts: dict[str, int] | None = None,
+    ) -> None:
         self.loops = loops
         self.names = names or {}
+        self.rollouts = rollouts or {}
 
     def get(self, refs, *, timeout: float | None, what: str):
         import ray
@@ -286,19 +303,26 @@ class Watch:
                     reason = cause(err)
                     dead = self._dead(reason) or self._peer_died(pending)
                     if dead is not None:  # a worker process died: name it
-                        who, said = dead
-                        raise RunError(f"{what}: {who} died ({said}); {_INTACT}") from None
+                        who, said, actor = dead
+                        line = f"{what}: {who} died ({said}); {_INTACT}"
+                        if actor in self.rollouts:
+                            raise RolloutLost(line, self.rollouts[actor]) from None
+                        raise RunError(line) from None
                     raise RunError(
                         f"{what}: {type(reason).__name__}: {first_line(reason)}"
                     ) from None
         return values[refs] if single else [values[r] for r in refs]
 
-    def _dead(self, reason: BaseException) -> tuple[str, str] | None:
-        """The worker ``reason`` says died, and what it says; None if it names none."""
-        who = self.names.get(getattr(reason, "actor_id", None) or "")
-        return None if who is None else (who, f"{type(reason).__name__}: {first_line(reason)}")
+    def _dead(self, reason: BaseException) -> tuple[str, str, str] | None:
+        """The worker ``reason`` says died, what it says, and its Ray actor id; None if it
+        names none."""
+        actor = getattr(reason, "actor_id", None) or ""
+        who = self.names.get(actor)
+        if who is None:
+            return None
+        return who, f"{type(reason).__name__}: {first_line(reason)}", actor
 
-    def _peer_died(self, pending: list) -> tuple[str, str] | None:
+    def _peer_died(self, pending: list) -> tuple[str, str, str] | None:
         """A peer's death behind another worker's error (a collective's peer that went away:
         the survivor's connection error may arrive first): the still pending calls that
         fail within :data:`_PEER_DEATH_S` as a worker's death, the first named."""

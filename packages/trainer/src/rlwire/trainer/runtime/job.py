@@ -24,15 +24,14 @@ from ..algorithms.correction import GapWatch
 from ..algorithms.micro_batches import rank_shares, row_tokens
 from ..algorithms.reward_kl import kl_in_reward
 from ..algorithms.scoring import Scored, score
+from ..errors import RunError
 from ..outputs.checkpoint import save_checkpoint
 from ..outputs.export import mark_exported
 from ..outputs.metrics import StepMetrics, UpdateMetrics, update_metrics
 from ..outputs.rollout_data import write_rollouts
 from ..rollout import Rollout, rollout_engine_class, split_evenly
-from .cluster import (
-    gpu_layout,
-    placement,
-)
+from .cluster import Handle, RolloutLost, gpu_layout, placement
+from .healing import Fleet
 from .hybrid import HybridWorker
 from .job_start import JobStart
 from .rollout_worker import RolloutWorker
@@ -73,16 +72,20 @@ class Job(JobStart):
             actor_class.options(**place("actor", r)).remote(config, model_path, r)
             for r in range(world)
         ]
+
+        def rollout_worker(i: int, restart: int) -> Handle:
+            """Rollout worker ``i`` (``restart``: its replacement's number, 0 at the start)."""
+            name = f"rollout-{i}" if restart == 0 else f"rollout-{i}-r{restart}"
+            return rollout_class.options(
+                name=name, namespace=self.namespace, **place("rollout", i)
+            ).remote(config, model_path, i, layout.rollout_share(i) if layout else 1.0)
+
         self.rollouts = (
             self.actors  # each rank generates, with the engine in its process
             if self.hybrid
-            else [
-                rollout_class.options(
-                    name=f"rollout-{i}", namespace=self.namespace, **place("rollout", i)
-                ).remote(config, model_path, i, layout.rollout_share(i) if layout else 1.0)
-                for i in range(workers)
-            ]
+            else [rollout_worker(i, 0) for i in range(workers)]
         )
+        self.fleet = Fleet(self, rollout_worker)
         # every worker process once
         self.processes = self.actors if self.hybrid else [*self.actors, *self.rollouts]
         self.layout = layout
@@ -91,7 +94,10 @@ class Job(JobStart):
     def start_sync(self, version: int) -> Callable[[], dict[str, Any]]:
         """Start a weight sync, colocated: the actor's weights to every rollout engine as
         ``version``. Returns what waits for it: rank 0's report with each engine's
-        (``pulls``). Calls queue on each worker behind those already made."""
+        (``pulls``). Calls queue on each worker behind those already made. Replacements of
+        dead rollout workers join the weight group first; a rollout worker that dies during
+        the sync is replaced and the version sent again (:mod:`.healing`)."""
+        self.fleet.rejoin()
         if self.rollout_sleeps:
             self.call([r.wake_up.remote() for r in self.rollouts], "waking the rollout engines")
         if self.hybrid:
@@ -107,12 +113,30 @@ class Job(JobStart):
             # would only report a timeout, after ckpt_engine.timeout). No overall deadline:
             # the engine bounds every wait of the transfer, and a large model may outlast
             # any fixed budget.
-            reports = self.watch.get(refs, timeout=None, what="weight sync")
+            try:
+                reports = self.watch.get(refs, timeout=None, what="weight sync")
+            except RolloutLost as lost:
+                self._settle(refs, lost)
+                self.fleet.replace(lost)
+                return self.start_sync(version)()
             if self.hybrid:
                 return {**reports[0], "pulls": [r["pull"] for r in reports]}
             return {**reports[0], "pulls": reports[len(self.actors) :]}
 
         return done
+
+    def _settle(self, refs: list, lost: RolloutLost) -> None:
+        """Wait until every call of a sync that lost a member has ended (each of their
+        waits is bounded by ``ckpt_engine.timeout``), whatever their outcome; ``lost`` is
+        raised if they do not end."""
+        import ray
+
+        bound = self.config.ckpt_engine.timeout + 60
+        _, left = ray.wait(refs, num_returns=len(refs), timeout=bound)
+        if left:
+            raise RunError(
+                f"{lost} (the other members of the sync did not stop within {bound:g} s)"
+            )
 
     def sync(self, version: int) -> dict[str, Any]:
         """One weight sync, colocated (see :meth:`start_sync`)."""
@@ -122,27 +146,66 @@ class Job(JobStart):
         """Start generating step ``step``'s batch: the data's batch ``step``, moved on by the
         extra batches dynamic sampling took, ``rollout.n`` samples of each prompt, the
         prompts split over the rollout engines. Returns what waits for it (with the
-        samples' ``examples``; on GPUs the engines are asleep after it)."""
+        samples' ``examples``; on GPUs the engines are asleep after it). A rollout worker
+        that dies meanwhile is replaced and its share generated again (:mod:`.healing`)."""
         config = self.config
         position = step + self.extra_batches  # the data's batch (and the seeds) to generate
         examples = self.batches(position)
         shares = split_evenly(examples, len(self.rollouts))
-        refs = [
-            r.generate.remote(part, _seed(config, position, i))
+        seeds = [_seed(config, position, i) for i in range(len(shares))]
+        refs = {
+            i: r.generate.remote(part, seeds[i])
             for i, (r, part) in enumerate(zip(self.rollouts, shares, strict=True))
             if part
-        ]
-        # colocated on GPUs: free the engines' memory for the update
-        sleeps = [r.sleep.remote() for r in self.rollouts] if self.rollout_sleeps else []
+        }
 
         def done() -> Rollout:
-            batch = Rollout.concat(self.call(refs, "generation"))
+            parts = self._generated(refs, shares, seeds, position)
+            batch = Rollout.concat([parts[i] for i in sorted(parts)])
             batch.examples = [e for e in examples for _ in range(config.rollout.n)]
-            if sleeps:
+            if self.rollout_sleeps:  # colocated on GPUs: free the engines' memory for the update
+                sleeps = [r.sleep.remote() for r in self.rollouts]
                 self.call(sleeps, "putting the rollout engines to sleep")
             return batch
 
         return done
+
+    def _generated(
+        self, refs: dict[int, Any], shares: list[list], seeds: list[int], position: int
+    ) -> dict[int, Rollout]:
+        """Each share's samples (share ``i``: worker ``i``'s, with seed ``seeds[i]``). The
+        share of a worker that died is generated again by one that lived through the call
+        (same weights, same seed), or, with none left, by the replacement once it holds
+        the actor's weights."""
+        if not self.fleet.heals:  # the first failure stops the run
+            return dict(zip(refs, self.call(list(refs.values()), "generation"), strict=True))
+        out: dict[int, Rollout] = {}
+        todo = dict(refs)
+        while todo:
+            lost: dict[int, RolloutLost] = {}
+            for share, ref in todo.items():
+                try:
+                    out[share] = self.watch.get(ref, timeout=self.task_timeout, what="generation")
+                except RolloutLost as err:
+                    lost[share] = err
+            dead = {lost_one.index: lost_one for lost_one in lost.values()}
+            for lost_one in dead.values():
+                self.fleet.replace(lost_one)
+            joining = self.fleet.joining
+            holders = [i for i in range(len(self.rollouts)) if i not in dead and i not in joining]
+            if not holders and lost:  # the replacements take the actor's weights first
+                self.fleet.rejoin()
+                self.sync(self.next_update)
+                holders = list(range(len(self.rollouts)))
+            todo = {}
+            for k, share in enumerate(sorted(lost)):
+                by = holders[k % len(holders)]
+                first = sum(len(s) for s in shares[:share])
+                self.fleet.regenerating(
+                    lost[share].index, range(first, first + len(shares[share])), by, position
+                )
+                todo[share] = self.rollouts[by].generate.remote(shares[share], seeds[share])
+        return out
 
     def generate_more(self, step: int, missing: int = 0) -> Rollout:
         """Dynamic sampling: the data's next batch, generated now for step ``step`` (the data

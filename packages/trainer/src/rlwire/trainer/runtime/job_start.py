@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +86,11 @@ class JobStart:
             raise RunError(f"actor setup failed: {first_line(cause(err))}") from None
         # Every later call to a worker: bounded, and a dead worker stops the run at once.
         names = {a._actor_id.hex(): f"actor rank {r}" for r, a in enumerate(self.actors)}
-        if not self.hybrid:
-            names.update(
-                {w._actor_id.hex(): f"rollout worker {i}" for i, w in enumerate(self.rollouts)}
-            )
-        self.watch = Watch([], names)
+        rollouts = (
+            {} if self.hybrid else {w._actor_id.hex(): i for i, w in enumerate(self.rollouts)}
+        )
+        names.update({actor: f"rollout worker {i}" for actor, i in rollouts.items()})
+        self.watch = Watch([], names, rollouts)
         self.task_timeout = config.ray.task_timeout
         described = self.watch.get(  # what the actor engine reports once (Megatron: DDP)
             self.actors[0].describe.remote(), timeout=config.ray.startup_timeout, what="setup"
@@ -133,7 +134,8 @@ class JobStart:
             "the actor ranks" if self.hybrid else [names[n] for n in nodes[world:]],
             *master,
         )
-        self.engine_backend = self._engine_setup(layout, len(names) == 1, model_path)
+        self.one_host = len(names) == 1
+        self.engine_backend = self._engine_setup(layout, self.one_host, model_path)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if self.metrics_path.exists():  # a fresh run's, or steps after the checkpoint
             lines = self.metrics_path.read_text().splitlines()
@@ -160,6 +162,13 @@ class JobStart:
         self.extra_batches = saved.get("extra_batches", 0)
         self.kl_ctrl = KLController(self.config.algorithm.kl_ctrl, saved.get("kl_ctrl_value"))
         load_checkpoint(self, checkpoint, saved)
+
+    def reform_weight_group(self) -> None:
+        """A new checkpoint-engine group with every member joined anew (a replaced rollout
+        worker among them): a new master, so the next update is whole."""
+        start = time.perf_counter()
+        self.engine_backend = self._engine_setup(self.layout, self.one_host, self.model_path)
+        log.info("weight group re-formed in %.1f s", time.perf_counter() - start)
 
     def _engine_setup(self, layout, one_host: bool, model_path: str) -> str:
         """Join every member to the checkpoint engine; its backend. Hybrid: each rank hands

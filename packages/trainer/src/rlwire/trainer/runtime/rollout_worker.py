@@ -85,7 +85,12 @@ class RolloutWorker(WeightStage, WorkerProcess):
     ) -> None:
         """Join the checkpoint engine as a receiver: rank ``rank``, by default ``1 + index``
         (actor rank 0 sends to every rollout worker), through the rollout engine's
-        :meth:`~rlwire.trainer.rollout.RolloutEngine.join`."""
+        :meth:`~rlwire.trainer.rollout.RolloutEngine.join`; a group joined before (one
+        re-formed: :mod:`.healing`) is left first."""
+        from rlwire.ckpt_engine import CheckpointEngine
+
+        if isinstance(self.engine, CheckpointEngine):
+            self.engine.finalize()
         self.engine = self._loaded().join(
             backend,
             rank=1 + self.index if rank is None else rank,

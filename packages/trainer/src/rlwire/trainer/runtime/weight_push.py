@@ -57,6 +57,7 @@ class WeightPush:
         takes = rollout_engine_class(self.config.rollout.backend).takes_deltas
         if delta == "auto" and not (capabilities.delta and takes):
             delta = "off"  # no mirror to keep when no delta can be sent
+        self._leave_group()  # a group re-formed (a rollout worker replaced): a new master
         self.engine = engine = registry.new(
             backend,
             is_master=True,
@@ -71,6 +72,7 @@ class WeightPush:
         from rlwire.ckpt_engine import registry
 
         if self.rank != 0:  # trainer ranks other than 0 take part in gathers only
+            self._leave_group()
             self.engine = engine = registry.new(
                 backend,
                 is_master=False,
@@ -80,6 +82,13 @@ class WeightPush:
             engine.init_process_group(rank=-1, world_size=world_size, master_metadata=metadata)
             return
         self._engine().init_process_group(rank=0, world_size=world_size, master_metadata=metadata)
+
+    def _leave_group(self) -> None:
+        """Leave the checkpoint engine's group this rank joined, if any (its store, shared
+        memory and buffers freed)."""
+        if self.engine is not None:
+            self.engine.finalize()
+            self.engine = None
 
     def _engine(self) -> CheckpointEngine:
         """The checkpoint engine this rank joined."""

@@ -1,0 +1,167 @@
+"""Rollout workers that heal: a rollout worker that dies is replaced while training goes on.
+
+Colocated and one-step off modes (every rollout worker holds the same weights while it
+generates; the driver makes every call). Where a worker's death is seen:
+
+- **generation**: the other workers' shares are kept; the dead worker's share (its prompt
+  groups) is generated again by a worker that lived through the call, with the dead one's
+  seed and the same weights, so the batch is the one the run would have had (on an engine
+  whose generation is deterministic, bit for bit). With no such worker left, the
+  replacement joins at once, receives the actor's current weights and generates it (its
+  samples are stamped with that version). The groups are counted (``regenerated_groups``)
+  and named in the log.
+- **weight sync**: every other member's part of the transfer ends (the sender's and the
+  receivers' waits are bounded by ``ckpt_engine.timeout`` each), the worker is replaced,
+  the group re-formed, and the same version sent again, whole. A receiver writes an update
+  in only once it arrived whole, so the survivors hold the old weights or the new ones,
+  never a mix.
+
+A replacement is a new Ray actor of the same index with its own engine (``vllm_server``:
+a new server: the dead worker's watchdog stopped the old one); it joins the
+checkpoint engine's group when the group is re-formed, before the next sync, and the sync
+that follows gives it the current weights before it generates. The group is re-formed on
+every backend the same way: a new master (a new store, new shared memory) and every member
+joined anew, so the first update after it is whole (deltas need a base every member holds).
+
+``rollout.max_restarts`` replacements per worker within ``rollout.restart_window_s``; the
+next death stops the run with the line a death always gave. Fully-async mode, the hybrid
+engine (no rollout process of its own) and ``rollout.server_urls`` (servers the run did
+not start) are not healed: a death stops the run.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import RunError
+from .cluster import Handle, RolloutLost
+
+if TYPE_CHECKING:
+    from .job import Job
+
+__all__ = ["Fleet", "RolloutLost"]
+
+log = logging.getLogger("rlwire.trainer")
+
+
+class Fleet:
+    """A job's rollout workers as a fleet that heals: who died, who replaces them, what
+    the replacements still need (the weight group), and the counts the metrics report."""
+
+    def __init__(self, job: Job, make: Callable[[int, int], Handle]) -> None:
+        """``make(index, restart)``: a new rollout worker actor of that index (not loaded)."""
+        self.job, self.make = job, make
+        cfg = job.config.rollout
+        self.max_restarts, self.window = cfg.max_restarts, cfg.restart_window_s
+        self.heals = (
+            cfg.max_restarts > 0
+            and job.config.trainer.mode in ("colocated", "one_step_off")
+            and not (job.hybrid or cfg.server_urls)
+        )
+        """Whether a dead rollout worker is replaced (else its death stops the run)."""
+        self.restarts: dict[int, collections.deque[float]] = collections.defaultdict(
+            collections.deque
+        )
+        self.total = 0
+        """Replacements so far (``rollout_restarts``)."""
+        self.regenerated = 0
+        """Prompt groups generated again since the last step's record."""
+        self.joining: set[int] = set()
+        """Replacements not yet in the checkpoint engine's group."""
+
+    @property
+    def live(self) -> int:
+        """Rollout engines in the weight group (``rollout_engines_live``)."""
+        return len(self.job.rollouts) - len(self.joining)
+
+    def record(self) -> dict[str, int]:
+        """The fleet's fields of a step's metrics line (the regenerated count restarts)."""
+        fields = {"rollout_restarts": self.total, "rollout_engines_live": self.live}
+        if self.regenerated:
+            fields["regenerated_groups"] = self.regenerated
+        self.regenerated = 0
+        return fields
+
+    def replace(self, lost: RolloutLost) -> None:
+        """Start a replacement for worker ``lost.index`` and load its engine; ``lost`` is
+        raised instead when the run does not heal or the worker used up its restarts."""
+        if not self.heals:
+            raise lost
+        index, now = lost.index, time.monotonic()
+        recent = self.restarts[index]
+        while recent and now - recent[0] > self.window:
+            recent.popleft()
+        if len(recent) >= self.max_restarts:
+            raise RunError(
+                f"{lost} (rollout worker {index} was replaced {len(recent)} times within "
+                f"{self.window:g} s: rollout.max_restarts, rollout.restart_window_s)"
+            ) from None
+        recent.append(now)
+        self.total += 1
+        _say(
+            f"rollout worker {index} died; starting its replacement (restart {len(recent)} of "
+            f"{self.max_restarts} within {self.window:g} s): {_first_clause(str(lost))}"
+        )
+        self._start(index)
+
+    def _start(self, index: int) -> None:
+        import ray
+
+        job = self.job
+        old = job.rollouts[index]
+        ray.kill(old, no_restart=True)
+        new = self.make(index, self.total)
+        start = time.perf_counter()
+        job.watch.get(
+            new.load_engine.remote(),
+            timeout=job.config.ray.startup_timeout,
+            what=f"starting the replacement of rollout worker {index}",
+        )
+        job.rollouts[index] = new
+        job.processes[job.processes.index(old)] = new
+        actor = new._actor_id.hex()
+        job.watch.names[actor] = f"rollout worker {index}"
+        job.watch.rollouts[actor] = index
+        node, pid = job.watch.get(
+            new.node.remote(), timeout=job.config.ray.startup_timeout, what="setup"
+        )
+        if node == ray.get_runtime_context().get_node_id():
+            job.local_pids.append(pid)
+        self.joining.add(index)
+        log.info("rollout worker %d replaced in %.1f s", index, time.perf_counter() - start)
+
+    def rejoin(self) -> None:
+        """Re-form the checkpoint engine's group with the replacements in it (before a
+        sync: the sync gives them the current weights)."""
+        if self.joining:
+            self.job.reform_weight_group()
+            self.joining.clear()
+
+    def regenerating(self, index: int, indices: range, by: int | None, position: int) -> None:
+        """Count and name the prompt groups of worker ``index``'s lost share."""
+        self.regenerated += len(indices)
+        who = f"rollout worker {by}" if by is not None else "its replacement"
+        _say(
+            f"the {len(indices)} prompt group(s) rollout worker {index} was generating (batch "
+            f"{position}, prompts {indices.start}-{indices.stop - 1}) are generated again by "
+            f"{who}"
+        )
+
+
+def _first_clause(line: str) -> str:
+    return line.split("; the last checkpoint")[0]
+
+
+def _say(line: str) -> None:
+    log.warning("%s", line)
+    print(f"rlwire-train: {line}", file=sys.stderr)
+
+
+def survivors(results: dict[int, Any], lost: set[int]) -> list[int]:
+    """The workers whose call succeeded, in index order."""
+    return sorted(i for i in results if i not in lost)
