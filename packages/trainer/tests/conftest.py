@@ -15,6 +15,7 @@ mode, that run by default (``uv run pytest``, and CI's floor leg on Python 3.12 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -55,8 +56,11 @@ _HEAD = textwrap.dedent(
 @pytest.fixture(scope="session")
 def ray_cluster():
     """The address of a running Ray cluster shared by the session's jobs."""
+    here = str(Path(__file__).resolve().parent)  # the workers import the test helpers
+    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     head = subprocess.Popen(
         [sys.executable, "-c", _HEAD],
+        env={**os.environ, "PYTHONPATH": path},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -27,7 +27,10 @@ def test_verls_recipe_name_is_accepted_and_hybrid_engine_refused():
 def test_one_version_stale_and_deterministic(ray_cluster, tmp_path):
     """Two runs with one seed and 2 rollout workers give the same metrics; the first batch
     is on-policy and every later one exactly one version old (as the workers stamped its
-    tokens); every sync reaches both workers intact."""
+    tokens); every sync reaches both workers intact. In the second, rollout worker 1 dies
+    (SIGKILL, :mod:`dying_rollout`) in its second generation: the run heals (its share
+    generated again by worker 0, a replacement joining at the next sync) and trains the
+    same weights."""
     settings = (
         "trainer.mode=one_step_off",
         "rollout.num_workers=2",
@@ -45,7 +48,11 @@ def test_one_version_stale_and_deterministic(ray_cluster, tmp_path):
         "actor_rollout_ref.rollout.val_kwargs.n=1",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
     )
-    lines, _ = train_cli(tmp_path / "b", *settings, *validation, cluster=ray_cluster)
+    dies = "rollout.backend=dying_rollout:DiesOnce"
+    lines, out = train_cli(tmp_path / "b", *settings, *validation, dies, cluster=ray_cluster)
+    assert (tmp_path / "b" / "rollout-died").exists()  # it did die
+    assert "rollout worker 1 died; starting its replacement (restart 1 of 3" in out
+    assert "(batch 1, prompts 4-7) are generated again by rollout worker 0" in out
     second = [r for r in lines if "reward_mean" in r]
     held_out = [r for r in lines if "reward_mean" not in r]
     assert [r["step"] for r in held_out] == [0, 2, 4]  # before, every 2nd, and the last
@@ -68,10 +75,20 @@ def test_one_version_stale_and_deterministic(ray_cluster, tmp_path):
     assert first[0]["kl_behaviour_proximal"] < 1e-6  # on-policy: only numerics differ
     assert all(r["kl_behaviour_proximal"] > 1e-4 for r in first[1:])  # one update apart
 
-    def untimed(rows):
-        return [{k: v for k, v in r.items() if not any(t in k for t in _TIMING)} for r in rows]
+    assert [r["rollout_restarts"] for r in first] == [0] * 4
+    assert [r["rollout_restarts"] for r in second] == [1, 1, 1, 1]  # in the first step (batch 1)
+    assert [r.get("regenerated_groups") for r in second] == [4, None, None, None]
+    assert [r["rollout_engines_live"] for r in first + second] == [2] * 8
+    # (and the re-formed weight group's first update is whole: another delta density)
+    healing = ("rollout_restarts", "regenerated_groups", "weight_sync_delta_density")
 
-    assert untimed(first) == untimed(second)
+    def untimed(rows):
+        return [
+            {k: v for k, v in r.items() if not any(t in k for t in (*_TIMING, *healing))}
+            for r in rows
+        ]
+
+    assert untimed(first) == untimed(second)  # the weights' digests among them
 
 
 def test_staleness_aware_step_size_rule():

@@ -147,7 +147,7 @@ class Fleet:
         self.regenerated += len(indices)
         who = f"rollout worker {by}" if by is not None else "its replacement"
         _say(
-            f"the {len(indices)} prompt group(s) rollout worker {index} was generating (batch "
+            f"the {len(indices)} prompt groups rollout worker {index} was generating (batch "
             f"{position}, prompts {indices.start}-{indices.stop - 1}) are generated again by "
             f"{who}"
         )
