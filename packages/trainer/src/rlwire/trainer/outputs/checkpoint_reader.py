@@ -99,21 +99,17 @@ class SafeReader(FileSystemReader):
         """Refuse an entry whose file is not inside the checkpoint's directory: DCP opens
         ``directory / relative_path`` as it is, so ``../x``, an absolute path or a symlink
         would read any file the process can (every rank sets up its reader: each checks)."""
-        root = Path(self.path).resolve()
+        root, inside = Path(self.path).resolve(), set()
         for index, info in (metadata.storage_data or {}).items():
-            name = getattr(index, "fqn", index)
-            relative = getattr(info, "relative_path", None)
-            if not isinstance(relative, (str, os.PathLike)):
-                raise RunError(
-                    f"{self.path}: entry {name!r} of its .metadata names no file "
-                    f"({relative!r}); refused (is the file damaged?)"
-                )
-            target = (root / relative).resolve()
+            if info.relative_path in inside:  # many entries share one file: resolved once
+                continue
+            target = (root / info.relative_path).resolve()
             if not target.is_relative_to(root):
                 raise RunError(
-                    f"{self.path}: entry {name!r} of its .metadata reads {target}, outside the "
-                    "checkpoint's directory; refused (a checkpoint reads its own files only)"
+                    f"{self.path}: entry {index.fqn!r} of its .metadata reads {target}, outside "
+                    "the checkpoint's directory; refused (a checkpoint reads its own files only)"
                 )
+            inside.add(info.relative_path)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
