@@ -12,7 +12,12 @@ import pytest
 
 from rlwire.trainer.config.root import load_config
 from rlwire.trainer.errors import RunError
-from rlwire.trainer.outputs.checkpoint import FORMAT, read_trainer_state, write_trainer_state
+from rlwire.trainer.outputs.checkpoint import (
+    FORMAT,
+    read_trainer_state,
+    write_manifest,
+    write_trainer_state,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import FSDP2_REFERENCE  # noqa: E402
@@ -74,6 +79,7 @@ def _state(tmp_path: Path, **fields) -> Path:
             **fields,
         },
     )
+    write_manifest(directory)
     return directory
 
 
@@ -87,6 +93,7 @@ def test_trainer_state_round_trip_and_refusals(tmp_path):
     with pytest.raises(RunError, match=r"this run has fsdp2 and 8"):
         read_trainer_state(directory, load_config(overrides=["actor.lora.rank=8"]))
     (directory / "trainer_state.json").write_text(json.dumps({"format": 99}))
+    write_manifest(directory)
     with pytest.raises(RunError, match="is checkpoint format 99; this version reads format 2"):
         read_trainer_state(directory, config)
 
@@ -94,8 +101,6 @@ def test_trainer_state_round_trip_and_refusals(tmp_path):
 def test_a_damaged_checkpoint_file_is_named_before_anything_loads(tmp_path):
     """A flipped byte in a tensor file loads silently (the fault campaign found DCP's shard and
     an RNG file resumed with damage); the manifest names the file first."""
-    from rlwire.trainer.outputs.checkpoint import write_manifest
-
     config = load_config()
     directory = _state(tmp_path)
     (directory / "rng").mkdir()
@@ -115,10 +120,11 @@ def test_a_damaged_checkpoint_file_is_named_before_anything_loads(tmp_path):
         "MANIFEST.json (the file is damaged); resume from another checkpoint "
         "(trainer.resume=PATH) or start again"
     )
-    (directory / "MANIFEST.json").unlink()  # a checkpoint from before manifests: no check
+    (directory / "MANIFEST.json").unlink()  # a checkpoint from before manifests: taken with
+    unchecked = load_config(overrides=["trainer.checkpoint_manifest=warn"])  # warn only
     (directory / "trainer_state.json").write_bytes(b'{"format": 2, "step": \xdd}')
     with pytest.raises(RunError, match=r"trainer_state.json is damaged \(.*\); resume from"):
-        read_trainer_state(directory, config)
+        read_trainer_state(directory, unchecked)
 
 
 class _RunsCode:
@@ -166,7 +172,7 @@ def test_dcp_metadata_is_read_without_running_code(fsdp_checkpoints, tmp_path):
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from rlwire.trainer.outputs.checkpoint_reader import SafeReader
+    from rlwire.trainer.outputs.checkpoint_reader import SafeReader, load
 
     for case in ("fsdp2", "fsdp", "fsdp2_lora"):
         actor = fsdp_checkpoints / case / "actor"
@@ -178,12 +184,16 @@ def test_dcp_metadata_is_read_without_running_code(fsdp_checkpoints, tmp_path):
     metadata = FileSystemReader(bad).read_metadata()
     metadata.planner_data = _RunsCode()  # what a .metadata from elsewhere could hold
     (bad / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(RunError) as err:
-        SafeReader(bad).read_metadata()
-    assert str(err.value) == (
+    refusal = (
         f"{bad / '.metadata'}: names {__name__}._ran, which DCP's metadata never holds; "
         "refused (a checkpoint must not run code when it is loaded)"
     )
+    with pytest.raises(RunError) as err:
+        SafeReader(bad).read_metadata()
+    assert str(err.value) == refusal
+    with pytest.raises(RunError) as err:  # the same line through a load (DCP quoted it)
+        load({}, bad)
+    assert str(err.value) == refusal
     assert RAN == []  # nothing ran
 
 

@@ -238,6 +238,8 @@ class AsyncConfig:
         return t * (1 + math.ceil(self.staleness_threshold)) - 1
 
 
+MANIFEST_POLICIES = ("require", "warn")
+"""``trainer.checkpoint_manifest``'s values."""
 MODES = ("colocated", "one_step_off", "fully_async")
 """``trainer.mode``'s values."""
 _MODE_ALIASES = {"one_step_off_policy": "one_step_off", "fully_async_policy": "fully_async"}
@@ -279,6 +281,11 @@ class TrainerSection:
     after a newer checkpoint is complete. Null: keep all."""
     resume: str = "auto"
     """``auto`` (latest checkpoint in output_dir, if any), ``never``, or a checkpoint path."""
+    checkpoint_manifest: str = "require"
+    """What a resume does with a checkpoint that has no ``MANIFEST.json`` (each file's size
+    and SHA-256; written by rlwire since manifests exist): ``require`` refuses it, since a
+    damaged file in it (a flipped byte in a tensor) would load silently; ``warn`` says so in
+    one line and resumes from it unchecked. A checkpoint with a manifest is always checked."""
     logger: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
     """Where each step's metrics go (verl's key): any of ``console`` (a line per step),
     ``jsonl`` (``metrics.jsonl``, always written), ``tensorboard`` (extra
@@ -320,6 +327,7 @@ class TrainerSection:
             self.total_epochs,
             "use an int >= 1, or null",
         )
+        check_choice(self.checkpoint_manifest, "trainer.checkpoint_manifest", MANIFEST_POLICIES)
         check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
         keep = self.max_checkpoints_to_keep
         check(

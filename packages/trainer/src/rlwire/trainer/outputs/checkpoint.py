@@ -13,8 +13,10 @@ process saves and restores.
                               and the prompt groups started but not trained
       MANIFEST.json           every file above with its size and SHA-256: a file damaged
                               since (a flipped byte in a tensor loads silently otherwise) is
-                              named when the checkpoint is resumed
-      COMPLETE                written last, by the driver, once every rank returned
+                              named when the checkpoint is resumed; a checkpoint without one
+                              is refused unless trainer.checkpoint_manifest=warn
+      COMPLETE                written last, by the driver, once every rank returned and every
+                              file above and the directories are flushed to disk (fsync)
 
 A save that is cut off (a process killed while writing) leaves a directory without
 ``COMPLETE``: it is never resumed from, and the next save of that step replaces it.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import pickle
 import random
 import shutil
@@ -48,6 +51,7 @@ from ..errors import RunError
 __all__ = [
     "FORMAT",
     "check_manifest",
+    "finish_checkpoint",
     "load_actor",
     "load_checkpoint",
     "read_trainer_state",
@@ -87,11 +91,24 @@ def write_manifest(directory: Path) -> None:
     (directory / _MANIFEST).write_text(json.dumps(entries, indent=1) + "\n")
 
 
-def check_manifest(directory: Path) -> None:
-    """One line naming the first file of ``directory`` that is missing or differs from
-    its ``MANIFEST.json`` (a checkpoint written before manifests is taken as it is)."""
+def check_manifest(directory: Path, *, missing: str) -> None:
+    """One line naming the first file of ``directory`` that is missing or differs from its
+    ``MANIFEST.json``. A checkpoint without one (written before manifests, or not by rlwire)
+    is refused if ``missing`` (``trainer.checkpoint_manifest``) is ``require``; ``warn``
+    says so in one line and takes it unchecked."""
     path = directory / _MANIFEST
     if not path.exists():
+        if missing == "require":
+            raise RunError(
+                f"trainer.resume: {directory} has no {_MANIFEST}, so its files cannot be "
+                "checked for damage; trainer.checkpoint_manifest=warn resumes from it "
+                f"unchecked, or {_ELSEWHERE}"
+            )
+        print(  # on the terminal only: the run's train.log is not open yet
+            f"rlwire-train: warning: {directory} has no {_MANIFEST}: resuming without checking "
+            "its files for damage (trainer.checkpoint_manifest=warn)",
+            file=sys.stderr,
+        )
         return
     try:
         entries = json.loads(path.read_text())
@@ -106,6 +123,39 @@ def check_manifest(directory: Path) -> None:
                 f"trainer.resume: {file} differs from the checkpoint's MANIFEST.json (the "
                 f"file is damaged); {_ELSEWHERE}"
             )
+
+
+def finish_checkpoint(directory: Path, step: int) -> None:
+    """The driver's end of a save of ``step`` to ``directory``, once every rank returned and
+    ``trainer_state.json`` is written: ``MANIFEST.json``; every file and directory of the
+    checkpoint (and its entry in ``checkpoints/``) flushed to disk; then ``COMPLETE``,
+    written to a temporary name, flushed, renamed and the rename flushed. The kernel writes
+    pages back in any order: without the flushes, a power loss after the save could leave
+    ``COMPLETE`` on disk and a file it vouches for empty or short. (The ranks' files are
+    written in their processes; an ``fsync`` from here flushes them on the same
+    filesystem.)"""
+    write_manifest(directory)
+    for path in sorted(directory.rglob("*"), reverse=True):  # files, then their directories
+        if path.is_file() or path.is_dir():
+            _fsync(path)
+    _fsync(directory)
+    _fsync(directory.parent)
+    partial = directory / "COMPLETE.partial"
+    with partial.open("w") as file:
+        file.write(str(step))
+        file.flush()
+        os.fsync(file.fileno())
+    partial.replace(directory / "COMPLETE")
+    _fsync(directory)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_trainer_state(directory: Path, state: dict[str, Any]) -> None:
@@ -126,7 +176,7 @@ def read_trainer_state(directory: Path, config) -> dict[str, Any]:
                 "start again (trainer.resume=never)"
             )
         raise RunError(f"trainer.resume: {directory} has no {_STATE}: not an rlwire checkpoint")
-    check_manifest(directory)
+    check_manifest(directory, missing=config.trainer.checkpoint_manifest)
     try:
         state = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -198,10 +248,10 @@ def load_actor(engine, directory: Path, rank: int, *, same_world: bool, reseed: 
 
 def save_checkpoint(job, done: int, **state: Any) -> None:
     """``checkpoints/step_<done>`` for ``job`` (a :class:`rlwire.trainer.runtime.job.Job`): every
-    actor
-    rank's part, then ``trainer_state.json`` (with ``state``), then ``COMPLETE``; then the
-    pruning of ``trainer.max_checkpoints_to_keep``. A directory of that step already there
-    (a cut-off save, or one of a run resumed earlier) is replaced."""
+    actor rank's part, then ``trainer_state.json`` (with ``state``), then the manifest, the
+    flush to disk and ``COMPLETE`` (:func:`finish_checkpoint`); then the pruning of
+    ``trainer.max_checkpoints_to_keep``. A directory of that step already there (a cut-off
+    save, or one of a run resumed earlier) is replaced."""
     config = job.config
     target = job.run_dir / "checkpoints" / f"step_{done}"
     if target.exists():
@@ -220,8 +270,7 @@ def save_checkpoint(job, done: int, **state: Any) -> None:
             **state,
         },
     )
-    write_manifest(target)
-    (target / "COMPLETE").write_text(str(done))
+    finish_checkpoint(target, done)
     keep = config.trainer.max_checkpoints_to_keep
     if keep is not None:
         prune_checkpoints(job.run_dir, keep)

@@ -5,12 +5,14 @@ torch.distributed.checkpoint writes ``actor/.metadata`` with ``pickle`` and read
 optimizer's parameter groups) with ``torch.load(weights_only=False)``: a checkpoint from
 elsewhere could run anything on resume. :class:`SafeReader` reads the metadata with an
 unpickler that builds only what DCP puts there (its metadata dataclasses, ``torch.Size``,
-dtypes, layouts, paths); :class:`SafeLoadPlanner` reads those values as tensors and plain
-data only. Anything else is refused, naming the file.
+dtypes, layouts, paths) and refuses an entry whose file lies outside the checkpoint's
+directory; :class:`SafeLoadPlanner` reads those values once, as tensors and plain data only.
+Anything else is refused, naming the file.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import pickle
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -57,10 +60,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file-system reader with the metadata read by :class:`_MetadataUnpickler`."""
+    """DCP's file-system reader with the metadata read by :class:`_MetadataUnpickler`, and
+    only files inside the checkpoint's directory read."""
+
+    refused: RunError | None = None
+    """This reader's refusal of a metadata file. DCP turns an exception of ``read_metadata``
+    into an ``AssertionError`` quoting it (it falls back to a rank's own metadata file), so
+    :func:`load` raises this one instead."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            return self._read_metadata(self._get_metadata_path(kwargs.get("rank")))
+        except RunError as err:
+            self.refused = self.refused or err
+            raise
+
+    def _read_metadata(self, path: os.PathLike) -> dcp_metadata.Metadata:
         with self.fs.create_stream(path, "rb") as file:
             try:
                 metadata = _MetadataUnpickler(file, str(path)).load()
@@ -74,19 +89,47 @@ class SafeReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         return metadata
 
+    def set_up_storage_reader(
+        self, metadata: dcp_metadata.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._confine(metadata)
+
+    def _confine(self, metadata: dcp_metadata.Metadata) -> None:
+        """Refuse an entry whose file is not inside the checkpoint's directory: DCP opens
+        ``directory / relative_path`` as it is, so ``../x``, an absolute path or a symlink
+        would read any file the process can (every rank sets up its reader: each checks)."""
+        root, inside = Path(self.path).resolve(), set()
+        for index, info in (metadata.storage_data or {}).items():
+            if info.relative_path in inside:  # many entries share one file: resolved once
+                continue
+            target = (root / info.relative_path).resolve()
+            if not target.is_relative_to(root):
+                raise RunError(
+                    f"{self.path}: entry {index.fqn!r} of its .metadata reads {target}, outside "
+                    "the checkpoint's directory; refused (a checkpoint reads its own files only)"
+                )
+            inside.add(info.relative_path)
+
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, with non-tensor values read as tensors and plain data."""
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        try:  # the same bytes read first with weights_only: the planner's own load runs no code
-            torch.load(value, weights_only=True)
+        """Read one non-tensor entry once, with ``weights_only=True``, and put it where
+        ``DefaultLoadPlanner.load_bytes`` does (the same in torch 2.11 to 2.15): along the
+        flattening's mapping into the caller's nested state, or under its key when nothing
+        was flattened. (Checking with ``weights_only`` and then calling it read each entry
+        twice, the second time with ``weights_only=False``.)"""
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise RunError(
-                f"checkpoint entry {read_item.dest_index.fqn!r}: {refusal(err)}"
-            ) from None
-        value.seek(0)
-        super().load_bytes(read_item, value)
+            raise RunError(f"checkpoint entry {fqn!r}: {refusal(err)}") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
 
 
 def refusal(err: pickle.UnpicklingError) -> str:
@@ -106,12 +149,13 @@ def load(state: dict[str, Any], directory: Path) -> None:
     """``dcp.load`` of ``directory`` into ``state`` with the safe reader and planner; a
     failure on any rank is one :class:`RunError` naming the checkpoint (DCP gathers them
     into a ``CheckpointException``, a ``BaseException`` with every rank's traceback)."""
+    reader = SafeReader(directory)
     try:
-        dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointException as err:
         refused = [exc for exc, _ in err.failures.values() if isinstance(exc, RunError)]
-        if refused:
-            raise refused[0] from None
+        if reader.refused is not None or refused:
+            raise reader.refused or refused[0] from None
         raise RunError(
             f"{directory}: torch.distributed.checkpoint cannot read it ({failure(err)}); is a "
             "file damaged? resume from another checkpoint (trainer.resume=PATH)"
