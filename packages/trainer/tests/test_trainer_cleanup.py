@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from rlwire.trainer.rollout.scratch import ScratchDir, sweep
 
 PREFIX = "rlwire-test-scratch-"
@@ -105,3 +107,49 @@ def test_the_vllm_engines_close_removes_its_adapter_versions(tmp_path):
     engine.close()
     assert not engine._adapters.path.exists()
 
+
+def test_close_workers_closes_each_then_kills_all_without_waiting_on_a_stuck_one(
+    ray_cluster, tmp_path
+):
+    """A worker's close runs (its finalizer: a file here) before the kill; one whose close
+    never ends, and one already dead, are reported and killed without holding the rest."""
+    from rlwire.trainer.runtime.cluster import close_workers, ray_environment
+
+    ray_environment()
+    import ray
+
+    ray.init(address=ray_cluster, log_to_driver=False, namespace="test-close-workers")
+    try:
+
+        @ray.remote(num_cpus=0)
+        class Worker:
+            def __init__(self, marker: str) -> None:
+                self.marker = marker
+
+            def close(self) -> None:
+                if self.marker == "stuck":
+                    import threading
+
+                    threading.Event().wait()  # never returns
+                with open(self.marker, "w") as f:
+                    f.write("closed")
+
+            def pid(self) -> int:
+                return os.getpid()
+
+        marker = tmp_path / "closed.txt"
+        closing, stuck, dead = Worker.remote(str(marker)), Worker.remote("stuck"), Worker.remote("")
+        workers = [closing, stuck, dead]
+        ray.get([w.pid.remote() for w in workers], timeout=120)  # all three started
+        ray.kill(dead, no_restart=True)
+        closes = [(f"worker {i}", w.close.remote()) for i, w in enumerate(workers)]
+        problems = close_workers(workers, closes, timeout=3.0)
+        assert marker.read_text() == "closed"
+        assert problems[0] == "worker 1: its close did not end within 3 s; killed"
+        assert problems[1].startswith("worker 2: close failed: ")
+        assert len(problems) == 2
+        for w in workers:  # every one killed, the one that closed included
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(w.pid.remote(), timeout=60)
+    finally:
+        ray.shutdown()
