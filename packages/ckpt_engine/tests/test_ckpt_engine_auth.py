@@ -1,5 +1,5 @@
 """The control channel only the group can use: signed store messages, a stranger's refused,
-and CUDA IPC handles as plain data (no pickle)."""
+CUDA IPC handles as plain data (no pickle), and a ``filesystem`` root of the job's user alone."""
 
 from __future__ import annotations
 
@@ -249,3 +249,101 @@ def test_remove_segments_takes_what_a_killed_master_left_and_keeps_a_live_ones()
     assert remove_segments([alive.pid], wait=5.0) == [
         os.path.join(SHM_DIR, n) for n in sorted(alive_files)
     ]
+
+
+# --- the filesystem backend's root: this user's alone ----------------------------------
+
+
+def _filesystem(root, *, is_master: bool = True):
+    return registry.new("filesystem", root=root, is_master=is_master, timeout=10)
+
+
+def test_filesystem_makes_a_missing_root_0700_whatever_the_umask(tmp_path):
+    import os
+
+    root = tmp_path / "parent" / "weights"
+    old = os.umask(0o277)  # would leave the owner without write or search
+    try:
+        metadata = _filesystem(root).prepare()
+    finally:
+        os.umask(old)
+    assert metadata == {"root": str(root)}
+    assert (root.stat().st_mode & 0o777) == 0o700
+    assert root.stat().st_uid == os.geteuid()
+
+
+@pytest.mark.parametrize("mode", [0o750, 0o705, 0o777, 0o710], ids=oct)
+def test_filesystem_refuses_a_root_open_to_group_or_others(tmp_path, mode):
+    import os
+
+    root = tmp_path / "weights"
+    root.mkdir()
+    root.chmod(mode)
+    with pytest.raises(CheckpointEngineError) as err:
+        _filesystem(root).prepare()
+    assert str(err.value) == (
+        f"filesystem: root {str(root)!r} is owned by uid {os.geteuid()} with mode {mode:#o}; "
+        f"it must be owned by this process's user (uid {os.geteuid()}) and closed to group and "
+        "others (whoever can write it can hand the receivers weights): "
+        f"chmod 700 {root} (as its owner), or give a root of your own that does not exist yet"
+    )
+    assert (root.stat().st_mode & 0o777) == mode  # left as it was
+    root.chmod(0o700)  # the fix the message names
+    assert _filesystem(root).prepare() == {"root": str(root)}
+
+
+def test_filesystem_refuses_a_root_another_user_owns(tmp_path, monkeypatch):
+    import os
+
+    root = tmp_path / "weights"
+    root.mkdir(mode=0o700)
+    owner = os.geteuid()
+    if owner == 0:  # root can give it away for real
+        os.chown(root, 65534, -1)
+        owner = 65534
+    else:  # an unprivileged user cannot: the process runs as someone else instead
+        monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
+    with pytest.raises(CheckpointEngineError) as err:
+        _filesystem(root).prepare()
+    assert f"root {str(root)!r} is owned by uid {owner} with mode 0o700" in str(err.value)
+    assert f"(uid {os.geteuid()})" in str(err.value)
+
+
+def test_filesystem_checks_what_a_symlinked_root_resolves_to(tmp_path):
+    import os
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(private)
+    engine = _filesystem(link)
+    assert engine.prepare() == {"root": str(link)}  # the path as given, for other hosts
+    assert engine.root == str(private)  # works in the target: a later relink is not followed
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    other = tmp_path / "other"
+    other.symlink_to(shared)
+    with pytest.raises(CheckpointEngineError) as err:
+        _filesystem(other).prepare()
+    message = str(err.value)
+    assert message.startswith(
+        f"filesystem: root {str(other)!r} (-> {str(shared)!r}) is owned by uid {os.geteuid()} "
+        "with mode 0o755;"
+    )
+    assert f"chmod 700 {shared} " in message
+
+
+def test_a_filesystem_receiver_checks_the_masters_root_too(tmp_path):
+    """A receiver reads from the master's root: one opened up after the master prepared
+    it is refused at the receiver's join, before anything is read."""
+    master = _filesystem(tmp_path / "weights")
+    metadata = master.prepare()
+    (tmp_path / "weights").chmod(0o777)
+    receiver = _filesystem(tmp_path / "mine", is_master=False)
+    receiver.prepare()
+    with pytest.raises(
+        CheckpointEngineError, match=r"root '.*/weights' is owned by uid \d+ with mode 0o777"
+    ):
+        receiver.init_process_group(rank=1, world_size=2, master_metadata=metadata)

@@ -436,6 +436,8 @@ def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tm
     assert continued and all(0 < c <= 1 for c in continued), records
     assert (run / "checkpoints" / "step_6" / "COMPLETE").exists()
     assert_every_group_once(run, records)
+    # each worker's engine closed before the kill (on its own group, beside the ended loop)
+    assert "closing the job" not in (run / "train.log").read_text()
 
 
 def test_a_sync_waits_for_generation_longer_than_the_transfer_timeout(ray_cluster, tmp_path):

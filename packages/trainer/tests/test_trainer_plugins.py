@@ -48,6 +48,10 @@ PLUGIN = textwrap.dedent(
             count("rollout.apply")
             return await super().apply(engine)
 
+        def close(self):  # the job asks the worker to close it before killing the process
+            super().close()
+            count("rollout.close")
+
 
     class NotAnEngine:  # importable, but not a RolloutEngine: the config must refuse it
         name = "not-an-engine"
@@ -87,6 +91,7 @@ def test_third_party_engines_run_two_steps(plugin, tmp_path, monkeypatch):
         "actor.named_weights": 4,  # the first sync, one after each step, hf_model at the end
         "rollout.apply": 3,
         "rollout.generate": 2,
+        "rollout.close": 1,  # its finalizer ran: the job closed it before ray.kill
     }
 
 

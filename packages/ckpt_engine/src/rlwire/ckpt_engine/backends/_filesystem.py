@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import AsyncIterator, Callable
 from types import ModuleType
@@ -38,6 +39,45 @@ def _safetensors() -> ModuleType:
     return safetensors.torch
 
 
+def private_root(path: str, *, create: bool) -> str:
+    """``path`` resolved (symlinks followed), refused unless only this process's user can
+    use it: a directory owned by the effective uid whose mode gives group and others
+    nothing (``mode & 0o077 == 0``). Whoever can write the root can hand every receiver
+    weights of their own, and whoever can read it reads the model.
+
+    With ``create``, a missing root is made first: the leaf with mode ``0o700`` (and set to
+    it whatever the umask), its missing parents with the default mode. Only the leaf needs
+    it: nobody else can list, create, replace or read anything inside it. (A parent that
+    others may write without the sticky bit would let them rename the leaf away; ``/tmp``'s
+    sticky bit forbids that.) The check applies to what the path resolves to, so a symlink
+    to a private directory passes and one to anything else does not; the engine then works
+    in the resolved directory, so a link changed later is not followed.
+    """
+    if create:
+        try:
+            os.makedirs(path, mode=0o700)
+            os.chmod(path, 0o700)  # the umask may have taken the owner's bits too
+        except FileExistsError:
+            pass  # an existing root (or another member's, made meanwhile): checked below
+    real = os.path.realpath(path)
+    shown = repr(path) if real == os.path.abspath(path) else f"{path!r} (-> {real!r})"
+    try:
+        info = os.stat(real)
+    except FileNotFoundError:
+        raise CheckpointEngineError(f"filesystem: root {shown} does not exist") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise CheckpointEngineError(f"filesystem: root {shown} is not a directory")
+    uid, mode = os.geteuid(), stat.S_IMODE(info.st_mode)
+    if info.st_uid != uid or mode & 0o077:
+        raise CheckpointEngineError(
+            f"filesystem: root {shown} is owned by uid {info.st_uid} with mode {mode:#o}; it "
+            f"must be owned by this process's user (uid {uid}) and closed to group and others "
+            f"(whoever can write it can hand the receivers weights): chmod 700 {real} (as its "
+            "owner), or give a root of your own that does not exist yet"
+        )
+    return real
+
+
 class FilesystemEngine(CheckpointEngine):
     """Weights as safetensors shards under ``<root>/v<version>/``; a durable snapshot too.
 
@@ -52,7 +92,11 @@ class FilesystemEngine(CheckpointEngine):
     ``keep`` versions. Works over any shared filesystem.
 
     Args:
-        root: the directory (shared by all members).
+        root: the directory (shared by all members). Only this process's user may use it:
+            an existing root owned by another uid, or whose mode gives group or others any
+            permission, is refused with :class:`CheckpointEngineError` (``chmod 700`` it, or
+            give another root); a missing one is made with mode ``0o700``
+            (:func:`private_root`).
         keep: complete versions to keep (>= 1).
         poll_interval: seconds between directory scans while waiting.
     """
@@ -76,12 +120,13 @@ class FilesystemEngine(CheckpointEngine):
         self.poll_interval = poll_interval
 
     def prepare(self) -> dict[str, Any]:
-        os.makedirs(self.root, mode=0o700, exist_ok=True)  # the job's user alone
-        return {"root": self.root} if self.is_master else {}
+        given, self.root = self.root, private_root(self.root, create=True)
+        # the path as given: another host may reach the shared directory by other links
+        return {"root": given} if self.is_master else {}
 
     def _join(self, rank: int, world_size: int, master_metadata: dict[str, Any]) -> None:
-        if rank > 0 and "root" in master_metadata:
-            self.root = master_metadata["root"]
+        if rank > 0 and "root" in master_metadata:  # the master made it: checked here too
+            self.root = private_root(master_metadata["root"], create=False)
 
     def _versions(self) -> list[int]:
         try:

@@ -37,6 +37,9 @@ __all__ = [
 
 T = TypeVar("T")
 
+CLOSE_TIMEOUT = 5.0
+"""Seconds :meth:`RolloutEngine.close` waits for its core's step in progress."""
+
 ROLLOUT_ENGINES: dict[str, str] = {
     "hf": "rlwire.trainer.rollout.hf:HFEngine",
     "paced": "rlwire.trainer.rollout.paced:PacedEngine",
@@ -160,6 +163,14 @@ class RolloutEngine(abc.ABC):
                 f"rollout engine {self.index}: no step boundary within {timeout:g} s to write "
                 "the weights in (rollout.request_timeout)"
             ) from None
+
+    def close(self) -> None:
+        """Release what the engine holds beyond its process's memory (its core's thread; an
+        override: its files, its server processes). The rollout worker calls it as the job
+        ends, before the process is killed (``ray.kill``: no finalizer runs after it); a
+        second call does nothing. An override calls ``super().close()``."""
+        if self.core is not None:
+            self.core.close(timeout=CLOSE_TIMEOUT)
 
     @abc.abstractmethod
     def digest(self) -> str | None:

@@ -29,17 +29,16 @@ written as a PEFT adapter
 directory and becomes the ``LoRARequest`` of every later request; the requests in flight
 are ended in vLLM and added again with it (on their context so far), and the previous
 version is removed from the engine and its directory deleted, so one adapter version is
-held at a time.
+held at a time. The versions live in a :class:`~.scratch.ScratchDir` removed by
+:meth:`VLLMEngine.close`, at the interpreter's exit, or, after a kill, by the next engine
+that makes one on the host.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-import weakref
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +46,7 @@ import torch
 from ..models import lora
 from .base import RequestsEngine, SleepingRolloutEngine, StagingRolloutEngine
 from .requests import EngineCore
+from .scratch import ScratchDir
 from .vllm_steps import VLLMStepper
 
 __all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension", "transfer_init_info"]
@@ -92,6 +92,8 @@ class WeightReloadExtension:
         return len(weights)
 
 
+ADAPTERS_PREFIX = "rlwire-adapters-"
+"""The adapter versions' directories (LoRA): ``<temp dir>/rlwire-adapters-<pid>-<random>``."""
 CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's max_lora_rank takes
 
@@ -157,7 +159,7 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
         if self.sleep_mode:
             options["enable_sleep_mode"] = True
         self.lora_request = None  # the adapter version generations use (LoRA runs)
-        self._adapters: Path | None = None
+        self._adapters: ScratchDir | None = None  # the adapter versions' directory (LoRA)
         self._transfer = None  # vLLM's weight-transfer engine, once joined (not LoRA)
         if not config.actor.lora.enabled:
             options["weight_transfer_config"] = {"backend": "rlwire"}
@@ -172,9 +174,13 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
                 "max_lora_rank": min(r for r in _LORA_RANKS if r >= rank),
                 "max_loras": 1,
             }
-            self._adapters = Path(tempfile.mkdtemp(prefix="rlwire-adapters-"))
-            weakref.finalize(self, shutil.rmtree, self._adapters, ignore_errors=True)
-        self.llm = LLM(**options)
+            self._adapters = ScratchDir(ADAPTERS_PREFIX)
+        try:
+            self.llm = LLM(**options)
+        except BaseException:
+            if self._adapters is not None:
+                self._adapters.close()
+            raise
         self.stepper = VLLMStepper(self)
         self.core = EngineCore(
             self.stepper, max_num_seqs=config.rollout.max_num_seqs, name=f"rlwire-vllm-{index}"
@@ -231,7 +237,7 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
         from vllm.lora.request import LoRARequest
 
         assert self._adapters is not None  # made in __init__ with actor.lora
-        directory = self._adapters / f"v{version}"
+        directory = self._adapters.path / f"v{version}"
         lora.save_adapter(weights, self.config.actor.lora, self.model_path, directory)
         previous, self.lora_request = (
             self.lora_request,
@@ -240,6 +246,15 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def close(self) -> None:
+        """Stop serving (the step in progress ends; requests not answered fail), then remove
+        the adapter versions from disk (LoRA), even if the core did not stop in time."""
+        try:
+            super().close()
+        finally:
+            if self._adapters is not None:
+                self._adapters.close()
 
     def digest(self) -> str | None:
         return None  # the engine's weights are repacked; updates are checked by log-probs

@@ -18,12 +18,14 @@ Handle = Any
 decorates them with ``@ray.method``; the trainer's workers do not, so handles stay untyped."""
 
 __all__ = [
+    "CLOSE_TIMEOUT",
     "GpuLayout",
     "Handle",
     "RolloutLost",
     "Watch",
     "cause",
     "check_reachable",
+    "close_workers",
     "engine_backend",
     "first_line",
     "gpu_layout",
@@ -353,3 +355,37 @@ class Watch:
                 f"{first_line(reason)}; {_INTACT}"
             ) from None
         raise RunError(f"rollout worker {worker} left its loop before the run ended")
+
+
+CLOSE_TIMEOUT = 30.0
+"""Seconds :func:`close_workers` waits, for all the workers together, for their own
+``close`` (a rollout engine's threads, files and server processes: what no finalizer removes
+once ``ray.kill`` ends the process) before it kills them anyway. A worker stuck in a call (a
+decoding step, a collective whose peer died) holds the job's end this long at most; a dead
+one not at all."""
+
+
+def close_workers(
+    workers: list[Handle], closes: list[tuple[str, Any]], *, timeout: float = CLOSE_TIMEOUT
+) -> list[str]:
+    """Wait up to ``timeout`` seconds in all for ``closes`` (``(name, ref)``: the workers'
+    own ``close`` calls, made already), then end every process of ``workers`` with
+    ``ray.kill``, whether its close ended or not. The lines naming each close that failed or
+    did not end in time (the caller logs them)."""
+    import ray
+
+    refs = [ref for _, ref in closes]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+    problems = []
+    for name, ref in closes:
+        if ref not in ready:
+            problems.append(f"{name}: its close did not end within {timeout:g} s; killed")
+            continue
+        try:
+            ray.get(ref, timeout=_READY_GET_S)  # ready: only fetched
+        except Exception as err:  # its own error, or Ray's: it had died
+            reason = cause(err)
+            problems.append(f"{name}: close failed: {type(reason).__name__}: {first_line(reason)}")
+    for worker in workers:
+        ray.kill(worker, no_restart=True)
+    return problems

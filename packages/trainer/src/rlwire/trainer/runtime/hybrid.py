@@ -36,6 +36,11 @@ class HybridWorker(ActorWorker):
     def sleep(self) -> None:
         self.rollout.sleep()
 
+    def close(self) -> None:
+        """Close this rank's rollout engine (:meth:`RolloutWorker.close`) before the job
+        kills the process."""
+        self.rollout.close()
+
     def wake_up(self) -> None:
         self.rollout.wake_up()
 

@@ -30,7 +30,14 @@ from ..outputs.export import mark_exported
 from ..outputs.metrics import StepMetrics, UpdateMetrics, update_metrics
 from ..outputs.rollout_data import write_rollouts
 from ..rollout import Rollout, rollout_engine_class, split_evenly
-from .cluster import Handle, RolloutLost, gpu_layout, placement
+from .cluster import (
+    CLOSE_TIMEOUT,
+    Handle,
+    RolloutLost,
+    close_workers,
+    gpu_layout,
+    placement,
+)
 from .healing import Fleet
 from .hybrid import HybridWorker
 from .job_start import JobStart
@@ -223,17 +230,28 @@ class Job(JobStart):
         return self.watch.get(refs, timeout=self.task_timeout, what=what)
 
     def close(self) -> None:
-        """End every worker process now, without interpreter finalization.
+        """Close every rollout engine, then end every worker process without interpreter
+        finalization.
 
-        ``ray.kill`` exits the process at once. A normal exit would finalize the
-        interpreter while the process group's gloo worker threads may still be dropping
-        Python references, which aborts the process ("terminate called without an active
-        exception"). Everything the run produced is written by the time this is called.
+        Each rollout engine's own ``close`` runs first, in its worker (its core's thread,
+        vLLM's adapter directories, a ``vllm serve`` process: what nothing removes after a
+        kill), :data:`~rlwire.trainer.runtime.cluster.CLOSE_TIMEOUT` seconds at most for all
+        of them (a dead worker's close fails at once; a stuck one's is given up at the end
+        of it); a close that fails or times out is a warning in the log. Then ``ray.kill``
+        exits every process at once. A normal exit would finalize the interpreter while the
+        process group's gloo worker threads may still be dropping Python references, which
+        aborts the process ("terminate called without an active exception"). Everything the
+        run produced is written by the time this is called.
         """
-        import ray
-
-        for worker in self.processes:
-            ray.kill(worker, no_restart=True)
+        if self.hybrid:  # each rank's engine in the rank's process
+            closes = [(f"actor rank {i}", a.close.remote()) for i, a in enumerate(self.actors)]
+        else:  # on a group of its own: fully async's loop may still hold the default one
+            closes = [
+                (f"rollout worker {i}", r.close.options(concurrency_group="close").remote())
+                for i, r in enumerate(self.rollouts)
+            ]
+        for line in close_workers(self.processes, closes, timeout=CLOSE_TIMEOUT):
+            log.warning("closing the job: %s", line)
         # An engine killed before every receiver mapped its shared memory (a run stopped
         # mid-sync) never unlinked it: remove what this host's workers left, once they exit.
         remove_segments(self.local_pids, wait=10.0)

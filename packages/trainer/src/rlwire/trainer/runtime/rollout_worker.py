@@ -40,10 +40,10 @@ class RolloutWorker(WeightStage, WorkerProcess):
     decoding steps (:class:`~rlwire.trainer.runtime.rollout_serve.ServeLoop`).
     """
 
-    CONCURRENCY_GROUPS = {"receive": 1}
+    CONCURRENCY_GROUPS = {"receive": 1, "close": 1}
     """The Ray actor's concurrency groups (``ray.remote(concurrency_groups=...)``): every
     other call runs in order on the default group; :meth:`stage_weights` on ``receive``
-    (``.options(concurrency_group="receive")`` at the call)."""
+    and :meth:`close` on ``close`` (``.options(concurrency_group=...)`` at the call)."""
 
     def __init__(
         self, config: TrainerConfig, model_path: str, index: int = 0, gpu_share: float = 1.0
@@ -170,6 +170,16 @@ class RolloutWorker(WeightStage, WorkerProcess):
         if backend.stages_updates:
             return self._take_staged(version, self.config.ckpt_engine.timeout + 30)
         return backend.between_steps(self.pull_weights)
+
+    def close(self) -> None:
+        """Close the rollout engine (:meth:`~rlwire.trainer.rollout.RolloutEngine.close`)
+        and the agent function's endpoint: the job calls it before it kills this process,
+        after which no finalizer runs. On the ``close`` group, beside a call that may still
+        run (fully async's :meth:`run`, which then ends with the engine's error)."""
+        if isinstance(self.agent, FunctionRunner):
+            self.agent.close()
+        if self.backend is not None:
+            self.backend.close()
 
     def run(self, queue, poll_timeout: float = 60.0) -> dict[str, Any]:
         """The fully-async loop (:class:`~rlwire.trainer.runtime.rollout_serve.ServeLoop`):
