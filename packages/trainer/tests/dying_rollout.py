@@ -19,6 +19,7 @@ DIES = (1, 2)
 
 class DiesOnce(HFEngine):
     name = "dying_rollout:DiesOnce"
+    dies = DIES
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -28,7 +29,14 @@ class DiesOnce(HFEngine):
         if sampling is None:
             self.calls += 1
         marker = Path(self.config.trainer.output_dir) / "rollout-died"
-        if (self.index, self.calls) == DIES and sampling is None and not marker.exists():
+        if (self.index, self.calls) == self.dies and sampling is None and not marker.exists():
             marker.write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
         return super().generate(prompts, seed, sampling)
+
+
+class OnlyWorkerDiesOnce(DiesOnce):
+    """:class:`DiesOnce` for worker 0 (a run with one rollout worker: no survivor)."""
+
+    name = "dying_rollout:OnlyWorkerDiesOnce"
+    dies = (0, 2)

@@ -143,9 +143,13 @@ class Fleet:
             self.joining.clear()
 
     def regenerating(self, index: int, indices: range, by: int | None, position: int) -> None:
-        """Count and name the prompt groups of worker ``index``'s lost share."""
+        """Count and name the prompt groups of worker ``index``'s lost share (``by``: the
+        worker that generates them again; None: the replacement)."""
         self.regenerated += len(indices)
-        who = f"rollout worker {by}" if by is not None else "its replacement"
+        if by is None:
+            who = "the replacement (no worker held the batch's weights: it took the actor's)"
+        else:
+            who = f"rollout worker {by}"
         _say(
             f"the {len(indices)} prompt groups rollout worker {index} was generating (batch "
             f"{position}, prompts {indices.start}-{indices.stop - 1}) are generated again by "

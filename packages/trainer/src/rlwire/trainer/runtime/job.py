@@ -200,7 +200,8 @@ class Job(JobStart):
                 self.fleet.replace(lost_one)
             joining = self.fleet.joining
             holders = [i for i in range(len(self.rollouts)) if i not in dead and i not in joining]
-            if not holders and lost:  # the replacements take the actor's weights first
+            replaced = not holders  # the replacements take the actor's weights first
+            if replaced and lost:
                 self.fleet.rejoin()
                 self.sync(self.next_update)
                 holders = list(range(len(self.rollouts)))
@@ -209,7 +210,10 @@ class Job(JobStart):
                 by = holders[k % len(holders)]
                 first = sum(len(s) for s in shares[:share])
                 self.fleet.regenerating(
-                    lost[share].index, range(first, first + len(shares[share])), by, position
+                    lost[share].index,
+                    range(first, first + len(shares[share])),
+                    None if replaced else by,
+                    position,
                 )
                 todo[share] = self.rollouts[by].generate.remote(shares[share], seeds[share])
         return out
