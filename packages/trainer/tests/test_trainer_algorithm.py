@@ -267,7 +267,9 @@ def test_dynamic_sampling_wakes_sleeping_engines_before_each_extra_batch():
         extra_batches=0,
         batches=lambda position: [Example(prompt=f"p{position}", answer="")] * 2,
         call=lambda refs, what: list(refs),
+        fleet=types.SimpleNamespace(heals=False),
     )
+    job._generated = types.MethodType(Job._generated, job)
     job.start_generation = types.MethodType(Job.start_generation, job)
     job.generate_more = types.MethodType(Job.generate_more, job)
     job.start_generation(0)()

@@ -176,6 +176,7 @@ def test_summary_table_has_a_row_per_mode_fault_and_phase():
         "phase": "save",
         "landed": True,
         "completed": True,
+        "rc1": 2,
         "lost": 0,
         "repeated": 2,
         "versions_back": 0,
@@ -186,10 +187,11 @@ def test_summary_table_has_a_row_per_mode_fault_and_phase():
         "failed": ["groups repeated"],
         "seconds": 40.0,
     }
-    table = checks.summary_table([trial, {**trial, "repeated": 0, "failed": [], "seconds": 50}])
+    healed = {**trial, "rc1": 0, "repeated": 0, "failed": [], "seconds": 50}
+    table = checks.summary_table([trial, healed])
     assert (
         table.splitlines()[2]
-        == "| fully_async | driver | save | 2 | 2 | 2 | 0 | 2 | 0 | 2 | 0 | 2 | 1 | 45 |"
+        == "| fully_async | driver | save | 2 | 2 | 2 | 1 | 0 | 2 | 0 | 2 | 0 | 2 | 1 | 45 |"
     )
 
 

@@ -73,6 +73,8 @@ class Fleet:
         """Prompt groups generated again since the last step's record."""
         self.joining: set[int] = set()
         """Replacements not yet in the checkpoint engine's group."""
+        self.loading: dict[int, tuple[Any, float]] = {}
+        """Replacement index -> (its ``load_engine`` call, when it was started)."""
 
     @property
     def live(self) -> int:
@@ -110,37 +112,42 @@ class Fleet:
         self._start(index)
 
     def _start(self, index: int) -> None:
+        """Start worker ``index``'s replacement; its engine loads while the run goes on
+        (:meth:`rejoin` waits for it)."""
         import ray
 
         job = self.job
         old = job.rollouts[index]
         ray.kill(old, no_restart=True)
         new = self.make(index, self.total)
-        start = time.perf_counter()
-        job.watch.get(
-            new.load_engine.remote(),
-            timeout=job.config.ray.startup_timeout,
-            what=f"starting the replacement of rollout worker {index}",
-        )
+        self.loading[index] = (new.load_engine.remote(), time.perf_counter())
         job.rollouts[index] = new
         job.processes[job.processes.index(old)] = new
         actor = new._actor_id.hex()
         job.watch.names[actor] = f"rollout worker {index}"
         job.watch.rollouts[actor] = index
-        node, pid = job.watch.get(
-            new.node.remote(), timeout=job.config.ray.startup_timeout, what="setup"
-        )
-        if node == ray.get_runtime_context().get_node_id():
-            job.local_pids.append(pid)
         self.joining.add(index)
-        log.info("rollout worker %d replaced in %.1f s", index, time.perf_counter() - start)
 
     def rejoin(self) -> None:
-        """Re-form the checkpoint engine's group with the replacements in it (before a
-        sync: the sync gives them the current weights)."""
-        if self.joining:
-            self.job.reform_weight_group()
-            self.joining.clear()
+        """Once the replacements' engines are loaded, re-form the checkpoint engine's group
+        with them in it (before a sync: the sync gives them the current weights)."""
+        import ray
+
+        if not self.joining:
+            return
+        job, here = self.job, ray.get_runtime_context().get_node_id()
+        timeout = job.config.ray.startup_timeout
+        for index, (loaded, start) in sorted(self.loading.items()):
+            what = f"starting the replacement of rollout worker {index}"
+            job.watch.get(loaded, timeout=timeout, what=what)
+            worker = job.rollouts[index]
+            node, pid = job.watch.get(worker.node.remote(), timeout=timeout, what=what)
+            if node == here:  # close() sweeps the shared memory its workers leave here
+                job.local_pids.append(pid)
+            log.info("rollout worker %d replaced in %.1f s", index, time.perf_counter() - start)
+        self.loading.clear()
+        job.reform_weight_group()
+        self.joining.clear()
 
     def regenerating(self, index: int, indices: range, by: int | None, position: int) -> None:
         """Count and name the prompt groups of worker ``index``'s lost share (``by``: the

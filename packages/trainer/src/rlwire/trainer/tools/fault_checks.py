@@ -168,6 +168,7 @@ _COLUMNS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
     "trials": lambda g: str(len(g)),
     "landed": lambda g: str(sum(t["landed"] for t in g)),
     "completed": lambda g: str(sum(t["completed"] for t in g)),
+    "no restart": lambda g: str(sum(t["completed"] and t["rc1"] == 0 for t in g)),
     "lost": lambda g: str(sum(abs(t["lost"]) for t in g if t["completed"])),
     "repeated": lambda g: str(sum(t["repeated"] for t in g if t["completed"])),
     "versions back": lambda g: str(sum(t["versions_back"] for t in g)),
@@ -181,7 +182,9 @@ _COLUMNS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
 
 def summary_table(trials: list[dict[str, Any]]) -> str:
     """A Markdown table, one row per (mode, fault, phase): the trials; those whose fault
-    landed (a kill: in the phase); those whose second run completed; prompt groups lost and
+    landed (a kill: in the phase); those whose second run completed, and of them those whose
+    first run completed by itself (a rollout worker healed, or killed after it was needed:
+    no restart); prompt groups lost and
     trained twice (over completed runs); steps whose weight version went back; leftovers
     (shm segments and processes, both runs); checkpoint files changed; first runs that
     stopped with one line (a killed driver's always counts); trials that failed any check;

@@ -34,8 +34,9 @@ segments removed; after a SIGKILLed driver, whose own shutdown never runs, Ray's
 may take 120 s);
 every file of every checkpoint seen complete is byte-identical after each run, unless the
 retention policy removed the checkpoint; a killed worker stops the first run with one
-``rlwire-train: error:`` line and no traceback (or, killed after the last step that needed
-it, lets the run finish with exit 0).
+``rlwire-train: error:`` line and no traceback, or lets it finish with exit 0: a rollout
+worker in one-step off-policy mode, which heals (:mod:`rlwire.trainer.runtime.healing`;
+the table's ``no restart``), or any worker killed after the last step that needed it.
 
 **Special trials** (``--special``, registry :data:`SPECIALS`): ``enospc``, every write under
 ``checkpoints/step_4/`` fails with ENOSPC (the hooks' full disk): the run must stop with one
