@@ -2,8 +2,9 @@
 
 ``rollout.backend=dying_rollout:DiesOnce``: the ``hf`` engine, except that rollout worker 1
 SIGKILLs its own process at its second training generation (validation calls are not
-counted), once per run directory (a file there remembers it), as a crashed or OOM-killed
-worker does. Its replacement generates as ``hf`` does."""
+counted; fully async: its second chunk of groups), once per run directory (a file there
+remembers it), as a crashed or OOM-killed worker does. Its replacement generates as ``hf``
+does."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 from pathlib import Path
 
 from rlwire.trainer.rollout.hf import HFEngine
+from rlwire.trainer.rollout.paced import PacedEngine
 
 DIES = (1, 2)
 """(worker index, training generation call number from 1)."""
@@ -24,15 +26,30 @@ class DiesOnce(HFEngine):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.calls = 0
+        self.inside = False  # in generate(), whose requests are not counted again
+
+    def _count(self) -> None:
+        """One training generation (colocated and one-step off: a ``generate`` call; fully
+        async: a chunk's ``submit_all``); the process dies at the chosen one."""
+        self.calls += 1
+        marker = Path(self.config.trainer.output_dir) / "rollout-died"
+        if (self.index, self.calls) == self.dies and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def generate(self, prompts, seed, sampling=None):
         if sampling is None:
-            self.calls += 1
-        marker = Path(self.config.trainer.output_dir) / "rollout-died"
-        if (self.index, self.calls) == self.dies and sampling is None and not marker.exists():
-            marker.write_text(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().generate(prompts, seed, sampling)
+            self._count()
+        self.inside = True
+        try:
+            return super().generate(prompts, seed, sampling)
+        finally:
+            self.inside = False
+
+    def submit_all(self, requests):
+        if not self.inside:
+            self._count()
+        return super().submit_all(requests)
 
 
 class OnlyWorkerDiesOnce(DiesOnce):
@@ -40,3 +57,9 @@ class OnlyWorkerDiesOnce(DiesOnce):
 
     name = "dying_rollout:OnlyWorkerDiesOnce"
     dies = (0, 2)
+
+
+class PacedDiesOnce(DiesOnce, PacedEngine):
+    """:class:`DiesOnce` over the ``paced`` engine (``rollout.paced_step_s`` a step)."""
+
+    name = "dying_rollout:PacedDiesOnce"

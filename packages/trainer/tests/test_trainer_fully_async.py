@@ -242,6 +242,52 @@ def test_a_worker_holding_the_new_weights_generates_without_waiting_for_the_othe
     assert state == {"sync_to": 1, "versions": [1, 0]}
 
 
+def test_a_dead_workers_groups_go_back_first_and_a_sync_completes_without_it():
+    """Worker 1 dies holding a chunk: its groups go back to be generated first (by worker
+    0), their places under the bound are freed, a sync completes without it, and its
+    replacement is handed nothing (``wait``) until it joined, then the sync, then groups."""
+
+    async def run() -> dict:
+        queue = _queue(
+            groups_per_step=4,
+            trigger_sync=1,
+            staleness_threshold=0.0,
+            max_version_lag=1,
+            num_workers=2,
+        )
+        for worker in (0, 1):
+            await queue.worker_synced(worker, {"version": 0, "digest": None})
+        chunks = [await queue.next_task(worker) for worker in (0, 1)]
+        await queue.put(0, [0] * 2, [{}] * 2, chunks[0]["indices"])
+        full = await queue.next_task(0)  # the bound (4 groups) is full: worker 0 waits
+        lost = await queue.worker_lost(1)
+        counts = {"stale": queue.stale, "in_flight": queue.in_flight}
+        again = await queue.next_task(0)  # the freed places: worker 1's groups first
+        await queue.request_sync(1)
+        await queue.worker_synced(0, {"version": 1, "digest": "d"})
+        synced = await queue.wait_synced(1, 1)  # complete: worker 1 is absent
+        absent = await queue.next_task(1)
+        await queue.worker_joined(1)
+        await queue.request_sync(2)
+        joined = await queue.next_task(1)
+        return {
+            "chunks": chunks, "full": full, "lost": lost, "counts": counts, "again": again,
+            "synced": synced, "absent": absent, "joined": joined,
+            "position": await queue.position(0),
+        }  # fmt: skip
+
+    out = asyncio.run(run())
+    assert out["chunks"][1]["indices"] == [2, 3] and out["full"]["kind"] == "wait"
+    assert out["lost"] == [2, 3]
+    assert out["counts"] == {"stale": 2, "in_flight": 0}  # only worker 0's 2 queued groups
+    assert out["again"]["kind"] == "generate" and out["again"]["indices"] == [2, 3]
+    assert out["synced"] == [{"version": 1, "digest": "d"}, {}]
+    assert out["absent"]["kind"] == "wait"
+    assert out["joined"]["kind"] == "sync" and out["joined"]["version"] == 2
+    # none lost for a checkpoint: queued, regenerated, none twice
+    assert out["position"]["pending"] == [0, 1, 2, 3]
+
+
 def _lagging_queue(strategy: str) -> SampleQueue:
     return _queue(
         groups_per_step=2,
@@ -396,7 +442,10 @@ def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tm
 
     The workers are made slower than the trainer (the paced engine, 20 ms a decoding step;
     one micro-batch for the update): they never pause on the staleness bound, so every sync
-    is written in between two decoding steps in the middle of their responses."""
+    is written in between two decoding steps in the middle of their responses. Worker 1
+    dies (SIGKILL, :mod:`dying_rollout`) in its second chunk of groups: the run heals (the
+    groups go back to be generated first, a replacement joins at the next sync) and trains
+    every group once."""
     run = tmp_path / "run"
     records, _ = train_cli(
         run,
@@ -407,13 +456,16 @@ def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tm
         "async.staleness_threshold=1",
         "async.trigger_parameter_sync_step=2",
         "async.partial_rollout=true",
-        "rollout.backend=paced",
+        "rollout.backend=dying_rollout:PacedDiesOnce",
         "rollout.paced_step_s=0.02",
         "rollout.max_new_tokens=24",
         "actor.micro_batch_size=64",
         cluster=ray_cluster,
     )
+    assert (run / "rollout-died").exists()  # it did die
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[-1]["rollout_restarts"] == 1
+    assert sum(r.get("regenerated_groups", 0) for r in records) > 0  # its chunk went back
     bound = 2 * (1 + 1) - 1  # T x (1 + ceil(S)) - 1
     versions = [r["weight_version"] for r in records]
     assert versions == [0, 2, 2, 4, 4, 4]  # synced after every 2nd update (not after the last)

@@ -27,7 +27,7 @@ from ..data.validation import validation_due, validation_metrics, validation_tas
 from ..errors import RunError
 from ..outputs.metrics import step_record
 from ..rollout import Rollout
-from ..runtime.cluster import Handle, Watch
+from ..runtime.cluster import Handle, RolloutLost, Watch
 from ..runtime.job import Job
 from .sample_queue import SampleQueue
 
@@ -67,8 +67,20 @@ def run_fully_async(job: Job, bar) -> None:
         resume=job.resumed.get("queue"),  # groups started before the checkpoint, to redo
     )
     loops = [r.run.remote(queue) for r in job.rollouts]
-    watch = Watch(loops, job.watch.names)
+    watch = Watch(loops, job.watch.names, job.watch.rollouts)
     wait_s = cfg.sample_timeout
+
+    def heal(lost: RolloutLost) -> Any:
+        """A rollout worker died: its replacement starts (or ``lost`` is raised: the fleet
+        does not heal, or the worker used up its restarts), the groups it was generating go
+        back to be generated first, and the replacement's loop waits, handed nothing, until
+        it joins the weight group at the next sync (:mod:`rlwire.trainer.runtime.healing`)."""
+        job.fleet.replace(lost)
+        lost_groups = ray.get(queue.worker_lost.remote(lost.index), timeout=wait_s)
+        job.fleet.requeued(lost.index, lost_groups)
+        return job.rollouts[lost.index].run.remote(queue)
+
+    watch.heal = heal
 
     def take(step: int, count: int = required):
         """Ask for ``count`` groups for update ``step`` (answered once they are there)."""
@@ -88,6 +100,12 @@ def run_fully_async(job: Job, bar) -> None:
         each actor rank gathers the weights, rank 0 sends them from a thread of its own
         and goes on with its next calls; each worker receives them beside its generation.
         Nothing here waits (:func:`finish_sync` collects every answer at once)."""
+        if job.fleet.joining:  # replacements of dead workers join the weight group first
+            joining = sorted(job.fleet.joining)
+            job.fleet.rejoin()
+            watch.get(
+                [queue.worker_joined.remote(i) for i in joining], timeout=wait_s, what="samples"
+            )
         calls = [queue.request_sync.remote(version)] if request else []
         calls += [actor.start_push.remote(version) for actor in job.actors]  # before the
         # next update on every rank; then each worker's receive, on its own thread:
@@ -114,7 +132,7 @@ def run_fully_async(job: Job, bar) -> None:
                 f"weight sync: the rollout workers did not reach a boundary to take version "
                 f"{version} within {wait_s:g} s (async.sample_timeout)"
             )
-        return {**stats, "pulls": pulls}
+        return {**stats, "pulls": [p for p in pulls if p]}  # a dead worker's left out
 
     def validate(version: int) -> None:
         """The held-out prompts on every worker with the weights they hold (``version``,
@@ -135,7 +153,8 @@ def run_fully_async(job: Job, bar) -> None:
     pending = None  # a step whose record waits for its weight sync to complete
 
     def write(step: int, synced: dict[str, Any], fields: dict[str, Any]) -> None:
-        job.record(step_record(step, synced=synced, **fields), bar, fields["batch"])
+        record = step_record(step, synced=synced, **fields, **job.fleet.record())
+        job.record(record, bar, fields["batch"])
         bar.update(1)
 
     def write_synced(step: int, started: Any, fields: dict[str, Any]) -> None:

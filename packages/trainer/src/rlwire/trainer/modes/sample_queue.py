@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .queue_relays import FleetRelay, ValidationRelay, _wait
+
 __all__ = ["SampleQueue", "max_stale_groups"]
 
 
@@ -62,53 +64,7 @@ def max_stale_groups(groups_per_step: int, trigger_sync: int, staleness_threshol
     return int(groups_per_step * trigger_sync * (1 + staleness_threshold))
 
 
-async def _wait(
-    cond: asyncio.Condition, predicate: Callable[[], bool] | None, timeout: float
-) -> bool:
-    """Wait (``cond`` held) until ``predicate()``, or any notification when it is None;
-    False on timeout."""
-    waiting = cond.wait() if predicate is None else cond.wait_for(predicate)
-    try:
-        await asyncio.wait_for(waiting, timeout)
-    except TimeoutError:
-        return False
-    return True
-
-
-class ValidationRelay:
-    """Validation between syncs: each worker runs its share of the held-out prompts at its
-    next boundary, before generating more; the driver waits for all of them. Mixed into
-    :class:`SampleQueue` (which sets ``cond``)."""
-
-    cond: asyncio.Condition
-
-    def __init__(self) -> None:
-        self.validating: dict[int, dict] = {}  # worker -> its validation task, not yet taken
-        self.validated: dict[int, Any] = {}
-        self.validations = 0  # tasks of the current validation
-
-    async def request_validation(self, tasks: list[dict | None]) -> None:
-        """Worker ``i`` runs ``tasks[i]`` (``prompts``, ``seed``, ``sampling``; None: nothing)
-        at its next boundary, before generating more."""
-        async with self.cond:
-            self.validating = {i: t for i, t in enumerate(tasks) if t is not None}
-            self.validations, self.validated = len(self.validating), {}
-            self.cond.notify_all()
-
-    async def put_validation(self, worker: int, rollout: Any) -> None:
-        async with self.cond:
-            self.validated[worker] = rollout
-            self.cond.notify_all()
-
-    async def validation_result(self, timeout: float) -> list | None:
-        """The workers' validation rollouts in worker order once all are in; None on
-        timeout."""
-        async with self.cond:
-            done = await _wait(self.cond, lambda: len(self.validated) == self.validations, timeout)
-            return [self.validated[w] for w in sorted(self.validated)] if done else None
-
-
-class SampleQueue(ValidationRelay):
+class SampleQueue(ValidationRelay, FleetRelay):
     """The bounded, versioned queue of prompt groups (see the module docstring)."""
 
     def __init__(
@@ -151,6 +107,8 @@ class SampleQueue(ValidationRelay):
             self.next_group = resume["next_group"]
             self.redo.extend(resume["pending"])
         self.open: set[int] = set()  # handed out, neither taken for an update nor dropped
+        self.assigned: dict[int, set[int]] = {}  # worker -> handed to it, not yet put
+        self.absent: set[int] = set()  # dead, or replaced and not yet in the weight group
         self.taken_groups: dict[int, list[int]] = {}  # trainer version -> the groups taken
         self.sync_to: int | None = start_version  # workers start by receiving the weights
         self.worker_versions = [-1] * num_workers
@@ -207,35 +165,44 @@ class SampleQueue(ValidationRelay):
                 while True:
                     if self.stopping:
                         return {"kind": "stop"}
-                    if self.sync_to is not None and self.worker_versions[worker] != self.sync_to:
-                        sync = {"kind": "sync", "version": self.sync_to}
+                    absent = worker in self.absent  # a replacement not in the weight group
+                    sync_to = self.sync_to
+                    if (
+                        sync_to is not None
+                        and self.worker_versions[worker] != sync_to
+                        and not absent
+                    ):
+                        sync = {"kind": "sync", "version": sync_to}
                         if not may_generate or worker in self.validating:
                             return sync
-                        if self.stale >= self.bound or not self._admits(self.sync_to):
+                        if self.stale >= self.bound or not self._admits(sync_to):
                             return sync
-                        return {**sync, "then": self._generate()}
-                    if worker in self.validating:
+                        return {**sync, "then": self._generate(worker)}
+                    if worker in self.validating and not absent:
                         return {"kind": "validate", **self.validating.pop(worker)}
-                    if may_generate and self._may_generate(worker):
+                    if may_generate and not absent and self._may_generate(worker):
                         break
                     left = (self.poll if poll is None else poll) - (time.perf_counter() - start)
                     waited = time.perf_counter()
                     woke = left > 0 and await _wait(self.cond, None, left)
-                    paused += time.perf_counter() - waited  # held by the bound
+                    if not absent:
+                        paused += time.perf_counter() - waited  # held by the bound
                     if not woke:
                         return {"kind": "wait"}
             finally:
                 self.paused_s[worker] += paused
-            return self._generate()
+            return self._generate(worker)
 
-    def _generate(self) -> dict[str, Any]:
-        """A chunk of groups to generate (lock held; the bound has room), counted now."""
+    def _generate(self, worker: int) -> dict[str, Any]:
+        """A chunk of groups for ``worker`` to generate (lock held; the bound has room),
+        counted now."""
         count = min(self.chunk, self.bound - self.stale)
         indices = [self.redo.popleft() for _ in range(min(count, len(self.redo)))]
         fresh = count - len(indices)
         indices += range(self.next_group, self.next_group + fresh)
         self.next_group += fresh
         self.open.update(indices)
+        self.assigned.setdefault(worker, set()).update(indices)
         self.stale += count
         self.in_flight += count
         return {
@@ -256,6 +223,7 @@ class SampleQueue(ValidationRelay):
         async with self.cond:
             for version, group, index in zip(versions, groups, indices, strict=True):
                 self.queue.append(_Queued(version, worker, index, group))
+            self.assigned.get(worker, set()).difference_update(indices)
             self.in_flight -= len(groups)
             self.generated += len(groups)
             self.cond.notify_all()
@@ -268,8 +236,7 @@ class SampleQueue(ValidationRelay):
             self.worker_versions[worker] = info["version"]
             self.sync_info[worker] = info
             self.sync_wait_s[worker] += info.get("wait_s", 0.0)
-            if self.sync_to is not None and all(v == self.sync_to for v in self.worker_versions):
-                self.version, self.sync_to = self.sync_to, None
+            self._complete_sync()
             self.cond.notify_all()
 
     async def sync_pending(self, worker: int) -> int | None:

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..config.root import TrainerConfig
@@ -282,6 +283,9 @@ class Watch:
         self.loops = loops
         self.names = names or {}
         self.rollouts = rollouts or {}
+        self.heal: Callable[[RolloutLost], Any] | None = None
+        """Fully async: given the death of a rollout worker whose loop is watched, start
+        its replacement and return the replacement's loop (or raise the death)."""
 
     def get(self, refs, *, timeout: float | None, what: str):
         import ray
@@ -297,7 +301,8 @@ class Watch:
             ready, _ = ray.wait(pending + self.loops, num_returns=1, timeout=left)
             for ref in ready:
                 if ref in self.loops:
-                    self.failed(ref)
+                    self.failed(ref)  # raises, or a replacement's loop takes its place
+                    continue
                 pending.remove(ref)
                 try:  # the first failure stops the wait (its peers would only time out)
                     values[ref] = ray.get(ref, timeout=_READY_GET_S)
@@ -350,10 +355,15 @@ class Watch:
             ray.get(ref, timeout=_READY_GET_S)  # ready: ray.wait returned it
         except Exception as err:  # the worker's own error, or Ray's ActorDiedError
             reason = cause(err)  # the worker's exception, not Ray's wrapper of it
-            raise RunError(
+            line = (
                 f"rollout worker {worker} stopped: {type(reason).__name__}: "
                 f"{first_line(reason)}; {_INTACT}"
-            ) from None
+            )
+            dead = self._dead(reason)
+            if dead is not None and dead[2] in self.rollouts and self.heal is not None:
+                self.loops[worker] = self.heal(RolloutLost(line, worker))
+                return
+            raise RunError(line) from None
         raise RunError(f"rollout worker {worker} left its loop before the run ended")
 
 

@@ -60,7 +60,7 @@ class Fleet:
         self.max_restarts, self.window = cfg.max_restarts, cfg.restart_window_s
         self.heals = (
             cfg.max_restarts > 0
-            and job.config.trainer.mode in ("colocated", "one_step_off")
+            and job.config.trainer.mode in ("colocated", "one_step_off", "fully_async")
             and not (job.hybrid or cfg.server_urls)
         )
         """Whether a dead rollout worker is replaced (else its death stops the run)."""
@@ -81,9 +81,12 @@ class Fleet:
         """Rollout engines in the weight group (``rollout_engines_live``)."""
         return len(self.job.rollouts) - len(self.joining)
 
-    def record(self) -> dict[str, int]:
+    def record(self) -> dict[str, Any]:
         """The fleet's fields of a step's metrics line (the regenerated count restarts)."""
-        fields = {"rollout_restarts": self.total, "rollout_engines_live": self.live}
+        fields: dict[str, Any] = {
+            "rollout_restarts": self.total,
+            "rollout_engines_live": self.live,
+        }
         if self.regenerated:
             fields["regenerated_groups"] = self.regenerated
         self.regenerated = 0
@@ -141,7 +144,8 @@ class Fleet:
             what = f"starting the replacement of rollout worker {index}"
             job.watch.get(loaded, timeout=timeout, what=what)
             worker = job.rollouts[index]
-            node, pid = job.watch.get(worker.node.remote(), timeout=timeout, what=what)
+            where = worker.node.options(concurrency_group="receive").remote()  # beside run()
+            node, pid = job.watch.get(where, timeout=timeout, what=what)
             if node == here:  # close() sweeps the shared memory its workers leave here
                 job.local_pids.append(pid)
             log.info("rollout worker %d replaced in %.1f s", index, time.perf_counter() - start)
@@ -161,6 +165,15 @@ class Fleet:
             f"the {len(indices)} prompt groups rollout worker {index} was generating (batch "
             f"{position}, prompts {indices.start}-{indices.stop - 1}) are generated again by "
             f"{who}"
+        )
+
+    def requeued(self, index: int, positions: list[int]) -> None:
+        """Count and name the prompt groups fully async hands out again (data positions)."""
+        self.regenerated += len(positions)
+        named = ", ".join(map(str, positions)) or "none"
+        _say(
+            f"the {len(positions)} prompt groups rollout worker {index} was generating (data "
+            f"positions {named}) go back to be generated first"
         )
 
 

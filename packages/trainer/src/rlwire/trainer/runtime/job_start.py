@@ -201,7 +201,12 @@ class JobStart:
         size = 1 + len(self.rollouts)
         self.watch.get(
             [
-                *[r.engine_init.remote(backend, size, metadata) for r in self.rollouts],
+                *[  # on the receive group: fully async's loop may hold the default one
+                    r.engine_init.options(concurrency_group="receive").remote(
+                        backend, size, metadata
+                    )
+                    for r in self.rollouts
+                ],
                 *[a.engine_init.remote(backend, size, metadata) for a in self.actors],
             ],
             timeout=timeout,
