@@ -20,6 +20,7 @@ from ._registry import (
 )
 from ._segments import remove_segments
 from ._sizes import DEFAULT_BUCKET_SIZE, parse_bucket_size
+from ._store import bound_store
 
 __all__ = [
     "DEFAULT_BUCKET_SIZE",
@@ -35,6 +36,7 @@ __all__ = [
     "TransferStats",
     "apply_to_module",
     "backend_for_device",
+    "bound_store",
     "parse_bucket_size",
     "registry",
     "remove_segments",
