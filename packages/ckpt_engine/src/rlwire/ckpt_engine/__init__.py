@@ -8,6 +8,7 @@ this package imports no optional dependency: backends load on first use.
 
 from __future__ import annotations
 
+from ._admission import TOKEN_ENV as WEIGHT_TRANSFER_TOKEN_ENV
 from ._apply import StagedUpdate, apply_to_module, stage_update
 from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
 from ._delta import DELTA_MODES, Delta
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointEngineTimeout",
     "Delta",
     "TransferStats",
+    "WEIGHT_TRANSFER_TOKEN_ENV",
     "apply_to_module",
     "backend_for_device",
     "bound_store",
