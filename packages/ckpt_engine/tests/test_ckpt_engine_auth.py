@@ -4,9 +4,13 @@ CUDA IPC handles as plain data (no pickle), and a ``filesystem`` root of the job
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import inspect
 import json
+import os
+import secrets
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 from rlwire.ckpt_engine import CheckpointEngineError, apply_to_module, registry
+from rlwire.ckpt_engine._segments import SHM_DIR, SHM_PREFIX
 from rlwire.ckpt_engine._store import SignedStore
 from rlwire.ckpt_engine._wire import BucketMeta
+from rlwire.ckpt_engine.backends._shm import attach_segment
 
 
 def _stranger(metadata: dict) -> dist.TCPStore:
@@ -347,3 +353,84 @@ def test_a_filesystem_receiver_checks_the_masters_root_too(tmp_path):
         CheckpointEngineError, match=r"root '.*/weights' is owned by uid \d+ with mode 0o777"
     ):
         receiver.init_process_group(rank=1, world_size=2, master_metadata=metadata)
+
+
+# --- shm: the slot paths in the master's metadata are the caller's word ----------------------
+
+
+def _segment(tag: str) -> str:
+    """A path named as the engine names its segments (a pid nobody has, a random id)."""
+    return os.path.join(SHM_DIR, f"{SHM_PREFIX}999999999-{secrets.token_hex(6)}-{tag}")
+
+
+def test_a_receiver_maps_no_slot_the_backend_did_not_make_and_creates_none(tmp_path):
+    """A forged metadata (the store and secret of a real master, the slots elsewhere) is
+    refused before anything is mapped: a file outside /dev/shm, one named otherwise, a
+    missing one (``torch.from_file`` would create it), a link to a real slot, a short one."""
+    tx = registry.new("shm", is_master=True, bucket_size=4096, timeout=10)
+    meta = tx.prepare()
+    outside = tmp_path / "rlwire-ckpt-shm-1-000000000000-slot0"
+    outside.write_bytes(b"\0" * 4096)
+    misnamed = os.path.join(SHM_DIR, f"rlwire-test-{secrets.token_hex(6)}")
+    missing = _segment("slot0")
+    link = _segment("slot1")
+    short = _segment("slot0")
+    Path(misnamed).write_bytes(b"\0" * 4096)
+    os.symlink(meta["slots"][0], link)
+    Path(short).write_bytes(b"\0" * 100)
+    cases = {
+        str(outside): "is refused: not a segment of this backend",
+        misnamed: "is refused: not a segment of this backend",
+        missing: "cannot open the master's bucket slot .*: No such file or directory",
+        link: "cannot open the master's bucket slot .*: Too many levels of symbolic links",
+        short: "is refused: 100 bytes, not the 4096 the master announced",
+    }
+    try:
+        for path, message in cases.items():
+            rx = registry.new("shm", bucket_size=4096, timeout=10)
+            forged = {**meta, "slots": [path, meta["slots"][1]]}
+            with pytest.raises(CheckpointEngineError, match=f"^shm: .*{message}"):
+                rx.init_process_group(rank=1, world_size=2, master_metadata=forged)
+            rx.finalize()
+        assert not os.path.exists(missing)  # nothing was created
+        assert os.path.getsize(short) == 100  # nor grown
+        assert outside.read_bytes() == b"\0" * 4096
+    finally:
+        tx.finalize()
+        for path in (misnamed, link, short):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def test_a_segment_of_another_user_or_not_a_file_is_refused():
+    fifo, theirs = _segment("arena0"), _segment("arena1")
+    os.mkfifo(fifo, 0o600)
+    Path(theirs).write_bytes(b"\0" * 64)
+    try:
+        with pytest.raises(
+            CheckpointEngineError, match=r"^shm: the master's shared arena .* not a regular file$"
+        ):
+            attach_segment(fifo, 64, "shared arena")
+        if os.getuid() == 0:  # only root can give a file away
+            os.chown(theirs, 65534, 65534)
+            with pytest.raises(CheckpointEngineError, match=r"owned by uid 65534, not this"):
+                attach_segment(theirs, 64, "shared arena")
+        with pytest.raises(CheckpointEngineError, match=r"\('64' bytes\) is refused"):
+            attach_segment(theirs, "64", "shared arena")  # type: ignore[arg-type]
+    finally:
+        for path in (fifo, theirs):
+            os.unlink(path)
+
+
+def test_a_real_segment_is_mapped_shared_read_write():
+    path = _segment("slot1")
+    Path(path).write_bytes(bytes(range(256)) * 16)
+    os.chmod(path, 0o600)
+    try:
+        mapped = attach_segment(path, 4096, "bucket slot")
+        assert mapped.dtype == torch.uint8 and mapped.shape == (4096,)
+        assert mapped[:4].tolist() == [0, 1, 2, 3]
+        mapped[0] = 77  # shared: the file sees the write
+        assert Path(path).read_bytes()[0] == 77
+    finally:
+        os.unlink(path)

@@ -559,6 +559,131 @@ def test_a_run_on_a_running_vllm_server_then_a_second_run_is_refused(served, ray
     assert f"vllm_server {url} serves weights version 3 that an earlier run sent" in out
 
 
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """A ``vllm serve`` server started as a run starts it (``ServerProcess.start``: loopback,
+    ``rlwire_shm``, a fresh token in its environment, rlwire's guard): ``(process, model_dir)``."""
+    pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
+    from rlwire.trainer.config.root import load_config
+    from rlwire.trainer.models.tiny import build_tiny_model
+    from rlwire.trainer.rollout.vllm_http import ServerProcess, VLLMServer
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("started") / "tiny", seed=0)
+    config = load_config(overrides=["rollout.backend=vllm_server", f"model.path={model_dir}"])
+    process = ServerProcess.start(config, str(model_dir), backend="shm")
+    try:
+        process.wait_ready(VLLMServer(process.url, timeout=30), 300)
+        yield process, model_dir
+    finally:
+        process.stop()
+
+
+def _post(url: str, body: dict, token: str | None = None) -> tuple[int, str]:
+    """POST ``body`` as JSON: the status and the answer's text (an error's too)."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_a_stranger_on_the_host_cannot_write_weights_into_a_server_the_run_started(started):
+    """The review's attack: a stranger reads the port from the command line and posts an init
+    naming a store of their own (host, port, secret): refused at the door without the token
+    (every weight and RPC route: ``reload_weights`` from a path of theirs too), refused by
+    the engine past the door without the token or with options of theirs, and the server
+    keeps the model's own weights; the run's own token joins, and its update lands."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from rlwire.ckpt_engine import registry
+    from rlwire.trainer.rollout.vllm_http import VLLMServer
+
+    process, model_dir = started
+    url, token = process.url, process.token
+    assert token not in " ".join(process.process.args)  # not on the command line
+    theirs = registry.new("shm", is_master=True, bucket_size="1MiB", timeout=20)
+    info = {
+        "backend": "rlwire_shm",
+        "master_metadata": theirs.prepare(),  # their store: host, port, secret
+        "world_size": 2,
+        "rank_offset": 1,
+        "timeout": 20,
+    }
+    try:
+        attempts = [
+            ("/init_weight_transfer_engine", {"init_info": info}),
+            ("/init_weight_transfer_engine", {"init_info": {**info, "token": "0" * 64}}),
+            ("/collective_rpc", {"method": "reload_weights",
+                                 "kwargs": {"weights_path": str(model_dir)}}),
+            ("/update_weights", {"update_info": {}}),
+        ]  # fmt: skip
+        for path, body in attempts:
+            for guess in (None, "0" * 64):
+                status, text = _post(url + path, body, guess)
+                assert status == 401, (path, status, text)
+                assert "requires its weight-transfer token (RLWIRE_WEIGHT_TRANSFER_TOKEN)" in text
+        # past the door (a caller with the token at the HTTP level), the engine still wants
+        # it in the init info, and takes no options from the caller
+        for extra, refusal in [
+            ({}, "refused: this server takes weights only from the run that started it and "
+                 "the init info carries no token"),
+            ({"token": "0" * 64}, "the init info's token is not its RLWIRE_WEIGHT_TRANSFER_TOKEN"),
+            ({"token": token, "options": {"root": "/tmp"}}, "options ['root'] are not taken"),
+        ]:  # fmt: skip
+            status, text = _post(url + "/init_weight_transfer_engine",
+                                 {"init_info": {**info, **extra}}, token)  # fmt: skip
+            assert status != 200 and refusal in text, (status, text)
+    finally:
+        theirs.finalize()
+    server = VLLMServer(url, timeout=120, token=token)
+    status, text = _post(url + "/collective_rpc", {"method": "rlwire_weight_versions"}, token)
+    assert json.loads(text)["results"] == [
+        {"backend": None, "held": None, "staged": None, "rlwire": True}
+    ]  # joined no group, holds the model's own weights
+    # the run's own path: the token joins, an update lands
+    ours = registry.new("shm", is_master=True, bucket_size="1MiB", timeout=60)
+    metadata = ours.prepare()
+    failed: list[BaseException] = []
+
+    def run(call) -> threading.Thread:
+        def target() -> None:
+            try:
+                call()
+            except BaseException as err:  # reported by the assertion below
+                failed.append(err)
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        return thread
+
+    try:
+        joining = run(lambda: server.init_weight_transfer(
+            "shm", rank=1, world_size=2, metadata=metadata, timeout=60))  # fmt: skip
+        ours.init_process_group(rank=0, world_size=2, master_metadata=metadata)
+        joining.join(180)
+        assert not joining.is_alive() and not failed, failed
+        weights = {k: v * 1.05 for k, v in load_file(model_dir / "model.safetensors").items()}
+        versions: list[int] = []
+        receiving = run(lambda: versions.append(server.receive_update()))
+        asyncio.run(ours.send_weights(weights.items(), version=1))
+        receiving.join(180)
+        assert not receiving.is_alive() and not failed and versions == [1], failed
+        server.finish_update(1)
+    finally:
+        ours.finalize()
+    status, text = _post(url + "/collective_rpc", {"method": "rlwire_weight_versions"}, token)
+    assert json.loads(text)["results"][0]["held"] == 1
+
+
 def test_a_server_that_does_not_answer_stops_the_run_naming_it(ray_cluster, tmp_path):
     pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
     import socket

@@ -5,25 +5,35 @@ reads completions, and the config it accepts."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from rlwire.trainer.checks import ConfigError
 from rlwire.trainer.config.root import load_config
-from rlwire.trainer.rollout.vllm_http import SERVER_FLAGS, VLLMServer
+from rlwire.trainer.rollout.vllm_http import (
+    GUARD,
+    SERVER_FLAGS,
+    ServerProcess,
+    VLLMServer,
+    server_command,
+)
 
 
 class _Server:
     """Answers GET/POST paths from ``routes`` (path -> (status, JSON body)); records posts."""
 
     def __init__(self, routes: dict[str, tuple[int, object]]) -> None:
-        self.routes, self.posts = routes, []
+        self.routes, self.posts, self.auth = routes, [], []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
+                outer.auth.append((self.path, self.headers.get("Authorization")))
                 status, body = outer.routes.get(self.path, (404, {"detail": "Not Found"}))
                 raw = json.dumps(body).encode()
                 self.send_response(status)
@@ -194,3 +204,70 @@ def test_servers_given_one_per_worker_are_taken():
         ]
     )
     assert config.rollout.server_urls == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+
+
+# --- a server the run starts takes weights from the run only ---------------------------------
+
+
+def test_the_token_goes_with_every_call_and_in_the_init_info(fake, tmp_path):
+    token = "ab" * 32
+    routes = {
+        "/v1/models": _models(str(tmp_path)),
+        "/collective_rpc": _versions(None),
+        "/init_weight_transfer_engine": (200, {}),
+    }
+    server = fake(routes)
+    client = VLLMServer(server.url, timeout=5, token=token)
+    client.check_serves(str(tmp_path))
+    client.init_weight_transfer("shm", rank=1, world_size=2, metadata={"port": 1}, timeout=5)
+    assert [a for _, a in server.auth] == [f"Bearer {token}"] * 3
+    info = server.posts[-1][1]["init_info"]
+    assert info["token"] == token and info["backend"] == "rlwire_shm"
+    # a server of the user's, without a token: nothing is sent
+    plain = fake(routes)
+    VLLMServer(plain.url, timeout=5).init_weight_transfer(
+        "gloo", rank=1, world_size=2, metadata={}, timeout=5
+    )
+    assert plain.auth == [("/init_weight_transfer_engine", None)]
+    assert "token" not in plain.posts[-1][1]["init_info"]
+
+
+def test_a_server_the_run_starts_names_its_backend_loopback_and_the_guard_and_no_secret():
+    config = load_config(overrides=["rollout.backend=vllm_server"])
+    command = server_command(config, "/m", backend="shm", port=8123, on_gpu=False)
+    flags = dict(zip(command[3::2], command[4::2], strict=False))
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8123"
+    assert json.loads(command[command.index("--weight-transfer-config") + 1]) == {
+        "backend": "rlwire_shm"  # never "rlwire", which takes whichever backend a caller names
+    }
+    assert command[command.index("--middleware") + 1] == GUARD
+    assert "RLWIRE_WEIGHT_TRANSFER_TOKEN" in SERVER_FLAGS and GUARD in SERVER_FLAGS
+    with pytest.raises(ValueError, match="the run's resolved one, not 'auto'"):
+        ServerProcess.start(config, "/m", backend="auto")
+
+
+def _tmp_logs() -> set[str]:
+    import glob
+    import tempfile
+
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "rlwire-vllm-server-*")))
+
+
+def test_the_servers_log_has_no_name_and_is_closed_with_it():
+    """The server's output goes to a file without a name: nothing in /tmp while it runs or
+    after (a killed worker leaves nothing either), no descriptor left open after stop()."""
+    before_logs, before_fds = _tmp_logs(), set(os.listdir("/proc/self/fd"))
+    command = [sys.executable, "-c", "print('serving', flush=True); import time; time.sleep(60)"]
+    server = ServerProcess.launch(command, dict(os.environ), url="http://127.0.0.1:1", token="t")
+    try:
+        deadline = time.monotonic() + 60
+        while "serving" not in server.tail():
+            assert server.process.poll() is None, server.tail()
+            assert time.monotonic() < deadline, "the command printed nothing within 60 s"
+            time.sleep(0.1)
+        assert _tmp_logs() == before_logs
+    finally:
+        server.stop()
+    assert server.process.poll() is not None
+    assert set(os.listdir("/proc/self/fd")) == before_fds
+    assert _tmp_logs() == before_logs

@@ -8,6 +8,7 @@ this package imports no optional dependency: backends load on first use.
 
 from __future__ import annotations
 
+from ._admission import TOKEN_ENV as WEIGHT_TRANSFER_TOKEN_ENV
 from ._apply import StagedUpdate, apply_to_module, stage_update
 from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
 from ._delta import DELTA_MODES, Delta
@@ -20,6 +21,7 @@ from ._registry import (
 )
 from ._segments import remove_segments
 from ._sizes import DEFAULT_BUCKET_SIZE, parse_bucket_size
+from ._store import bound_store
 
 __all__ = [
     "DEFAULT_BUCKET_SIZE",
@@ -33,8 +35,10 @@ __all__ = [
     "CheckpointEngineTimeout",
     "Delta",
     "TransferStats",
+    "WEIGHT_TRANSFER_TOKEN_ENV",
     "apply_to_module",
     "backend_for_device",
+    "bound_store",
     "parse_bucket_size",
     "registry",
     "remove_segments",

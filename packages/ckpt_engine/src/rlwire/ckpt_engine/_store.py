@@ -31,6 +31,7 @@ from ._errors import CheckpointEngineError, CheckpointEngineTimeout
 __all__ = [
     "SignedStore",
     "blocking",
+    "bound_store",
     "connect_store",
     "master_store",
     "peer_errors",
@@ -126,13 +127,15 @@ class SignedStore:
         return self.raw.delete_key(key)
 
 
-def master_store(host: str, timeout: float, name: str) -> SignedStore:
-    """A store served by this process on a free port (``store.port``) of ``host``'s
+def bound_store(host: str, timeout: float) -> TCPStore:
+    """A TCPStore served by this process on a free port (``store.port``) of ``host``'s
     address only: loopback when ``host`` is (every member on this machine), the interface
-    named otherwise; ``0.0.0.0`` asks for every interface. A fresh secret signs its values."""
+    named otherwise; ``0.0.0.0`` asks for every interface. Unsigned: for torch's own
+    rendezvous (``torch.distributed.init_process_group(store=...)``); the engine's messages
+    go through :func:`master_store`."""
     sock = _listening_socket(host)
     port = sock.getsockname()[1]
-    store = TCPStore(
+    return TCPStore(
         host,
         port,
         is_master=True,
@@ -141,7 +144,11 @@ def master_store(host: str, timeout: float, name: str) -> SignedStore:
         master_listen_fd=sock.detach(),  # the store owns the descriptor from here
         use_libuv=True,
     )
-    return SignedStore(store, secrets.token_bytes(32), name)
+
+
+def master_store(host: str, timeout: float, name: str) -> SignedStore:
+    """A :func:`bound_store` whose values a fresh secret signs."""
+    return SignedStore(bound_store(host, timeout), secrets.token_bytes(32), name)
 
 
 def connect_store(meta: dict[str, Any], timeout: float, name: str) -> SignedStore:

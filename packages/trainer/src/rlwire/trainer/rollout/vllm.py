@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlwire.ckpt_engine import WEIGHT_TRANSFER_TOKEN_ENV
+
 from ..models import lora
 from .base import RequestsEngine, SleepingRolloutEngine, StagingRolloutEngine
 from .requests import EngineCore
@@ -60,19 +62,30 @@ INSTALL_HINT = (
 
 
 def transfer_init_info(
-    backend: str, *, rank: int, world_size: int, metadata: dict, timeout: float
+    backend: str,
+    *,
+    rank: int,
+    world_size: int,
+    metadata: dict,
+    timeout: float,
+    token: str | None = None,
 ) -> dict:
     """What vLLM's ``init_weight_transfer_engine`` gives its ``rlwire`` engine so that its
     workers join the checkpoint engine's group from receiver ``rank`` on
     (``rlwire.ckpt_engine.vllm.RlwireInitInfo``; named here, not imported: that module needs
-    vLLM, which a trainer driving ``vllm serve`` servers over HTTP may lack)."""
-    return {
+    vLLM, which a trainer driving ``vllm serve`` servers over HTTP may lack). ``token``: the
+    weight-transfer token of a server that demands one
+    (``rlwire.ckpt_engine.WEIGHT_TRANSFER_TOKEN_ENV``)."""
+    info = {
         "backend": f"rlwire_{backend}",
         "master_metadata": metadata,
         "world_size": world_size,
         "rank_offset": rank,
         "timeout": timeout,
     }
+    if token:
+        info["token"] = token
+    return info
 
 
 class WeightReloadExtension:
@@ -191,9 +204,11 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
         engine's in-process ``naive``: a receiver in this process)."""
         if self._adapters is not None or backend == "naive":
             return super().join(backend, rank=rank, world_size=world_size, metadata=metadata)
+        # the engine runs in this process and reads this environment: its token, if set
         info = transfer_init_info(
             backend, rank=rank, world_size=world_size, metadata=metadata,
             timeout=self.config.ckpt_engine.timeout,
+            token=os.environ.get(WEIGHT_TRANSFER_TOKEN_ENV),
         )  # fmt: skip
         self.llm.init_weight_transfer_engine({"init_info": info})
         # the uni executor runs the worker in this process: its engine, to receive into

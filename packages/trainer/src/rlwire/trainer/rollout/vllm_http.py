@@ -2,6 +2,13 @@
 makes (every one bounded in time, every failure naming the server) and the server process
 it starts when no URL is given.
 
+A server this worker starts takes weights only from this run: a fresh token
+(``secrets.token_hex(32)``) goes into its environment (``RLWIRE_WEIGHT_TRANSFER_TOKEN``, not
+its command line, which every user of the host can read), its weight-transfer engine takes an
+init only with that token, and rlwire's guard (``--middleware``) refuses every route but
+``/health`` to a request without it; the server listens on loopback. Its log is a file
+without a name (``O_TMPFILE``): nothing is left in ``/tmp`` however the worker ends.
+
 Run as ``python -m rlwire.trainer.rollout.vllm_http PARENT_PID COMMAND...``: a watchdog that
 runs ``COMMAND`` (the server) and stops it when the process ``PARENT_PID`` is gone, so that
 a rollout worker killed outright leaves no server behind; the server also gets SIGTERM when
@@ -14,6 +21,7 @@ import atexit
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -23,35 +31,43 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from rlwire.ckpt_engine import WEIGHT_TRANSFER_TOKEN_ENV
 
 from .vllm import CPU_KV_CACHE_BYTES, INSTALL_HINT, transfer_init_info
 
-__all__ = ["ServerProcess", "VLLMServer"]
+__all__ = ["ServerProcess", "VLLMServer", "server_command"]
 
 EXTENSION = "rlwire.ckpt_engine.vllm.WorkerExtension"
+GUARD = "rlwire.ckpt_engine.vllm.TokenGuard"
 SERVER_FLAGS = (
     f"VLLM_SERVER_DEV_MODE=1 (vLLM's weight-transfer and RPC routes), --weight-transfer-config "
-    f'\'{{"backend": "rlwire"}}\' and --worker-extension-cls {EXTENSION}'
+    f'\'{{"backend": "rlwire_<ckpt_engine.backend>"}}\' and --worker-extension-cls {EXTENSION} '
+    f"(and {WEIGHT_TRANSFER_TOKEN_ENV} in its environment and this run's, with --middleware "
+    f"{GUARD})"
 )
 
 
 class VLLMServer:
-    """The calls the rollout engine makes to one server at ``url``."""
+    """The calls the rollout engine makes to one server at ``url``; ``token``: its
+    weight-transfer token, sent with every call (``Authorization: Bearer``) and in the init
+    info, for a server that demands one."""
 
-    def __init__(self, url: str, *, timeout: float) -> None:
+    def __init__(self, url: str, *, timeout: float, token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.token = token or None
         self.model_name: str | None = None
 
     def _call(self, path: str, body: dict | None = None, *, timeout: float | None = None):
         wait = self.timeout if timeout is None else timeout
         data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         request = urllib.request.Request(
-            self.url + path,
-            data=data,
-            method="GET" if body is None else "POST",
-            headers={"Content-Type": "application/json"},
+            self.url + path, data=data, method="GET" if body is None else "POST", headers=headers
         )
         try:
             with urllib.request.urlopen(request, timeout=wait) as answer:
@@ -106,7 +122,12 @@ class VLLMServer:
         self, backend: str, *, rank: int, world_size: int, metadata: dict, timeout: float
     ) -> None:
         info = transfer_init_info(
-            backend, rank=rank, world_size=world_size, metadata=metadata, timeout=timeout
+            backend,
+            rank=rank,
+            world_size=world_size,
+            metadata=metadata,
+            timeout=timeout,
+            token=self.token,
         )
         self._call("/init_weight_transfer_engine", {"init_info": info}, timeout=timeout + 30)
 
@@ -147,15 +168,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """A ``vllm serve`` server this rollout worker started, on its own node (loopback)."""
+def server_command(
+    config, model_path: str, *, backend: str, port: int, on_gpu: bool, gpu_share: float = 1.0
+) -> list[str]:
+    """The ``vllm serve`` command of a server a rollout worker starts: loopback, the rlwire
+    engine of the run's checkpoint-engine ``backend`` only (``rlwire_<backend>``, not the
+    name that takes any), rlwire's worker extension and token guard, the ``rollout.vllm``
+    options. No secret: a command line is visible to every user of the host."""
+    cfg = config.rollout.vllm
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", config.model.dtype, "--seed", str(config.trainer.seed),
+        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
+        "--weight-transfer-config", json.dumps({"backend": f"rlwire_{backend}"}),
+        "--worker-extension-cls", EXTENSION, "--middleware", GUARD,
+    ]  # fmt: skip
+    if cfg.enforce_eager:
+        command.append("--enforce-eager")
+    kv_bytes = cfg.kv_cache_memory_bytes
+    if kv_bytes is None and not on_gpu:
+        kv_bytes = CPU_KV_CACHE_BYTES
+    if kv_bytes is not None:
+        command += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    if on_gpu:
+        command += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization * gpu_share)]
+    if cfg.max_model_len is not None:
+        command += ["--max-model-len", str(cfg.max_model_len)]
+    return command
 
-    def __init__(self, process: subprocess.Popen, url: str, log: Path) -> None:
-        self.process, self.url, self.log = process, url, log
+
+class ServerProcess:
+    """A ``vllm serve`` server this rollout worker started, on its own node (loopback), that
+    takes weights only with its ``token``; its output goes to ``log``, a file without a name
+    that this object holds open until :meth:`stop`."""
+
+    def __init__(self, process: subprocess.Popen, url: str, log: IO[bytes], token: str) -> None:
+        self.process, self.url, self.log, self.token = process, url, log, token
         atexit.register(self.stop)
 
     @classmethod
-    def start(cls, config, model_path: str, *, gpu_share: float = 1.0) -> ServerProcess:
+    def start(
+        cls, config, model_path: str, *, backend: str, gpu_share: float = 1.0
+    ) -> ServerProcess:
+        """Start the server for ``model_path`` with the weight-transfer engine of the run's
+        checkpoint-engine ``backend`` (resolved: ``shm``, ``gloo``, ..., not ``auto``) and a
+        fresh token in its environment."""
+        if backend == "auto":
+            raise ValueError("ServerProcess.start: backend is the run's resolved one, not 'auto'")
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError(
                 INSTALL_HINT.replace("rollout.backend=vllm", "rollout.backend=vllm_server")
@@ -163,52 +223,53 @@ class ServerProcess:
             )
         import torch
 
-        cfg = config.rollout.vllm
-        port = _free_port()
-        on_gpu = torch.cuda.is_available()
-        command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", config.model.dtype, "--seed", str(config.trainer.seed),
-            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-            "--weight-transfer-config", json.dumps({"backend": "rlwire"}),
-            "--worker-extension-cls", EXTENSION,
-        ]  # fmt: skip
-        if cfg.enforce_eager:
-            command.append("--enforce-eager")
-        kv_bytes = cfg.kv_cache_memory_bytes
-        if kv_bytes is None and not on_gpu:
-            kv_bytes = CPU_KV_CACHE_BYTES
-        if kv_bytes is not None:
-            command += ["--kv-cache-memory-bytes", str(kv_bytes)]
-        if on_gpu:
-            command += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization * gpu_share)]
-        if cfg.max_model_len is not None:
-            command += ["--max-model-len", str(cfg.max_model_len)]
+        port, on_gpu, token = _free_port(), torch.cuda.is_available(), secrets.token_hex(32)
+        command = server_command(
+            config, model_path, backend=backend, port=port, on_gpu=on_gpu, gpu_share=gpu_share
+        )
         env = {
             **os.environ,
+            WEIGHT_TRANSFER_TOKEN_ENV: token,  # the environment: other users do not see it
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_DO_NOT_TRACK": "1",
         }
         if not on_gpu:
             env.setdefault("TORCHDYNAMO_DISABLE", "1")
-        log = Path(tempfile.mkstemp(prefix="rlwire-vllm-server-", suffix=".log")[1])
-        with log.open("w") as out:
+        return cls.launch(command, env, url=f"http://127.0.0.1:{port}", token=token)
+
+    @classmethod
+    def launch(
+        cls, command: list[str], env: dict[str, str], *, url: str, token: str
+    ) -> ServerProcess:
+        """Run ``command`` under this module's watchdog, its output into a file without a
+        name (``O_TMPFILE`` where the kernel has it, unlinked at once elsewhere): it goes
+        with the last process that holds it open, however this worker ends."""
+        log = tempfile.TemporaryFile(  # noqa: SIM115  (open for the server's life: stop())
+            prefix="rlwire-vllm-server-", suffix=".log"
+        )
+        try:
             process = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(os.getpid()), *command],
-                stdout=out,
+                stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
             )
-        return cls(process, f"http://127.0.0.1:{port}", log)
+        except BaseException:
+            log.close()
+            raise
+        return cls(process, url, log, token)
 
-    def tail(self, lines: int = 20) -> str:
+    def tail(self, lines: int = 20, *, limit: int = 1 << 16) -> str:
+        """The last ``lines`` lines of the server's output (of its last ``limit`` bytes)."""
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
+            fd = self.log.fileno()
+            size = os.fstat(fd).st_size
+            raw = os.pread(fd, limit, max(0, size - limit))
+        except (OSError, ValueError):  # closed: stopped
             return ""
+        return "\n".join(raw.decode(errors="replace").splitlines()[-lines:])
 
     def wait_ready(self, server: VLLMServer, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -234,7 +295,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
-        self.log.unlink(missing_ok=True)
+        self.log.close()
 
 
 def _die_with_parent() -> None:

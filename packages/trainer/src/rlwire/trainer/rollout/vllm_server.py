@@ -5,7 +5,10 @@ the worker's node (``rollout.server_urls`` unset), or the running one at
 ``rollout.server_urls[index]``. The engine serves requests as chains of completion calls,
 many in flight at once, which the server batches continuously (:mod:`.chains`; with partial
 rollouts each call of at most ``async.partial_rollout_chunk_tokens`` tokens, so that a
-weight commit waits for no more). Calls go through the OpenAI-compatible completions API
+weight commit waits for no more). A server it starts runs the rlwire engine of the run's
+checkpoint-engine backend and takes weights from this run only (its token: :mod:`.vllm_http`);
+a server given by URL is sent the ``RLWIRE_WEIGHT_TRANSFER_TOKEN`` of this worker's
+environment, where set. Calls go through the OpenAI-compatible completions API
 with token ids in and out: the prompt's token ids are sent, the sampled token ids
 (``return_token_ids``) and their log-probabilities (``logprobs=0``; the server runs with
 ``--logprobs-mode processed_logprobs``: temperature applied, the quantity the actor
@@ -21,9 +24,12 @@ prefix cache is reset then, so the next calls prefill with the new weights (alwa
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 
 import torch
+
+from rlwire.ckpt_engine import WEIGHT_TRANSFER_TOKEN_ENV
 
 from .base import RequestsEngine, StagingRolloutEngine
 from .chains import chain_core
@@ -57,11 +63,15 @@ class VLLMServerEngine(RequestsEngine, StagingRolloutEngine):
         cfg = config.rollout
         timeout = cfg.vllm.request_timeout
         if cfg.server_urls:
-            url = cfg.server_urls[index]
+            # the user's server: its token, if it was started with one, from this worker's
+            # environment (docs: rollout backends)
+            url, token = cfg.server_urls[index], os.environ.get(WEIGHT_TRANSFER_TOKEN_ENV)
         else:
-            self.process = ServerProcess.start(config, model_path, gpu_share=gpu_share)
-            url = self.process.url
-        self.server = VLLMServer(url, timeout=timeout)
+            self.process = ServerProcess.start(
+                config, model_path, backend=config.ckpt_engine.backend, gpu_share=gpu_share
+            )
+            url, token = self.process.url, self.process.token
+        self.server = VLLMServer(url, timeout=timeout, token=token)
         try:
             if self.process is not None:
                 self.process.wait_ready(self.server, config.ray.startup_timeout)

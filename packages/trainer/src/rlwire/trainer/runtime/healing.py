@@ -123,7 +123,7 @@ class Fleet:
         old = job.rollouts[index]
         ray.kill(old, no_restart=True)
         new = self.make(index, self.total)
-        self.loading[index] = (new.load_engine.remote(), time.perf_counter())
+        self.loading[index] = (new.load_engine.remote(job.engine_backend), time.perf_counter())
         job.rollouts[index] = new
         job.processes[job.processes.index(old)] = new
         actor = new._actor_id.hex()

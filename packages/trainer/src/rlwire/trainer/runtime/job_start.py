@@ -62,7 +62,12 @@ class JobStart:
             if config.model.path == "tiny":  # work, not start-up: priming the lookup model
                 self._build_model(config.ray.task_timeout)
             master = ray.get(self.actors[0].address.remote(), timeout=config.ray.startup_timeout)
-            ready = [] if self.hybrid else [r.load_engine.remote() for r in self.rollouts]
+            where = ray.get(
+                [w.node.remote() for w in self.processes], timeout=config.ray.startup_timeout
+            )
+            # before the rollout engines: a vllm serve server starts with its engine
+            backend = self._engine_backend(layout, len({n for n, _ in where}) == 1, model_path)
+            ready = [] if self.hybrid else [r.load_engine.remote(backend) for r in self.rollouts]
             if layout is not None:  # on GPUs the rollout engines measure free memory first
                 ray.get(ready, timeout=config.ray.startup_timeout)
             ray.get(
@@ -119,11 +124,6 @@ class JobStart:
                 layout.rollouts,
                 ids[world:],
             )
-        where = self.watch.get(
-            [w.node.remote() for w in self.processes],
-            timeout=config.ray.startup_timeout,
-            what="setup",
-        )
         nodes = [node for node, _ in where]
         here = ray.get_runtime_context().get_node_id()  # the driver's: close() sweeps there
         self.local_pids = [pid for node, pid in where if node == here]
@@ -134,8 +134,7 @@ class JobStart:
             "the actor ranks" if self.hybrid else [names[n] for n in nodes[world:]],
             *master,
         )
-        self.one_host = len(names) == 1
-        self.engine_backend = self._engine_setup(layout, self.one_host, model_path)
+        self.engine_backend = self._engine_setup(backend)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if self.metrics_path.exists():  # a fresh run's, or steps after the checkpoint
             lines = self.metrics_path.read_text().splitlines()
@@ -167,12 +166,26 @@ class JobStart:
         """A new checkpoint-engine group with every member joined anew (a replaced rollout
         worker among them): a new master, so the next update is whole."""
         start = time.perf_counter()
-        self.engine_backend = self._engine_setup(self.layout, self.one_host, self.model_path)
+        self.engine_backend = self._engine_setup(self.engine_backend)
         log.info("weight group re-formed in %.1f s", time.perf_counter() - start)
 
-    def _engine_setup(self, layout, one_host: bool, model_path: str) -> str:
-        """Join every member to the checkpoint engine; its backend. Hybrid: each rank hands
-        over to its own rollout engine in memory (``naive``); otherwise actor rank 0 sends,
+    def _engine_backend(self, layout, one_host: bool, model_path: str) -> str:
+        """The checkpoint engine's backend: ``naive`` for the hybrid engine (each rank hands
+        over to its own rollout engine in memory), else ``ckpt_engine.backend`` with
+        ``auto`` resolved by where the workers run."""
+        if self.hybrid:
+            return "naive"
+        config = self.config
+        return engine_backend(
+            config.ckpt_engine.backend,
+            layout,
+            one_host=one_host,
+            shm_bytes=shm_bytes_needed(model_path, config.ckpt_engine.bucket_size),
+        )
+
+    def _engine_setup(self, backend: str) -> str:
+        """Join every member to the checkpoint engine of ``backend``; the backend. Hybrid:
+        each rank hands over to its own rollout engine; otherwise actor rank 0 sends,
         rollout worker i receives as rank 1 + i."""
         config = self.config
         timeout = config.ray.startup_timeout + config.ckpt_engine.timeout
@@ -184,12 +197,6 @@ class JobStart:
                 what="checkpoint engine setup",
             )
             return "naive"
-        backend = engine_backend(
-            config.ckpt_engine.backend,
-            layout,
-            one_host=one_host,
-            shm_bytes=shm_bytes_needed(model_path, config.ckpt_engine.bucket_size),
-        )
         log.info("checkpoint engine: %s", backend)
         metadata = self.watch.get(
             self.actors[0].engine_prepare.remote(backend),

@@ -4,6 +4,7 @@ checkpoint engine (colocated mode without the hybrid engine, and fully-async mod
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Coroutine
 from typing import Any, cast
@@ -58,9 +59,14 @@ class RolloutWorker(WeightStage, WorkerProcess):
         self.agent: AgentLoop | FunctionRunner | None = None  # the agent loop (agent.enable)
         self.version = -1
 
-    def load_engine(self) -> None:
+    def load_engine(self, weight_backend: str | None = None) -> None:
         """Build the generation engine on the model (the driver calls it once the model
-        directory exists)."""
+        directory exists). ``weight_backend``: the checkpoint engine's backend as the driver
+        resolved it (``ckpt_engine.backend=auto`` by where the workers run), in the config
+        the engine is given (a ``vllm serve`` server is started with its engine)."""
+        if weight_backend is not None and weight_backend != self.config.ckpt_engine.backend:
+            section = dataclasses.replace(self.config.ckpt_engine, backend=weight_backend)
+            self.config = dataclasses.replace(self.config, ckpt_engine=section)
         engine_class = rollout_engine_class(self.config.rollout.backend)
         # several engines on one GPU split their share (vLLM: gpu_memory_utilization)
         self.backend = backend = engine_class(

@@ -34,11 +34,32 @@ from ..outputs.checkpoint import load_actor, save_actor
 from ..rollout import Rollout
 from .background import Background
 from .weight_push import WeightPush
-from .worker_process import WorkerProcess, free_port, host, seed_everything, set_threads
+from .worker_process import WorkerProcess, host, seed_everything, set_threads
 
 __all__ = ["ActorWorker"]
 
 _TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def join_group(
+    backend: str,
+    *,
+    rank: int,
+    world_size: int,
+    master: tuple[str, int],
+    store: Any = None,
+    timeout: datetime.timedelta = _TIMEOUT,
+) -> None:
+    """torch.distributed's default group of the actor ranks, over rank 0's ``store`` (a
+    ``rlwire.ckpt_engine.bound_store`` at ``master``: listening on that address only); the
+    other ranks connect to it. ``MASTER_ADDR``/``MASTER_PORT`` are set too, for libraries
+    that read them."""
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
+    if store is None:
+        store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 class ActorWorker(WeightPush, WorkerProcess):
@@ -59,6 +80,7 @@ class ActorWorker(WeightPush, WorkerProcess):
         # for a receiver in another process; the hybrid engine's in-process receiver reads
         # them on this device (HybridWorker).
         self.sync_device = torch.device("cpu")
+        self._group_store: Any = None  # rank 0: the actor group's store (address())
 
     @property
     def actor(self) -> ActorEngine:
@@ -68,9 +90,14 @@ class ActorWorker(WeightPush, WorkerProcess):
 
     # --- setup ---------------------------------------------------------------------------
     def address(self) -> tuple[str, int]:
-        """rank 0: where the group's store listens."""
+        """rank 0: where the group's store listens, from now on: on this node's address only
+        (loopback while the cluster has one node), not on every interface as torch's own
+        TCPStore server would."""
+        from rlwire.ckpt_engine import bound_store
+
         address = host()
-        return address, free_port(address)
+        self._group_store = bound_store(address, _TIMEOUT.total_seconds())
+        return address, self._group_store.port
 
     def build_model(self) -> None:
         """Build the built-in tiny model at ``model_path`` (``model.path=tiny``) unless it is
@@ -78,13 +105,18 @@ class ActorWorker(WeightPush, WorkerProcess):
         build_tiny(self.config, Path(self.model_path))
 
     def setup(self, master: tuple[str, int]) -> None:
-        import torch.distributed as dist
-
         cfg = self.config
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, rank=self.rank, world_size=cfg.actor.world_size, timeout=_TIMEOUT
+        store = None
+        if self.rank == 0:
+            if self._group_store is None:  # address() not asked: a group of one, no Ray
+                from rlwire.ckpt_engine import bound_store
+
+                self._group_store = bound_store(master[0], _TIMEOUT.total_seconds())
+            store = self._group_store
+            master = (master[0], store.port)
+        join_group(
+            backend, rank=self.rank, world_size=cfg.actor.world_size, master=master, store=store
         )
         seed_everything(cfg.trainer.seed)
         engine_class = actor_engine_class(cfg.actor.strategy)

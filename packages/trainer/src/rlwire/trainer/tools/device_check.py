@@ -36,7 +36,6 @@ from ..data.rewards import load_reward
 from ..models.tiny import build_tiny_model
 from ..rollout import HFEngine
 from ..runtime.hybrid import HybridWorker
-from ..runtime.worker_process import free_port
 
 __all__ = ["check_config", "main", "run_check", "table"]
 
@@ -93,7 +92,7 @@ def run_check(config: TrainerConfig, model_path: str) -> tuple[list[dict], int]:
     import torch.distributed as dist
 
     worker = HybridWorker(config, model_path, 0)
-    worker.setup(("127.0.0.1", free_port("127.0.0.1")))
+    worker.setup(("127.0.0.1", 0))  # rank 0 of one: its store takes a free port
     try:
         worker.engine_init_hybrid()
         device = worker.device
