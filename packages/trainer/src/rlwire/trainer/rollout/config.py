@@ -123,10 +123,10 @@ class RolloutConfig:
     last token before the rollout stops with a line naming it."""
     max_restarts: int = 3
     """A rollout worker that dies (its process, or the ``vllm serve`` server it started) is
-    replaced while training goes on, in ``trainer.mode`` ``colocated`` and
-    ``one_step_off`` (``fully_async`` still stops the run): its share of the batch is
-    generated again by a worker that holds the same weights, with the same seed, and the
-    replacement joins the weight group at the next sync (:mod:`rlwire.trainer.runtime.healing`).
+    replaced while training goes on: its share of the batch is generated again by a worker
+    that holds the same weights, with the same seed (fully async: the groups it held go
+    back to be generated first), and the replacement joins the weight group at the next
+    sync (:mod:`rlwire.trainer.runtime.healing`).
     At most this many replacements per worker within ``rollout.restart_window_s``; the
     next death stops the run with one line, as every death does with 0."""
     restart_window_s: float = 3600.0

@@ -1,7 +1,7 @@
 """Rollout workers that heal: a rollout worker that dies is replaced while training goes on.
 
 Colocated and one-step off modes (every rollout worker holds the same weights while it
-generates; the driver makes every call). Where a worker's death is seen:
+generates; the driver makes every call; :class:`~.job.Job`), where a worker's death is seen:
 
 - **generation**: the other workers' shares are kept; the dead worker's share (its prompt
   groups) is generated again by a worker that lived through the call, with the dead one's
@@ -16,6 +16,12 @@ generates; the driver makes every call). Where a worker's death is seen:
   in only once it arrived whole, so the survivors hold the old weights or the new ones,
   never a mix.
 
+Fully-async mode (:mod:`rlwire.trainer.modes.fully_async`): a worker's loop that ends in its
+death is replaced (:attr:`~.cluster.Watch.heal`); the groups it held go back to be generated
+first and it is absent from the sample queue (handed nothing; a sync completes without it)
+until its replacement joined the weight group (the queue's ``worker_lost`` and
+``worker_joined``). A death during a weight push is not healed there.
+
 A replacement is a new Ray actor of the same index with its own engine (``vllm_server``:
 a new server: the dead worker's watchdog stopped the old one); it joins the
 checkpoint engine's group when the group is re-formed, before the next sync, and the sync
@@ -24,9 +30,9 @@ every backend the same way: a new master (a new store, new shared memory) and ev
 joined anew, so the first update after it is whole (deltas need a base every member holds).
 
 ``rollout.max_restarts`` replacements per worker within ``rollout.restart_window_s``; the
-next death stops the run with the line a death always gave. Fully-async mode, the hybrid
-engine (no rollout process of its own) and ``rollout.server_urls`` (servers the run did
-not start) are not healed: a death stops the run.
+next death stops the run with the line a death always gave. The hybrid engine (no rollout
+process of its own), ``rollout.server_urls`` (servers the run did not start) and a death
+during a validation are not healed: the death stops the run.
 """
 
 from __future__ import annotations
