@@ -112,6 +112,60 @@ def test_bad_trainer_settings_are_refused_with_what_is_allowed():
         RlwireTrainerInitInfo(rank=0, delta="sometimes")
 
 
+def test_a_new_group_drops_an_update_the_old_one_left_unwritten():
+    """A server whose earlier run died between receive and finish_weight_update: the next
+    run's init drops that update (before: every receive refused "version 1 is received and
+    not yet written in"). No vLLM engine runs: the transfer engine alone, on gloo."""
+    pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+    from rlwire.ckpt_engine import registry
+    from rlwire.ckpt_engine.vllm import RlwireWeightTransferEngine
+    from rlwire.ckpt_engine.vllm._worker import RlwireInitInfo
+
+    parallel = SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+    vllm_config = SimpleNamespace(parallel_config=parallel, model_config=None)
+    receiver = RlwireWeightTransferEngine(
+        SimpleNamespace(backend="rlwire"), vllm_config, torch.device("cpu"), torch.nn.Linear(2, 2)
+    )
+    weights = [("w", torch.arange(6, dtype=torch.float32))]
+
+    def run(version: int) -> int:
+        """A run's sender joins with ``receiver`` and sends ``version``; what it received."""
+        master = registry.new("gloo", is_master=True, timeout=30)
+        meta = master.prepare()
+        joined = threading.Thread(
+            target=master.init_process_group,
+            kwargs={"rank": 0, "world_size": 2, "master_metadata": meta},
+        )
+        joined.start()
+        receiver.init_transfer_engine(
+            RlwireInitInfo(backend="rlwire_gloo", master_metadata=meta, world_size=2, timeout=30)
+        )
+        joined.join(timeout=60)
+        assert not joined.is_alive()
+
+        async def both() -> int:
+            _, received = await asyncio.gather(
+                master.send_weights(weights, version=version), receiver.receive(version)
+            )
+            return received
+
+        try:
+            return asyncio.run(both())
+        finally:
+            master.finalize()
+
+    try:
+        assert run(1) == 1 and receiver.staged_version == 1  # the run dies here
+        assert run(2) == 2 and receiver.staged_version == 2  # the next run's first update
+    finally:
+        receiver.shutdown()
+
+
 BACKENDS = ["shm", "gloo", "filesystem"]
 
 

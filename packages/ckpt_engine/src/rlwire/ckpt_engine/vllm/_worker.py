@@ -141,7 +141,8 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
 
     # --- lifecycle -------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: RlwireInitInfo) -> None:
-        """Join the caller's group as a receiver. A server started with a weight-transfer
+        """Join the caller's group as a receiver (leaving the one joined before, and dropping
+        an update it received that was not written in). A server started with a weight-transfer
         token takes the init only with that token and no backend options from the caller
         (:func:`rlwire.ckpt_engine._admission.admit`); a refused one leaves the group this
         engine is in untouched."""
@@ -159,6 +160,10 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
                 f"{ANY!r}: any rlwire backend)"
             )
         self.shutdown()
+        # An update the old group delivered and nobody wrote in (its run died between
+        # receive and finish_weight_update) is dropped: the new group sends whole updates
+        # from what vLLM's model holds (``version``), which stays as it is.
+        self._staged = self._staged_version = None
         self.backend = backend
         parallel = self.parallel_config
         worker = parallel.data_parallel_index * parallel.world_size + parallel.rank
