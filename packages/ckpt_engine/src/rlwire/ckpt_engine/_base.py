@@ -6,7 +6,7 @@ import abc
 import dataclasses
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import Any, ClassVar, overload
+from typing import Any, ClassVar, TypeVar, overload
 
 import torch
 
@@ -14,6 +14,8 @@ from ._delta import Delta, DeltaMirror, check_delta_mode
 from ._errors import CheckpointEngineError
 from ._sizes import parse_bucket_size
 from ._wire import aiter_weights
+
+_T = TypeVar("_T")
 
 __all__ = ["DEFAULT_TIMEOUT_S", "CheckpointEngine", "TransferStats", "Weights"]
 
@@ -135,6 +137,12 @@ class CheckpointEngine(abc.ABC):
         self.world_size: int | None = None
         self._exchange = False  # members say which version they hold before each update
         self.last_version: int | None = None
+        self.progressed_at = time.monotonic()
+        """When a transfer of this engine last moved (``time.monotonic()``): an item taken to
+        send or yielded to the receiver, or an update begun or sent. A caller that waits for a
+        whole transfer running in another thread bounds its wait by the time since this, not
+        by the transfer's total (which grows with the model): every wait inside is bounded
+        by ``timeout`` already."""
 
     # --- lifecycle -----------------------------------------------------------------
     def _buffer_device(self) -> torch.device:
@@ -222,8 +230,9 @@ class CheckpointEngine(abc.ABC):
                 f"version {version} is lower than the last one sent ({self.last_version})"
             )
         start = time.perf_counter()
-        stats = await self._send(weights, version)
-        self.last_version = version
+        self.progressed_at = time.monotonic()
+        stats = await self._send(self._ticked(aiter_weights(weights)), version)
+        self.last_version, self.progressed_at = version, time.monotonic()
         return dataclasses.replace(stats, seconds=time.perf_counter() - start)
 
     def metadata(self) -> dict[str, Any]:
@@ -271,7 +280,20 @@ class CheckpointEngine(abc.ABC):
             return _empty()
         if self.rank == 0:
             raise CheckpointEngineError("receive_weights on the master (rank 0)")
-        return self._receive(copy, base_version)
+        self.progressed_at = time.monotonic()
+        return self._ticked(self._receive(copy, base_version))
+
+    async def _ticked(self, items: AsyncIterator[_T]) -> AsyncIterator[_T]:
+        """``items``, stamping :attr:`progressed_at` at each; closing them when the consumer
+        stops early (a backend's clean-up runs then, not at garbage collection)."""
+        try:
+            async for item in items:
+                self.progressed_at = time.monotonic()
+                yield item
+        finally:
+            close = getattr(items, "aclose", None)  # an async generator's
+            if close is not None:
+                await close()
 
     @abc.abstractmethod
     async def _send(self, weights: Weights, version: int) -> TransferStats:

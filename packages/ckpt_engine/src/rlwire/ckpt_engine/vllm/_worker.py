@@ -139,6 +139,12 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         """The version received and not yet written in (``finish_weight_update``)."""
         return self._staged_version
 
+    @property
+    def progressed_at(self) -> float | None:
+        """When the transfer of the group joined last moved
+        (:attr:`rlwire.ckpt_engine.CheckpointEngine.progressed_at`); None before joining."""
+        return None if self.engine is None else self.engine.progressed_at
+
     # --- lifecycle -------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: RlwireInitInfo) -> None:
         """Join the caller's group as a receiver (leaving the one joined before, and dropping

@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -59,8 +60,20 @@ class VLLMServer:
         self.timeout = timeout
         self.token = token or None
         self.model_name: str | None = None
+        self.progressed_at = time.monotonic()
+        """When the update being received last moved (``time.monotonic()``): the server
+        answered ``/health`` during it (:meth:`receive_update`)."""
 
-    def _call(self, path: str, body: dict | None = None, *, timeout: float | None = None):
+    def _call(
+        self,
+        path: str,
+        body: dict | None = None,
+        *,
+        timeout: float | None = None,
+        deadline: bool = True,
+    ):
+        """``path``'s JSON answer, waiting ``timeout`` seconds (``request_timeout`` by
+        default; ``deadline=False``: as long as the connection stays open)."""
         wait = self.timeout if timeout is None else timeout
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
@@ -70,7 +83,8 @@ class VLLMServer:
             self.url + path, data=data, method="GET" if body is None else "POST", headers=headers
         )
         try:
-            with urllib.request.urlopen(request, timeout=wait) as answer:
+            opened = urllib.request.urlopen(request, **({"timeout": wait} if deadline else {}))
+            with opened as answer:
                 raw = answer.read()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:500]
@@ -79,8 +93,9 @@ class VLLMServer:
             ) from None
         except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
             reason = getattr(err, "reason", err)
+            within = f" within {wait:g} s" if deadline else ""
             raise RuntimeError(
-                f"vllm_server {self.url}: no answer to {path} within {wait:g} s ({reason})"
+                f"vllm_server {self.url}: no answer to {path}{within} ({reason})"
             ) from None
         return json.loads(raw) if raw else None
 
@@ -131,10 +146,38 @@ class VLLMServer:
         )
         self._call("/init_weight_transfer_engine", {"init_info": info}, timeout=timeout + 30)
 
-    def receive_update(self) -> int:
-        """Receive one whole update beside the weights in use; its version."""
+    def receive_update(self, *, poll: float = 5.0) -> int:
+        """Receive one whole update beside the weights in use; its version.
+
+        ``/update_weights`` answers once the whole update arrived, which takes longer in
+        all the larger the model: it has no deadline of its own, since the server's
+        receiver bounds each of its waits by ``ckpt_engine.timeout`` (the init info's) and
+        answers with that error. Meanwhile ``/health`` is asked every ``poll`` seconds:
+        each answer is progress (:attr:`progressed_at`, what the staging caller's wait
+        reads); a server that stops answering fails the update, naming it."""
         self._call("/start_weight_update", {})
-        self._call("/update_weights", {"update_info": {}}, timeout=self.timeout)
+        outcome: list[BaseException | None] = []
+
+        def update() -> None:
+            try:
+                self._call("/update_weights", {"update_info": {}}, deadline=False)
+                outcome.append(None)
+            except BaseException as err:  # re-raised in the caller's thread
+                outcome.append(err)
+
+        call = threading.Thread(target=update, name="rlwire-vllm-update", daemon=True)
+        self.progressed_at = time.monotonic()
+        call.start()
+        call.join(poll)
+        while call.is_alive():
+            if not self.healthy():
+                raise RuntimeError(
+                    f"vllm_server {self.url}: stopped answering /health while it received an update"
+                )
+            self.progressed_at = time.monotonic()
+            call.join(poll)
+        if outcome[0] is not None:
+            raise outcome[0]
         (versions,) = self._call("/collective_rpc", {"method": "rlwire_weight_versions"})["results"]
         return int(versions["staged"])
 

@@ -92,11 +92,13 @@ class RolloutWorker(WeightStage, WorkerProcess):
         """Join the checkpoint engine as a receiver: rank ``rank``, by default ``1 + index``
         (actor rank 0 sends to every rollout worker), through the rollout engine's
         :meth:`~rlwire.trainer.rollout.RolloutEngine.join`; a group joined before (one
-        re-formed: :mod:`.healing`) is left first."""
+        re-formed: :mod:`.healing`) is left first, and an update it staged and nobody wrote
+        in is dropped."""
         from rlwire.ckpt_engine import CheckpointEngine
 
         if isinstance(self.engine, CheckpointEngine):
             self.engine.finalize()
+        self._drop_staged()  # the old group's: the re-formed one sends afresh
         self.engine = self._loaded().join(
             backend,
             rank=1 + self.index if rank is None else rank,
@@ -174,7 +176,7 @@ class RolloutWorker(WeightStage, WorkerProcess):
         now, the engine held between two steps for the transfer. Its version and digest."""
         backend = self._loaded()
         if backend.stages_updates:
-            return self._take_staged(version, self.config.ckpt_engine.timeout + 30)
+            return self._take_staged(version, self.config.ckpt_engine.timeout)
         return backend.between_steps(self.pull_weights)
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from ..config.root import TrainerConfig
 from ..rollout import WeightsDigest, rollout_engine_class
-from .background import Background
+from .background import Background, idle_budget
 from .worker_process import host
 
 if TYPE_CHECKING:
@@ -140,11 +140,10 @@ class WeightPush:
         while the next calls (updates) run; the rollout workers take it at their next
         boundary. One send in flight: the previous one ends before the snapshot is taken
         (the arena is its source until then; the driver finishes every push first)."""
-        timeout = self.config.ckpt_engine.timeout + 30
         if self.rank != 0:  # the gathers only
             self.push_weights(version)
             return
-        self._sending.finish(timeout=timeout)
+        self.finish_push()
         digest = self._digest()
         start = time.perf_counter()
         with self._resident(optimizer=False):
@@ -160,12 +159,24 @@ class WeightPush:
             stats = await engine.send_weights(snapshot, version=version)
             return _report(stats, gathered_s, digest)
 
-        self._sending.start(send, timeout=timeout)
+        self._sending.start(send, timeout=0)  # none in flight: finished above
 
     def finish_push(self) -> dict[str, Any]:
-        """Wait for the send :meth:`start_push` began (bounded by ``ckpt_engine.timeout``
-        per wait in the engine); what :meth:`push_weights` reports (``{}`` on ranks but 0)."""
-        return self._sending.finish(timeout=self.config.ckpt_engine.timeout + 30) or {}
+        """Wait for the send :meth:`start_push` began while it moves: the engine bounds each
+        of its waits by ``ckpt_engine.timeout``, so a large model's send may take longer in
+        all; it fails only after :func:`~.background.idle_budget` seconds without progress
+        (a send stuck outside the engine's waits). What :meth:`push_weights` reports (``{}``
+        on ranks but 0)."""
+        timeout = self.config.ckpt_engine.timeout
+        engine = self.engine
+        return (
+            self._sending.finish(
+                timeout=idle_budget(timeout),
+                progressed_at=lambda: None if engine is None else engine.progressed_at,
+                bound=f"ckpt_engine.timeout={timeout:g} s per wait, twice, and 30 s",
+            )
+            or {}
+        )
 
     def _digest(self) -> WeightsDigest | None:
         """A digest to fill while gathering, with ``ckpt_engine.digest`` (rank 0 reports)."""

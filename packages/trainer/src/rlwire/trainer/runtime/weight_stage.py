@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..config.root import TrainerConfig
 from ..rollout import RolloutEngine, StagingRolloutEngine
+from .background import idle_budget, wait_moving
 
 __all__ = ["WeightStage"]
 
@@ -59,14 +60,31 @@ class WeightStage:
             raise staged
         return True
 
-    def _take_staged(self, version: int, timeout: float) -> dict[str, Any]:
-        """Write in the update :meth:`stage_weights` received (waiting for it at most
-        ``timeout`` seconds); its version and digest."""
+    def _drop_staged(self) -> None:
+        """Forget an update received and not written in (or its error): its group was left
+        (:meth:`RolloutWorker.engine_init` joins a re-formed one, which sends afresh); the
+        engine keeps the weights it holds."""
         with self._slot:
-            if not self._slot.wait_for(lambda: self._staged is not None, timeout):
+            self._staged = None
+
+    def _take_staged(self, version: int, timeout: float) -> dict[str, Any]:
+        """Write in the update :meth:`stage_weights` receives, waiting for it while it
+        moves: ``timeout`` (``ckpt_engine.timeout``) bounds each wait of the transfer, not
+        the whole (a large model's takes longer), so this fails only after
+        :func:`~.background.idle_budget` seconds without progress (the receiver handle's
+        ``progressed_at``: each item received; a handle without it: that long in all).
+        Its version and digest."""
+        idle = idle_budget(timeout)
+        with self._slot:
+
+            def received(seconds: float) -> bool:
+                return self._slot.wait_for(lambda: self._staged is not None, seconds)
+
+            if not wait_moving(received, lambda: getattr(self.engine, "progressed_at", None), idle):
                 raise TimeoutError(
-                    f"rollout worker {self.index}: weights {version} not received within "
-                    f"{timeout:g} s of reaching a boundary"
+                    f"rollout worker {self.index}: weights {version}: the receive made no "
+                    f"progress for {idle:g} s after reaching a boundary (ckpt_engine.timeout="
+                    f"{timeout:g} s per wait, twice, and 30 s)"
                 )
             staged, self._staged = self._staged, None
         assert staged is not None  # what wait_for waited for

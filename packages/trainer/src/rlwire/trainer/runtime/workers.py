@@ -74,7 +74,7 @@ class ActorWorker(WeightPush, WorkerProcess):
         self._actor: ActorEngine | None = None  # setup() builds it
         self.engine = None
         self.shared: dict[str, torch.Tensor] | None = None  # zero-copy: the arena's tensors
-        self._sending = Background("weight push")  # fully async: the send in flight
+        self._sending = Background("actor rank 0's weight send")  # fully async: the send in flight
         self.lr_scale = 1.0  # the staleness-aware step size in effect
         # Where a sync's tensors go for an engine without a device of its own: the host
         # for a receiver in another process; the hybrid engine's in-process receiver reads
