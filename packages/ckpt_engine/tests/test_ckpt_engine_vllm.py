@@ -122,6 +122,7 @@ def test_a_new_group_drops_an_update_the_old_one_left_unwritten():
     from types import SimpleNamespace
 
     import torch
+
     from rlwire.ckpt_engine import registry
     from rlwire.ckpt_engine.vllm import RlwireWeightTransferEngine
     from rlwire.ckpt_engine.vllm._worker import RlwireInitInfo

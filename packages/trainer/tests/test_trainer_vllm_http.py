@@ -25,7 +25,8 @@ from rlwire.trainer.rollout.vllm_http import (
 
 
 class _Server:
-    """Answers GET/POST paths from ``routes`` (path -> (status, JSON body)); records posts."""
+    """Answers GET/POST paths from ``routes`` (path -> (status, JSON body[, seconds before
+    it answers])); records posts."""
 
     def __init__(self, routes: dict[str, tuple[int, object]]) -> None:
         self.routes, self.posts, self.auth = routes, [], []
@@ -34,7 +35,9 @@ class _Server:
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
                 outer.auth.append((self.path, self.headers.get("Authorization")))
-                status, body = outer.routes.get(self.path, (404, {"detail": "Not Found"}))
+                status, body, *delay = outer.routes.get(self.path, (404, {"detail": "Not Found"}))
+                if delay:  # seconds before it answers (a long weight transfer)
+                    time.sleep(delay[0])
                 raw = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -175,6 +178,34 @@ def test_an_update_is_received_then_written_in_with_its_version(fake):
     ]
     assert server.posts[1][1] == {"update_info": {}}
     assert server.posts[3][1] == {"weight_version": "4"}
+
+
+def test_an_update_longer_than_request_timeout_is_received_while_the_server_answers(fake):
+    routes = {
+        "/health": (200, {}),
+        "/start_weight_update": (200, {}),
+        "/update_weights": (200, {}, 3.0),  # the transfer: three times the request timeout
+        "/collective_rpc": (200, {"results": [{"held": None, "staged": 5, "rlwire": True}]}),
+    }
+    client = VLLMServer(fake(routes).url, timeout=1)
+    before = client.progressed_at
+    assert client.receive_update(poll=0.25) == 5  # before: "no answer ... within 1 s"
+    assert client.progressed_at > before  # /health answered meanwhile: progress
+
+
+def test_an_update_fails_naming_the_server_once_it_stops_answering_health(fake):
+    routes = {
+        "/health": (503, {}),
+        "/start_weight_update": (200, {}),
+        "/update_weights": (200, {}, 2.0),
+    }
+    server = fake(routes)
+    client = VLLMServer(server.url, timeout=30)
+    with pytest.raises(RuntimeError, match="stopped answering /health while it received an"):
+        client.receive_update(poll=0.25)
+    for call in threading.enumerate():  # the call it left: ends when the stand-in answers
+        if call.name == "rlwire-vllm-update":
+            call.join(timeout=30)
 
 
 @pytest.mark.parametrize(

@@ -70,13 +70,7 @@ def worker(monkeypatch) -> RolloutWorker:
 
 
 def _stage_in_background(w: RolloutWorker, version: int) -> threading.Thread:
-    def stage() -> None:
-        try:
-            w.stage_weights(version)
-        except TimeoutError:  # the stalled one's own, handed to sync as well
-            pass
-
-    thread = threading.Thread(target=stage, daemon=True)
+    thread = threading.Thread(target=w.stage_weights, args=(version,), daemon=True)
     thread.start()
     return thread
 
