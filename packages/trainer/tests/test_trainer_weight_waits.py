@@ -77,7 +77,8 @@ def _stage_in_background(w: RolloutWorker, version: int) -> threading.Thread:
 
 def test_a_receive_longer_than_the_budget_that_moves_is_taken(worker):
     staging = _stage_in_background(worker, 7)
-    assert worker.sync(7) == {"version": 7, "digest": None}
+    # sync's wait, with ckpt_engine.timeout (before: a 2 s bound on the whole receive)
+    assert worker._take_staged(7, IDLE_S) == {"version": 7, "digest": None}
     staging.join(timeout=30)
     assert not staging.is_alive()
 

@@ -83,8 +83,8 @@ class VLLMServer:
             self.url + path, data=data, method="GET" if body is None else "POST", headers=headers
         )
         try:
-            opened = urllib.request.urlopen(request, **({"timeout": wait} if deadline else {}))
-            with opened as answer:
+            # None: a blocking socket, open as long as the server keeps the connection
+            with urllib.request.urlopen(request, timeout=wait if deadline else None) as answer:
                 raw = answer.read()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:500]
