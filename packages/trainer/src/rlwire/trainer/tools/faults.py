@@ -1,14 +1,18 @@
 """The fault campaign: kill a process of a short run at a random point of a phase, run the
 same command again, and check that nothing was lost, repeated, left behind or damaged.
 
-    python -m rlwire.trainer.tools.faults --trials N --seed S [--out DIR] [--special enospc corrupt]
+    python -m rlwire.trainer.tools.faults --trials N --seed S [--out DIR] [--no-reference]
+        [--special enospc corrupt uncommitted stranger]
 
 Each trial runs the embedded tiny job (``rlwire-train`` with no data or model given: 8
 steps, a checkpoint every 2, 2 kept, ``actor.world_size`` 2; :mod:`rlwire.trainer.tools.fault_runs`)
-as a subprocess in one-step off-policy or fully-async mode, SIGKILLs an actor rank, the
-rollout worker or the driver during generation, an update, a weight push or a checkpoint
-save, then runs the same command to completion. The trials walk the 24 combinations in
-shuffled rounds (seeded): ``--trials 48`` is every combination twice.
+as a subprocess in one-step off-policy or fully-async mode, sends SIGKILL or SIGTERM
+(alternately: ``signal``) to an actor rank, the rollout worker or the driver during
+generation, an update, a weight push or a checkpoint save, then runs the same command to
+completion. The trials walk the 24 combinations in shuffled rounds (seeded): ``--trials 48``
+is every combination twice. The trial's seed draws its fault; the runs' ``trainer.seed`` is
+the campaign's, one per mode (:func:`rlwire.trainer.tools.fault_runs.run_seed`), so one
+unfaulted reference run per mode serves every trial's model check.
 
 **Phases.** The runs carry :mod:`rlwire.trainer.tools.fault_hooks` as their ``sitecustomize``:
 each phase method of the Ray workers logs its start and end (``ActorWorker.train``:
@@ -33,21 +37,25 @@ by a marker in their environment or their Ray temp dir; then killed by pid, and 
 segments removed; after a SIGKILLed driver, whose own shutdown never runs, Ray's agents
 may take 120 s);
 every file of every checkpoint seen complete is byte-identical after each run, unless the
-retention policy removed the checkpoint; a killed worker stops the first run with one
+retention policy removed the checkpoint; the final model and optimizer state equal the
+unfaulted reference run's bit for bit (:mod:`rlwire.trainer.tools.fault_model`; a failure
+only in one-step off-policy, not after a healed worker with no survivor regenerated its
+share with newer weights; informational in fully async, where timing decides what each
+version trains); a killed worker, or a SIGTERMed driver, stops the first run with one
 ``rlwire-train: error:`` line and no traceback, or lets it finish with exit 0: a rollout
 worker in one-step off-policy mode, which heals (:mod:`rlwire.trainer.runtime.healing`;
 the table's ``no restart``), or any worker killed after the last step that needed it.
 
-**Special trials** (``--special``, registry :data:`SPECIALS`): ``enospc``, every write under
-``checkpoints/step_4/`` fails with ENOSPC (the hooks' full disk): the run must stop with one
-line naming it, the earlier checkpoints intact, and the same command without it must
-complete. ``corrupt``, one trial per file kind of a checkpoint: the driver is killed once
-``step_4`` is complete, bytes are flipped in a file of the latest complete checkpoint, and
-the same command must refuse with one line naming the file, or resume from an earlier
-checkpoint and complete (``outcome`` says which happened). ``stranger``: a process without
-the group's secret writes the checkpoint engine's bucket metadata during the run
-(:mod:`rlwire.trainer.tools.fault_stranger`): the run must stop naming the refused message,
-and the same command without it must complete.
+**Special trials** (``--special``, :mod:`rlwire.trainer.tools.fault_specials`): ``enospc``
+(a full disk during a save), ``corrupt`` (a damaged file of the latest checkpoint),
+``uncommitted`` (the driver SIGKILLed after every actor rank's part of ``step_4`` is written
+and before ``COMPLETE``: the rerun must resume from ``step_2``), ``stranger`` (a process
+without the group's secret writes the weight sync's metadata).
+
+**Table**: per mode, fault (target and signal) and phase: trials, landed, completed, completed
+without a restart and after one, groups lost and trained twice, versions back, leftovers,
+checkpoint files damaged, same model, clean stops, failed
+(:func:`~rlwire.trainer.tools.fault_checks.summary_table`).
 
 Writes ``DIR/trials.jsonl`` and ``DIR/table.md`` and prints the table; a failed trial's
 directory (run directory, events, both runs' output) is kept. Exit 1 if any check failed.
