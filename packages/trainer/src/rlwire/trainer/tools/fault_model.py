@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,13 +104,20 @@ def exact_expected(mode: str, no_survivor: bool) -> bool:
 
 
 class References:
-    """The unfaulted run of each (mode, run seed, world size) a campaign's trials need, run
+    """The unfaulted run of each (mode, run seed, world size) a campaign's trials need (of
+    ``modes``: the trials of other modes are not compared), run
     once, when the first completed trial of that kind asks for it, in ``out/reference-...``
     (removed once read, unless ``keep``). ``runs``: each reference's name, exit status and
     seconds, for the campaign's report."""
 
-    def __init__(self, out: Path, *, keep: bool = False) -> None:
-        self.out, self.keep = out, keep
+    def __init__(
+        self,
+        out: Path,
+        *,
+        modes: Iterable[str] = ("one_step_off", "fully_async"),
+        keep: bool = False,
+    ) -> None:
+        self.out, self.keep, self.modes = out, keep, frozenset(modes)
         self.states: dict[tuple[str, int, int], dict[str, Any] | None] = {}
         self.runs: list[dict[str, Any]] = []
 

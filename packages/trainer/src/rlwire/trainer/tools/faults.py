@@ -1,8 +1,8 @@
 """The fault campaign: kill a process of a short run at a random point of a phase, run the
 same command again, and check that nothing was lost, repeated, left behind or damaged.
 
-    python -m rlwire.trainer.tools.faults --trials N --seed S [--out DIR] [--no-reference]
-        [--special enospc corrupt uncommitted stranger]
+    python -m rlwire.trainer.tools.faults --trials N --seed S [--out DIR]
+        [--reference-modes MODE ...] [--special enospc corrupt uncommitted stranger]
 
 Each trial runs the embedded tiny job (``rlwire-train`` with no data or model given: 8
 steps, a checkpoint every 2, 2 kept, ``actor.world_size`` 2; :mod:`rlwire.trainer.tools.fault_runs`)
@@ -219,7 +219,7 @@ def run_trial(
     r["hf_model"] = (second.run_dir / "hf_model" / "config.json").exists()
     r["completed"] = r["rc2"] == 0 and r["steps"] == list(range(1, STEPS + 1))
     r.update(same_model=None, model_diff=[], exact_expected=False)
-    if r["completed"] and references is not None:
+    if r["completed"] and references is not None and trial.mode in references.modes:
         r.update(compare_model(trial, second.run_dir, references))
     if special:
         r.update(special.verdict(r))
@@ -270,9 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2, help="actor.world_size")
     parser.add_argument("--keep", action="store_true", help="keep every trial's directory")
     parser.add_argument(
-        "--no-reference",
-        action="store_true",
-        help="skip the unfaulted reference runs (no model comparison)",
+        "--reference-modes",
+        nargs="*",
+        default=list(MODES),
+        choices=MODES,
+        help="the modes whose trials' final model is compared with an unfaulted run of "
+        "their own (one run per mode; default both; none: no comparison)",
     )
     args = parser.parse_args(argv)
     out = args.out.resolve()
@@ -283,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.special:
         trials += SPECIALS[name].trials(args.seed, args.world_size)
     results = []
-    references = None if args.no_reference else References(out, keep=args.keep)
+    references = References(out, modes=args.reference_modes, keep=args.keep)
     with (out / "trials.jsonl").open("w") as record:
         for i, trial in enumerate(trials, 1):
             r = run_trial(trial, out, hooks, references)
