@@ -220,7 +220,12 @@ def run_trial(
     r["completed"] = r["rc2"] == 0 and r["steps"] == list(range(1, STEPS + 1))
     r.update(same_model=None, model_diff=[], exact_expected=False)
     if r["completed"] and references is not None and trial.mode in references.modes:
+        referenced = time.monotonic()
+        before = sum(run["seconds"] for run in references.runs)
         r.update(compare_model(trial, second.run_dir, references))
+        # a reference run started for this trial is the campaign's time, not the trial's
+        started += sum(run["seconds"] for run in references.runs) - before
+        r["compare_s"] = round(time.monotonic() - referenced, 1)
     if special:
         r.update(special.verdict(r))
     r["seconds"] = round(time.monotonic() - started, 1)
