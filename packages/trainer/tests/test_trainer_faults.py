@@ -373,7 +373,7 @@ def test_the_model_check_names_an_optimizer_state_that_differs(tmp_path):
     trial = Trial(name="t", mode="one_step_off", target="actor0", phase="save", seed=1)
     references = fault_model.References(tmp_path)
     references.states[trial.mode, trial.run_seed, trial.world] = reference  # as if run
-    compared = fault_model.compare_model(trial, tmp_path / "run", references)
+    compared = fault_model.compare_model(trial, tmp_path / "run", references, restarted=False)
     assert compared["same_model"] is False and compared["exact_expected"] is True
     assert compared["model_diff"] == ["optimizer/state/0/exp_avg"]
     assert fault_model.model_diff(reference, {"model": reference["model"]})[0].startswith(
@@ -393,9 +393,10 @@ def test_a_no_survivor_regeneration_makes_the_model_check_informational(tmp_path
         "... are generated again by " + fault_model.NO_SURVIVOR + ": it took the actor's)\n"
     )
     assert fault_model.regenerated(tmp_path, records[:1]) == (0, True)
-    assert fault_model.exact_expected("one_step_off", no_survivor=False)
-    assert not fault_model.exact_expected("one_step_off", no_survivor=True)
-    assert not fault_model.exact_expected("fully_async", no_survivor=False)
+    assert fault_model.exact_expected("one_step_off", no_survivor=False, restarted=False)
+    assert not fault_model.exact_expected("one_step_off", no_survivor=True, restarted=False)
+    assert not fault_model.exact_expected("one_step_off", no_survivor=False, restarted=True)
+    assert not fault_model.exact_expected("fully_async", no_survivor=False, restarted=False)
 
 
 def test_the_hooks_pause_the_driver_before_complete_of_one_checkpoint(tmp_path):

@@ -6,9 +6,11 @@ resume that dropped the optimizer state, or loaded the weights of the wrong step
 them all. This one reads the final checkpoint's actor state (DCP, read without a process
 group) and compares every tensor bit for bit (``torch.equal``) with the reference's.
 
-Exactness is expected where the job is deterministic: one-step off-policy, where each
-step trains a fixed data batch and each generation call is seeded from ``trainer.seed``,
-the step and the worker, and the actor's RNG states are checkpointed. It is not expected
+Exactness is expected where the job is deterministic: one-step off-policy without a
+restart, where each step trains a fixed data batch and each generation call is seeded from
+``trainer.seed``, the step and the worker. It is not expected after a restart (the resumed
+run generates the batch after its checkpoint with the restored weights, lag 0 once, where
+the unfaulted run used weights one step older: found by this check's first campaign), nor
 in fully async (timing decides which groups each version trains: the group indices are
 checked instead), nor after a healed rollout worker with no survivor regenerated its
 share with the actor's current, newer weights (:mod:`rlwire.trainer.runtime.healing`)."""
@@ -98,9 +100,13 @@ def regenerated(run_dir: Path, records: list[dict[str, Any]]) -> tuple[int, bool
     return count, NO_SURVIVOR in text
 
 
-def exact_expected(mode: str, no_survivor: bool) -> bool:
-    """Whether a completed trial must end with the reference's model bit for bit."""
-    return mode == "one_step_off" and not no_survivor
+def exact_expected(mode: str, no_survivor: bool, restarted: bool) -> bool:
+    """Whether a completed trial must end with the reference's model bit for bit: one-step
+    off-policy, completed without a restart, and not healed by a replacement with newer
+    weights. A restart is not exact either: the resumed run generates the batch after its
+    checkpoint with the restored weights (lag 0 once), where the unfaulted run used the
+    weights one step older (docs/trainer/checkpoints.md, "Resuming")."""
+    return mode == "one_step_off" and not no_survivor and not restarted
 
 
 class References:
@@ -157,7 +163,9 @@ class References:
         return state
 
 
-def compare_model(trial: Trial, run_dir: Path, references: References) -> dict[str, Any]:
+def compare_model(
+    trial: Trial, run_dir: Path, references: References, *, restarted: bool
+) -> dict[str, Any]:
     """A completed trial's final model and optimizer state against the reference's:
     ``same_model`` (None: not compared), ``model_diff`` (the first differing entries, or
     why there was nothing to compare), ``regenerated_groups``, ``no_survivor`` and
@@ -167,7 +175,7 @@ def compare_model(trial: Trial, run_dir: Path, references: References) -> dict[s
     fields: dict[str, Any] = {
         "regenerated_groups": count,
         "no_survivor": no_survivor,
-        "exact_expected": exact_expected(trial.mode, no_survivor),
+        "exact_expected": exact_expected(trial.mode, no_survivor, restarted),
     }
     reference = references.state(trial)
     final = run_dir / "checkpoints" / f"step_{STEPS}"

@@ -222,7 +222,7 @@ def run_trial(
     if r["completed"] and references is not None and trial.mode in references.modes:
         referenced = time.monotonic()
         before = sum(run["seconds"] for run in references.runs)
-        r.update(compare_model(trial, second.run_dir, references))
+        r.update(compare_model(trial, second.run_dir, references, restarted=r["rc1"] != 0))
         # a reference run started for this trial is the campaign's time, not the trial's
         started += sum(run["seconds"] for run in references.runs) - before
         r["compare_s"] = round(time.monotonic() - referenced, 1)
