@@ -8,13 +8,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from rlwire.trainer.tools import fault_checks as checks
-from rlwire.trainer.tools import fault_hooks
-from rlwire.trainer.tools.faults import MODES, PHASES, TARGETS, failures, plan
+from rlwire.trainer.tools import fault_hooks, fault_model
+from rlwire.trainer.tools.fault_runs import Trial
+from rlwire.trainer.tools.fault_specials import SPECIALS
+from rlwire.trainer.tools.faults import MODES, PHASES, SIGNALS, TARGETS, failures, plan
 
 
 def steps_of(groups: list[list[int]]) -> list[tuple[int, list[int]]]:
@@ -142,6 +145,12 @@ def test_the_plan_walks_every_combination_once_per_round():
     assert len(combos) == 24 == len(MODES) * len(TARGETS) * len(PHASES)
     assert plan(24, seed=3) == trials and plan(24, seed=4) != trials
     assert all(t.target in ("actor0", "actor1", "rollout0", "driver") for t in trials)
+    assert [t.signal for t in trials[:4]] == ["KILL", "TERM", "KILL", "TERM"] == [*SIGNALS] * 2
+    # one run seed per mode (one reference run each), the trial's own seed for its fault
+    assert {(t.mode, t.run_seed) for t in trials} == {("one_step_off", 3990), ("fully_async", 3991)}
+    assert len({t.seed for t in trials}) == 24
+    specials = [t for name in SPECIALS for t in SPECIALS[name].trials(3, 2)]
+    assert {(t.mode, t.run_seed) for t in specials} <= {(t.mode, t.run_seed) for t in trials}
 
 
 def test_failures_name_each_failed_check():
@@ -167,12 +176,22 @@ def test_failures_name_each_failed_check():
     assert failures(bad) == ["groups repeated", "leftovers", "checkpoint damaged"]
     assert failures({**sound, "fault_at_s": None}) == ["fault never happened"]
     assert failures({**sound, "hf_model": False}) == ["completed without hf_model/"]
+    differs = {**sound, "same_model": False, "model_diff": ["optimizer/state/w/exp_avg"]}
+    assert failures({**differs, "exact_expected": True}) == [
+        "model differs from the unfaulted run's"
+    ]
+    assert failures({**differs, "exact_expected": False}) == []  # fully async: informational
+    # no reference to compare with (its run failed) where exactness is expected: a failure
+    assert failures({**sound, "same_model": None, "exact_expected": True}) == [
+        "model differs from the unfaulted run's"
+    ]
 
 
 def test_summary_table_has_a_row_per_mode_fault_and_phase():
     trial = {
         "mode": "fully_async",
         "target": "driver",
+        "signal": "TERM",
         "phase": "save",
         "landed": True,
         "completed": True,
@@ -188,11 +207,18 @@ def test_summary_table_has_a_row_per_mode_fault_and_phase():
         "seconds": 40.0,
     }
     healed = {**trial, "rc1": 0, "repeated": 0, "failed": [], "seconds": 50}
+    healed.update(same_model=False, exact_expected=False)
     table = checks.summary_table([trial, healed])
+    head = table.splitlines()[0]
+    assert "| no restart | after restart |" in head and "| same model |" in head
     assert (
         table.splitlines()[2]
-        == "| fully_async | driver | save | 2 | 2 | 2 | 1 | 0 | 2 | 0 | 2 | 0 | 2 | 1 | 45 |"
+        == "| fully_async | driver TERM | save | 2 | 2 | 2 | 1 | 1 | 0 | 2 | 0 | 2 | 0 | 0/1* "
+        "| 2 | 1 | 45 |"
     )
+    same = {**trial, "signal": "KILL", "same_model": True, "exact_expected": True}
+    assert "| driver KILL | save | 1 | 1 | 1 | 0 | 1 |" in checks.summary_table([same])
+    assert "| 1/1 |" in checks.summary_table([same])
 
 
 def test_the_hooks_do_nothing_when_imported_by_name():
@@ -261,7 +287,7 @@ def test_the_stretch_sleeps_its_share_at_each_line(lines):
 def test_a_corrupted_checkpoint_passes_only_refused_by_name_or_skipped(
     rc2, resumed, line, traceback, outcome, ok
 ):
-    from rlwire.trainer.tools.faults import _corrupt_verdict
+    from rlwire.trainer.tools.fault_specials import _corrupt_verdict
 
     record = {
         "corrupted": "step_4/actor/.metadata",
@@ -276,7 +302,7 @@ def test_a_corrupted_checkpoint_passes_only_refused_by_name_or_skipped(
 
 
 def test_a_full_disk_must_be_named_by_the_stop_line():
-    from rlwire.trainer.tools.faults import _enospc_verdict
+    from rlwire.trainer.tools.fault_specials import _enospc_verdict
 
     record = {
         "landed": True,
@@ -312,3 +338,119 @@ def test_a_first_run_ends_cleanly_with_one_error_line_or_finished(
     path = tmp_path / "run1.err"
     path.write_text(stderr)
     assert stop_line(path, returncode)[1] is clean
+
+
+def _save_actor_state(directory: Path, *, nudge_optimizer: bool = False) -> None:
+    """A ``checkpoints/step_8`` of a tiny model after one Adam step, saved with DCP as the
+    actor ranks save theirs; ``nudge_optimizer``: one bit of one optimizer entry flipped."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(4, 3)).sum().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    if nudge_optimizer:
+        exp_avg = state["optimizer"]["state"][0]["exp_avg"]
+        exp_avg.view(torch.int32)[0, 0] ^= 1  # the last bit of one float
+    directory.mkdir(parents=True)
+    dcp.save(state, checkpoint_id=directory / "actor", no_dist=True)
+    (directory / "COMPLETE").write_text("8")
+
+
+def test_the_model_check_names_an_optimizer_state_that_differs(tmp_path):
+    """A resume that lost or skipped the optimizer state trains the same steps and groups:
+    only the final optimizer state tells. Two checkpoints whose weights are equal and whose
+    optimizer states differ by one bit are not the same model, and the entry is named."""
+    _save_actor_state(tmp_path / "reference")
+    _save_actor_state(tmp_path / "same")
+    _save_actor_state(tmp_path / "run" / "checkpoints" / "step_8", nudge_optimizer=True)
+    reference = fault_model.actor_state(tmp_path / "reference")
+    assert not any(p.name == "actor.pt" for p in tmp_path.rglob("*"))  # converted elsewhere
+    assert fault_model.model_diff(fault_model.actor_state(tmp_path / "same"), reference) == []
+    trial = Trial(name="t", mode="one_step_off", target="actor0", phase="save", seed=1)
+    references = fault_model.References(tmp_path)
+    references.states[trial.mode, trial.run_seed, trial.world] = reference  # as if run
+    compared = fault_model.compare_model(trial, tmp_path / "run", references, restarted=False)
+    assert compared["same_model"] is False and compared["exact_expected"] is True
+    assert compared["model_diff"] == ["optimizer/state/0/exp_avg"]
+    assert fault_model.model_diff(reference, {"model": reference["model"]})[0].startswith(
+        "optimizer/"
+    )
+
+
+def test_a_no_survivor_regeneration_makes_the_model_check_informational(tmp_path):
+    from rlwire.trainer.runtime import healing
+
+    # the line the campaign looks for is the healing's own
+    assert fault_model.NO_SURVIVOR in Path(healing.__file__).read_text()
+    records = [{"step": 1, "weight_version": 1}, {"step": 2, "weight_version": 2,
+               "regenerated_groups": 4}]  # fmt: skip
+    assert fault_model.regenerated(tmp_path, records) == (4, False)
+    (tmp_path / "train.log").write_text(
+        "... are generated again by " + fault_model.NO_SURVIVOR + ": it took the actor's)\n"
+    )
+    assert fault_model.regenerated(tmp_path, records[:1]) == (0, True)
+    assert fault_model.exact_expected("one_step_off", no_survivor=False, restarted=False)
+    assert not fault_model.exact_expected("one_step_off", no_survivor=True, restarted=False)
+    assert not fault_model.exact_expected("one_step_off", no_survivor=False, restarted=True)
+    assert not fault_model.exact_expected("fully_async", no_survivor=False, restarted=False)
+
+
+def test_the_hooks_pause_the_driver_before_complete_of_one_checkpoint(tmp_path):
+    """``RLWIRE_FAULT_PAUSE``: ``finish_checkpoint`` of another step goes through; that of
+    the named step logs ``pause`` and waits before it writes anything, so a kill there
+    leaves the save without ``COMPLETE``."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(Path(fault_hooks.__file__).read_text())
+    events = tmp_path / "events.jsonl"
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step}" / "trainer_state.json").write_text("{}")
+    script = (
+        "from pathlib import Path\n"
+        "from rlwire.trainer.outputs.checkpoint import finish_checkpoint\n"
+        f"root = Path({str(tmp_path / 'checkpoints')!r})\n"
+        "finish_checkpoint(root / 'step_2', 2)\n"
+        "finish_checkpoint(root / 'step_4', 4)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(hooks),
+        "RLWIRE_FAULT_EVENTS": str(events),
+        "RLWIRE_FAULT_PAUSE": "step_4",
+    }
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env)
+    try:
+        for _ in range(1200):  # 120 s at most
+            if events.exists() and '"pause"' in events.read_text():
+                break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, "the driver did not pause"
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    logged = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [(e["ev"], Path(e["path"]).name) for e in logged] == [("pause", "step_4")]
+    assert (tmp_path / "checkpoints" / "step_2" / "COMPLETE").read_text() == "2"
+    assert not (tmp_path / "checkpoints" / "step_4" / "MANIFEST.json").exists()
+    assert not (tmp_path / "checkpoints" / "step_4" / "COMPLETE").exists()
+
+
+def test_the_uncommitted_trial_passes_only_resumed_from_the_save_before():
+    from rlwire.trainer.tools.fault_specials import _uncommitted_verdict
+
+    record = {"landed": True, "actors_saved": True, "saved_anyway": False, "resumed_from": "step_2"}
+    assert not any(_uncommitted_verdict(record)["special_failures"].values())
+    for change, check in [
+        ({"saved_anyway": True}, "uncommitted: the cut-off save has COMPLETE"),
+        ({"resumed_from": "step_4"}, "uncommitted: the second run did not resume from step_2"),
+        ({"landed": False}, "uncommitted: the driver was not killed before COMPLETE"),
+    ]:
+        failed = _uncommitted_verdict({**record, **change})["special_failures"]
+        assert [name for name, bad in failed.items() if bad] == [check]

@@ -169,29 +169,45 @@ _COLUMNS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
     "landed": lambda g: str(sum(t["landed"] for t in g)),
     "completed": lambda g: str(sum(t["completed"] for t in g)),
     "no restart": lambda g: str(sum(t["completed"] and t["rc1"] == 0 for t in g)),
+    "after restart": lambda g: str(sum(t["completed"] and t["rc1"] != 0 for t in g)),
     "lost": lambda g: str(sum(abs(t["lost"]) for t in g if t["completed"])),
     "repeated": lambda g: str(sum(t["repeated"] for t in g if t["completed"])),
     "versions back": lambda g: str(sum(t["versions_back"] for t in g)),
     "leftovers": lambda g: str(sum(t["shm_leftovers"] + t["process_leftovers"] for t in g)),
     "ckpt damaged": lambda g: str(sum(len(t["damaged"]) for t in g)),
+    "same model": lambda g: _same_model(g),
     "clean stop": lambda g: str(sum(t["clean_stop"] for t in g)),
     "failed": lambda g: str(sum(bool(t["failed"]) for t in g)),
     "s/trial": lambda g: f"{sum(t['seconds'] for t in g) / len(g):.0f}",
 }
 
 
+def _same_model(group: list[dict[str, Any]]) -> str:
+    """``same/compared``, a ``*`` when exactness was not expected of a differing one (fully
+    async, or a healed worker with no survivor)."""
+    compared = [t for t in group if t.get("same_model") is not None]
+    if not compared:
+        return "-"
+    same = sum(t["same_model"] for t in compared)
+    loose = any(not t["same_model"] and not t["exact_expected"] for t in compared)
+    return f"{same}/{len(compared)}" + ("*" if loose else "")
+
+
 def summary_table(trials: list[dict[str, Any]]) -> str:
     """A Markdown table, one row per (mode, fault, phase): the trials; those whose fault
     landed (a kill: in the phase); those whose second run completed, and of them those whose
     first run completed by itself (a rollout worker healed, or killed after it was needed:
-    no restart); prompt groups lost and
+    no restart) and those the second run completed (after restart); prompt groups lost and
     trained twice (over completed runs); steps whose weight version went back; leftovers
     (shm segments and processes, both runs); checkpoint files changed; first runs that
-    stopped with one line (a killed driver's always counts); trials that failed any check;
-    the mean seconds a trial took."""
+    stopped with one line (a SIGKILLed driver's always counts); completed trials whose
+    final model and optimizer state equal the unfaulted run's bit for bit, of those compared
+    (``*``: a difference where none was expected to be exact); trials that failed any check;
+    the mean seconds a trial took. The fault is the target and the signal it got."""
     rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for t in trials:
-        rows.setdefault((t["mode"], t["target"], t["phase"]), []).append(t)
+        fault = f"{t['target']} {t.get('signal', '')}".strip()
+        rows.setdefault((t["mode"], fault, t["phase"]), []).append(t)
     head = ["mode", "fault", "phase", *_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key in sorted(rows):

@@ -19,6 +19,10 @@ What it does, steered by environment variables:
   uniformly random time inside it then lands at a random line of the phase's real code
   (time spent inside one C call, a torch kernel or torch's own file writer, is not
   stretched, so points inside those are under-sampled).
+- ``RLWIRE_FAULT_PAUSE=step_N``: the driver's ``finish_checkpoint`` of ``step_N`` (called
+  once every actor rank's part and ``trainer_state.json`` are written, before the manifest
+  and ``COMPLETE``) logs a ``pause`` line and sleeps :data:`PAUSE_S` s first: the campaign
+  kills the driver there (the ``uncommitted`` trial).
 - ``RLWIRE_FAULT_ENOSPC=FRAGMENT``: a file opened for writing through ``open`` /
   ``io.open`` (``pathlib`` too) whose path contains FRAGMENT is created, and its first
   ``write`` raises ``OSError(ENOSPC)``, as a full disk does; an ``enospc`` line is logged.
@@ -53,6 +57,11 @@ PHASES = {
     ),
 }
 """Module -> (class, {method: phase}) wrapped at import."""
+PAUSES = {"rlwire.trainer.outputs.checkpoint": "finish_checkpoint"}
+"""Module -> the function ``RLWIRE_FAULT_PAUSE`` pauses (its first argument: the directory)."""
+PAUSE_S = 300.0
+"""How long the pause lasts: the campaign kills the driver long before (a pause that ends
+lets the save complete, which the trial's checks name)."""
 
 _counts: dict[tuple[str, str], int] = {}
 _lines: dict[tuple[str, str, int], int] = {}
@@ -141,7 +150,22 @@ def _wrap_init(method: Callable[..., None]) -> Callable[..., None]:
     return init
 
 
+def _pausing(function: Callable[..., Any], step_dir: str) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def call(directory: Any, *args: Any, **kwargs: Any) -> Any:
+        if os.path.basename(os.fspath(directory)) == step_dir:
+            emit(role="driver", ev="pause", path=os.fspath(directory))
+            time.sleep(PAUSE_S)
+        return function(directory, *args, **kwargs)
+
+    return call
+
+
 def _patch(module: ModuleType) -> None:
+    if module.__name__ in PAUSES:
+        name = PAUSES[module.__name__]
+        setattr(module, name, _pausing(getattr(module, name), os.environ["RLWIRE_FAULT_PAUSE"]))
+        return
     cls_name, methods = PHASES[module.__name__]
     cls: Any = getattr(module, cls_name)
     for name, phase in methods.items():
@@ -164,7 +188,8 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, name: str, path: Any = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if name not in PHASES:
+        pause = name in PAUSES and bool(os.environ.get("RLWIRE_FAULT_PAUSE"))
+        if name not in PHASES and not pause:
             return None
         sys.meta_path.remove(self)
         try:

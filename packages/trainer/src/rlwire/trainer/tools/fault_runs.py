@@ -19,8 +19,19 @@ from typing import Any
 
 from . import fault_checks as checks
 
-__all__ = ["Trial", "Watched", "final_checks", "kill", "overrides", "stop_line", "watch"]
+__all__ = [
+    "MODES",
+    "Trial",
+    "Watched",
+    "final_checks",
+    "kill",
+    "overrides",
+    "run_seed",
+    "stop_line",
+    "watch",
+]
 
+MODES = ("one_step_off", "fully_async")
 STEPS, SAVE_EVERY, KEEP = 8, 2, 2
 """The job: steps, a checkpoint every this many, complete checkpoints kept."""
 GRACE_S, LINGER_S, HANG_S, RUN_S = 20.0, 120.0, 120.0, 300.0
@@ -37,12 +48,23 @@ class Trial:
     """What is killed (``actor<rank>``, ``rollout0``, ``driver``), or the special trial."""
     phase: str
     seed: int
+    """The trial's own seed (what its fault draws from)."""
+    run_seed: int = 0
+    """``trainer.seed`` of both runs: one per mode in a campaign (:func:`run_seed`), so one
+    unfaulted reference run per mode is the trained model every trial is compared with."""
     world: int = 2
     """``actor.world_size``."""
     occurrence: int = 0
     """Which occurrence of the phase (in its marker process) is hit, from 1."""
     delay: float = 0.0
     """Seconds after that occurrence's start."""
+    signal: str = "KILL"
+    """The signal the target gets: ``KILL`` or ``TERM``."""
+
+
+def run_seed(seed: int, mode: str) -> int:
+    """``trainer.seed`` of every trial of mode ``mode`` in the campaign of seed ``seed``."""
+    return seed * 1000 + 990 + MODES.index(mode)
 
 
 def overrides(trial: Trial, run_dir: Path) -> list[str]:
@@ -53,19 +75,19 @@ def overrides(trial: Trial, run_dir: Path) -> list[str]:
         f"trainer.steps={STEPS}",
         f"trainer.save_every={SAVE_EVERY}",
         f"trainer.max_checkpoints_to_keep={KEEP}",
-        f"trainer.seed={trial.seed}",
+        f"trainer.seed={trial.run_seed}",
         f"actor.world_size={trial.world}",
         f"trainer.output_dir={run_dir}",
         f"trainer.rollout_data_dir={run_dir / 'rollout_data'}",
     ]
 
 
-def kill(pid: int | None) -> bool:
-    """SIGKILL ``pid``; whether it existed."""
+def kill(pid: int | None, sig: str = "KILL") -> bool:
+    """Send ``pid`` SIG``sig`` (``KILL``, ``TERM``); whether it existed."""
     if pid is None:
         return False
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.Signals[f"SIG{sig}"])
         return True
     except ProcessLookupError:
         return False

@@ -1,14 +1,18 @@
 """The fault campaign: kill a process of a short run at a random point of a phase, run the
 same command again, and check that nothing was lost, repeated, left behind or damaged.
 
-    python -m rlwire.trainer.tools.faults --trials N --seed S [--out DIR] [--special enospc corrupt]
+    python -m rlwire.trainer.tools.faults --trials N --seed S [--out DIR]
+        [--reference-modes MODE ...] [--special enospc corrupt uncommitted stranger]
 
 Each trial runs the embedded tiny job (``rlwire-train`` with no data or model given: 8
 steps, a checkpoint every 2, 2 kept, ``actor.world_size`` 2; :mod:`rlwire.trainer.tools.fault_runs`)
-as a subprocess in one-step off-policy or fully-async mode, SIGKILLs an actor rank, the
-rollout worker or the driver during generation, an update, a weight push or a checkpoint
-save, then runs the same command to completion. The trials walk the 24 combinations in
-shuffled rounds (seeded): ``--trials 48`` is every combination twice.
+as a subprocess in one-step off-policy or fully-async mode, sends SIGKILL or SIGTERM
+(alternately: ``signal``) to an actor rank, the rollout worker or the driver during
+generation, an update, a weight push or a checkpoint save, then runs the same command to
+completion. The trials walk the 24 combinations in shuffled rounds (seeded): ``--trials 48``
+is every combination twice. The trial's seed draws its fault; the runs' ``trainer.seed`` is
+the campaign's, one per mode (:func:`rlwire.trainer.tools.fault_runs.run_seed`), so one
+unfaulted reference run per mode serves every trial's model check.
 
 **Phases.** The runs carry :mod:`rlwire.trainer.tools.fault_hooks` as their ``sitecustomize``:
 each phase method of the Ray workers logs its start and end (``ActorWorker.train``:
@@ -33,21 +37,25 @@ by a marker in their environment or their Ray temp dir; then killed by pid, and 
 segments removed; after a SIGKILLed driver, whose own shutdown never runs, Ray's agents
 may take 120 s);
 every file of every checkpoint seen complete is byte-identical after each run, unless the
-retention policy removed the checkpoint; a killed worker stops the first run with one
+retention policy removed the checkpoint; the final model and optimizer state equal the
+unfaulted reference run's bit for bit (:mod:`rlwire.trainer.tools.fault_model`; a failure
+only in one-step off-policy, not after a healed worker with no survivor regenerated its
+share with newer weights; informational in fully async, where timing decides what each
+version trains); a killed worker, or a SIGTERMed driver, stops the first run with one
 ``rlwire-train: error:`` line and no traceback, or lets it finish with exit 0: a rollout
 worker in one-step off-policy mode, which heals (:mod:`rlwire.trainer.runtime.healing`;
 the table's ``no restart``), or any worker killed after the last step that needed it.
 
-**Special trials** (``--special``, registry :data:`SPECIALS`): ``enospc``, every write under
-``checkpoints/step_4/`` fails with ENOSPC (the hooks' full disk): the run must stop with one
-line naming it, the earlier checkpoints intact, and the same command without it must
-complete. ``corrupt``, one trial per file kind of a checkpoint: the driver is killed once
-``step_4`` is complete, bytes are flipped in a file of the latest complete checkpoint, and
-the same command must refuse with one line naming the file, or resume from an earlier
-checkpoint and complete (``outcome`` says which happened). ``stranger``: a process without
-the group's secret writes the checkpoint engine's bucket metadata during the run
-(:mod:`rlwire.trainer.tools.fault_stranger`): the run must stop naming the refused message,
-and the same command without it must complete.
+**Special trials** (``--special``, :mod:`rlwire.trainer.tools.fault_specials`): ``enospc``
+(a full disk during a save), ``corrupt`` (a damaged file of the latest checkpoint),
+``uncommitted`` (the driver SIGKILLed after every actor rank's part of ``step_4`` is written
+and before ``COMPLETE``: the rerun must resume from ``step_2``), ``stranger`` (a process
+without the group's secret writes the weight sync's metadata).
+
+**Table**: per mode, fault (target and signal) and phase: trials, landed, completed, completed
+without a restart and after one, groups lost and trained twice, versions back, leftovers,
+checkpoint files damaged, same model, clean stops, failed
+(:func:`~rlwire.trainer.tools.fault_checks.summary_table`).
 
 Writes ``DIR/trials.jsonl`` and ``DIR/table.md`` and prints the table; a failed trial's
 directory (run directory, events, both runs' output) is kept. Exit 1 if any check failed.
@@ -69,12 +77,22 @@ from pathlib import Path
 from typing import Any
 
 from . import fault_checks as checks
-from .fault_runs import SAVE_EVERY, STEPS, Trial, Watched, final_checks, kill, stop_line, watch
-from .fault_stranger import stranger_between, stranger_fault, stranger_verdict
+from .fault_model import References, compare_model
+from .fault_runs import (
+    MODES,
+    STEPS,
+    Trial,
+    Watched,
+    final_checks,
+    kill,
+    run_seed,
+    stop_line,
+    watch,
+)
+from .fault_specials import SPECIALS
 
-__all__ = ["SPECIALS", "Special", "main", "plan", "run_trial"]
+__all__ = ["MODES", "SIGNALS", "SPECIALS", "failures", "main", "plan", "run_trial"]
 
-MODES = ("one_step_off", "fully_async")
 TARGETS = ("actor", "rollout", "driver")
 PHASES = ("generation", "update", "push", "save")
 MARKER = {"generation": "rollout0", "update": "actor0", "push": "rollout0", "save": "actor0"}
@@ -82,12 +100,14 @@ MARKER = {"generation": "rollout0", "update": "actor0", "push": "rollout0", "sav
 OCCURRENCES = {"generation": (3, 7), "update": (3, 7), "push": (3, 7), "save": (2, 4)}
 """The occurrence hit is drawn from these: a checkpoint is complete before it."""
 STRETCH_S = 1.5
-CORRUPTIBLE = ("trainer_state.json", "actor/.metadata", "actor/__0_0.distcp", "rng/actor_rank0.pt")
+SIGNALS = ("KILL", "TERM")
+"""The signals a kill trial sends, alternately."""
 
 
 def plan(trials: int, seed: int, world: int = 2) -> list[Trial]:
     """``trials`` kill trials: mode x target x phase in shuffled rounds, a random actor rank,
-    occurrence and delay each."""
+    occurrence and delay each, SIGKILL and SIGTERM alternately; the runs' seed is the
+    campaign's per mode (:func:`rlwire.trainer.tools.fault_runs.run_seed`)."""
     rng = random.Random(seed)
     grid = list(itertools.product(MODES, TARGETS, PHASES))
     order: list[tuple[str, str, str]] = []
@@ -104,9 +124,11 @@ def plan(trials: int, seed: int, world: int = 2) -> list[Trial]:
                 target=who,
                 phase=phase,
                 seed=seed * 1000 + i,
+                run_seed=run_seed(seed, mode),
                 world=world,
                 occurrence=occurrence,
                 delay=round(delay, 3),
+                signal=SIGNALS[i % len(SIGNALS)],
             )
         )
     return planned
@@ -123,7 +145,7 @@ def phase_kill(trial: Trial, env: dict[str, str]) -> Callable[[Watched], dict | 
         if begin is None or time.time() < begin["t"] + trial.delay:
             return None
         pid = run.proc.pid if trial.target == "driver" else run.roles.get(trial.target)
-        at, existed = time.time(), kill(pid)
+        at, existed = time.time(), kill(pid, trial.signal)
         return {"at": at, "monotonic": time.monotonic(), "existed": existed, "pid": pid}
 
     return fault
@@ -137,140 +159,11 @@ def landed(trial: Trial, run: Watched, done: dict | None) -> bool:
     return end is None or end["t"] > done["at"]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Special:
-    """A special trial: its trials for a seed, its fault on the first run (it may set the
-    run's environment; it returns what :func:`rlwire.trainer.tools.fault_runs.watch` polls, or
-    None), what it does and records between the runs, and its verdict on the record
-    (``special_failures``: check name -> failed)."""
-
-    trials: Callable[[int, int], list[Trial]]
-    fault: Callable[[Trial, dict[str, str]], Callable[[Watched], dict | None] | None]
-    between: Callable[[Trial, Watched, dict], dict[str, Any]]
-    verdict: Callable[[dict[str, Any]], dict[str, Any]]
-
-
-def _enospc_fault(trial: Trial, env: dict[str, str]) -> None:
-    env["RLWIRE_FAULT_ENOSPC"] = f"/checkpoints/step_{trial.occurrence * SAVE_EVERY}/"
-
-
-def _enospc_between(trial: Trial, run: Watched, digests: dict) -> dict[str, Any]:
-    by = {e["pid"] for e in run.events if e["ev"] == "enospc"}
-    roles = sorted(role for role, pid in run.roles.items() if pid in by)
-    step = run.run_dir / "checkpoints" / f"step_{trial.occurrence * SAVE_EVERY}"
-    return {"landed": bool(roles), "enospc_in": roles, "saved_anyway": (step / "COMPLETE").exists()}
-
-
-def _enospc_verdict(r: dict[str, Any]) -> dict[str, Any]:
-    named = any(s in r["stop_line"] for s in ("No space left", "ENOSPC", "Errno 28"))
-    return {
-        "special_failures": {
-            "ENOSPC never reached a worker": not r["landed"],
-            "ENOSPC: the first run did not stop": r["rc1"] == 0,
-            "ENOSPC: the stop line does not name it": not named,
-            "ENOSPC: the failed save was marked complete": r["saved_anyway"],
-        }
-    }
-
-
-def _corrupt_fault(trial: Trial, env: dict[str, str]) -> Callable[[Watched], dict | None]:
-    def fault(run: Watched) -> dict | None:
-        if not (run.run_dir / "checkpoints" / "step_4" / "COMPLETE").exists():
-            return None
-        return {"at": time.time(), "monotonic": time.monotonic(), "existed": kill(run.proc.pid)}
-
-    return fault
-
-
-def _corrupt_between(trial: Trial, run: Watched, digests: dict) -> dict[str, Any]:
-    """Flip 16 bytes (seeded place) of the file in the latest complete checkpoint."""
-    latest = max((run.run_dir / "checkpoints").glob("step_*/COMPLETE"), key=_step_of).parent
-    path = latest / trial.phase.removeprefix("resume ")
-    data = bytearray(path.read_bytes())
-    at = random.Random(trial.seed).randrange(max(1, len(data) - 16))
-    data[at : at + 16] = bytes(b ^ 0xFF for b in data[at : at + 16])
-    path.write_bytes(bytes(data))
-    digests[latest.name] = checks.digest_checkpoint(latest)  # the rerun must leave it so
-    return {"landed": True, "corrupted": f"{latest.name}/{path.relative_to(latest)}"}
-
-
-def _step_of(path: Path) -> int:
-    return int(path.parent.name.split("_")[1])
-
-
-def _corrupt_verdict(r: dict[str, Any]) -> dict[str, Any]:
-    step = r["corrupted"].split("/")[0]
-    if r["resumed_from"] == step:
-        outcome = "loaded it, " + ("completed" if r["rc2"] == 0 else "then failed")
-    elif r["rc2"] == 0:
-        outcome = f"resumed from {r['resumed_from'] or 'nothing'}, completed"
-    elif r["second_traceback"]:
-        outcome = "traceback"
-    else:
-        named = r["corrupted"] in r["second_line"]  # step_N/actor/.metadata, not __0.metadata
-        outcome = "refused" + (", naming the file" if named else "")
-    ok = ("refused, naming the file", f"resumed from {r['resumed_from'] or 'nothing'}, completed")
-    return {
-        "outcome": outcome,
-        "refused_ok": outcome == ok[0],
-        "special_failures": {f"corrupt checkpoint: {outcome}": outcome not in ok},
-    }
-
-
-SPECIALS: dict[str, Special] = {
-    "enospc": Special(
-        trials=lambda seed, world: [
-            Trial(
-                name="enospc",
-                mode=MODES[seed % 2],
-                target="enospc",
-                phase="save",
-                seed=seed * 1000 + 900,
-                world=world,
-                occurrence=2,
-            )
-        ],
-        fault=_enospc_fault,
-        between=_enospc_between,
-        verdict=_enospc_verdict,
-    ),
-    "stranger": Special(
-        trials=lambda seed, world: [
-            Trial(
-                name="stranger",
-                mode=MODES[seed % 2],
-                target="stranger",
-                phase="push",
-                seed=seed * 1000 + 950,
-                world=world,
-            )
-        ],
-        fault=stranger_fault,
-        between=stranger_between,
-        verdict=stranger_verdict,
-    ),
-    "corrupt": Special(
-        trials=lambda seed, world: [
-            Trial(
-                name=f"corrupt{i}",
-                mode=MODES[(seed + i) % 2],
-                target="corrupt",
-                phase=f"resume {file}",
-                seed=seed * 1000 + 910 + i,
-                world=world,
-            )
-            for i, file in enumerate(CORRUPTIBLE)
-        ],
-        fault=_corrupt_fault,
-        between=_corrupt_between,
-        verdict=_corrupt_verdict,
-    ),
-}
-"""Special trials by name (``--special``)."""
-
-
-def run_trial(trial: Trial, out: Path, hooks: Path) -> dict[str, Any]:
-    """One trial: the first run with its fault, the same command again, every check."""
+def run_trial(
+    trial: Trial, out: Path, hooks: Path, references: References | None = None
+) -> dict[str, Any]:
+    """One trial: the first run with its fault, the same command again, every check; the
+    final model against ``references``' unfaulted run (none: not compared)."""
     base = out / trial.name
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -284,12 +177,15 @@ def run_trial(trial: Trial, out: Path, hooks: Path) -> dict[str, Any]:
     first = Watched(trial, base, 1, env)
     first.start()
     one = watch(first, digests, fault)
-    driver_killed = trial.target in ("driver", "corrupt")  # its Ray agents linger a while
+    # a SIGKILLed driver's Ray agents linger a while, and it says nothing; on SIGTERM, Ray's
+    # handler raises SystemExit in the driver, which stops Ray and must say one line
+    killed = trial.target == "driver" and trial.signal == "KILL"
+    driver_killed = killed or bool(special and special.kills_driver)
     lingering, shm1 = first.leftovers(lingering=driver_killed)
     damaged1, _ = checks.damaged_files(digests, first.run_dir / "checkpoints")
     r: dict[str, Any] = {**dataclasses.asdict(trial), "rc1": first.proc.returncode}
     r["stop_line"], clean = stop_line(first.err, first.proc.returncode)
-    r["clean_stop"] = clean or trial.target in ("driver", "corrupt")
+    r["clean_stop"] = clean or driver_killed
     r["landed"] = landed(trial, first, one["fault"]) if not special else False
     r["fault_at_s"] = round(one["fault"]["monotonic"] - first.started, 1) if one["fault"] else None
     if special:
@@ -322,6 +218,14 @@ def run_trial(trial: Trial, out: Path, hooks: Path) -> dict[str, Any]:
     )
     r["hf_model"] = (second.run_dir / "hf_model" / "config.json").exists()
     r["completed"] = r["rc2"] == 0 and r["steps"] == list(range(1, STEPS + 1))
+    r.update(same_model=None, model_diff=[], exact_expected=False)
+    if r["completed"] and references is not None and trial.mode in references.modes:
+        referenced = time.monotonic()
+        before = sum(run["seconds"] for run in references.runs)
+        r.update(compare_model(trial, second.run_dir, references, restarted=r["rc1"] != 0))
+        # a reference run started for this trial is the campaign's time, not the trial's
+        started += sum(run["seconds"] for run in references.runs) - before
+        r["compare_s"] = round(time.monotonic() - referenced, 1)
     if special:
         r.update(special.verdict(r))
     r["seconds"] = round(time.monotonic() - started, 1)
@@ -351,6 +255,9 @@ def failures(r: dict[str, Any]) -> list[str]:
         "weight version went back": r["versions_back"] != 0,
         "leftovers": r["shm_leftovers"] + r["process_leftovers"] > 0,
         "checkpoint damaged": bool(r["damaged"]),
+        "model differs from the unfaulted run's": done
+        and r.get("exact_expected", False)
+        and r.get("same_model") is not True,
         "first run did not stop with one line": not r["clean_stop"],
         **r.get("special_failures", {}),
     }
@@ -367,6 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--special", nargs="*", default=[], choices=sorted(SPECIALS))
     parser.add_argument("--world-size", type=int, default=2, help="actor.world_size")
     parser.add_argument("--keep", action="store_true", help="keep every trial's directory")
+    parser.add_argument(
+        "--reference-modes",
+        nargs="*",
+        default=list(MODES),
+        choices=MODES,
+        help="the modes whose trials' final model is compared with an unfaulted run of "
+        "their own (one run per mode; default both; none: no comparison)",
+    )
     args = parser.parse_args(argv)
     out = args.out.resolve()
     hooks = out / "hooks"
@@ -376,17 +291,20 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.special:
         trials += SPECIALS[name].trials(args.seed, args.world_size)
     results = []
+    references = References(out, modes=args.reference_modes, keep=args.keep)
     with (out / "trials.jsonl").open("w") as record:
         for i, trial in enumerate(trials, 1):
-            r = run_trial(trial, out, hooks)
+            r = run_trial(trial, out, hooks, references)
             results.append(r)
             record.write(json.dumps(r) + "\n")
             record.flush()
             verdict = "ok" if not r["failed"] else "FAILED: " + "; ".join(r["failed"])
-            what = f"{trial.mode} {trial.target} {trial.phase}"
+            what = f"{trial.mode} {trial.target} {trial.signal} {trial.phase}".replace("  ", " ")
+            model = {True: "same", False: "differs", None: "not compared"}[r["same_model"]]
             print(
                 f"[{i}/{len(trials)}] {what} #{trial.occurrence} +{trial.delay:.2f} s: landed "
-                f"{r['landed']}, rc {r['rc1']}/{r['rc2']}, {r['seconds']:.0f} s: {verdict}",
+                f"{r['landed']}, rc {r['rc1']}/{r['rc2']}, model {model}, "
+                f"{r['seconds']:.0f} s: {verdict}",
                 flush=True,
             )
             if not r["failed"] and not args.keep:
@@ -394,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     table = checks.summary_table(results)
     (out / "table.md").write_text(table)
     print(table)
+    for ref in references.runs if references else []:
+        print(f"reference {ref['name']}: rc {ref['rc']}, {ref['seconds']:.0f} s")
     failed = sum(bool(r["failed"]) for r in results)
     print(f"{len(results)} trials, {failed} failed: {out / 'trials.jsonl'}, {out / 'table.md'}")
     return 1 if failed else 0
