@@ -5,10 +5,13 @@ run directory. Calls point one way: driver -> modes (colocated, one_step_off, fu
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
+import signal
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -152,8 +155,9 @@ def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -
         _phase(bar, "starting Ray")
         init_ray(config)
         _phase(bar, "starting workers")
-        job = Job(config, run_dir, str(model_path))
-        result = _train(job, (batches, reward_fn, resume, trackers, validation), bar)
+        with _stopped_by_sigterm():
+            job = Job(config, run_dir, str(model_path))
+            result = _train(job, (batches, reward_fn, resume, trackers, validation), bar)
         log.info("plotting")
         plotted = pool.submit(plot_run, run_dir)  # while Ray's processes stop
         return result
@@ -170,6 +174,29 @@ def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -
         handler.close()
         if plotted is not None:
             plotted.result()  # its error, if any
+
+
+@contextlib.contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM (a scheduler's or a user's ``kill``) stops the run as an error does: one line,
+    the workers and Ray stopped, the checkpoints as they are. Ray's driver otherwise dies
+    in its own handler with a stack dump. Installed after Ray started (its handler is then
+    replaced), and only in the main thread (the only one signals reach)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(number: int, _frame: Any) -> None:
+        raise RunError(
+            f"stopped by {signal.Signals(number).name}; the last checkpoint in the run "
+            "directory is intact (resume with the same command)"
+        )
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _resolve_epochs(config: TrainerConfig, batches) -> None:
