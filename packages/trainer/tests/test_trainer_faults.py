@@ -466,8 +466,8 @@ def test_sigterm_stops_the_driver_with_one_line_and_the_handler_is_restored():
     from rlwire.trainer.errors import RunError
 
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(RunError, match=r"^stopped by SIGTERM; the last checkpoint .* intact"):
-        with _stopped_by_sigterm():
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)  # the handler runs at the next bytecode: never reached
+    stopped = pytest.raises(RunError, match=r"^stopped by SIGTERM; the last checkpoint .* intact")
+    with stopped, _stopped_by_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs at the next bytecode: never reached
     assert signal.getsignal(signal.SIGTERM) is before
