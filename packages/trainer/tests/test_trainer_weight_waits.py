@@ -19,9 +19,9 @@ from rlwire.trainer.runtime import weight_push, weight_stage
 from rlwire.trainer.runtime.background import Background
 from rlwire.trainer.runtime.rollout_worker import RolloutWorker
 
-TICK_S = 0.25  # progress this often ...
-IDLE_S = 2.0  # ... within a budget of this much without progress ...
-TICKS = 16  # ... over 4 s in all: more than the budget
+TICK_S = 0.1  # progress this often ...
+IDLE_S = 1.0  # ... within a budget of this much without progress ...
+TICKS = 16  # ... over 1.6 s in all: more than the budget
 
 
 class _Handle:
@@ -77,7 +77,7 @@ def _stage_in_background(w: RolloutWorker, version: int) -> threading.Thread:
 
 def test_a_receive_longer_than_the_budget_that_moves_is_taken(worker):
     staging = _stage_in_background(worker, 7)
-    # sync's wait, with ckpt_engine.timeout (before: a 2 s bound on the whole receive)
+    # sync's wait, with ckpt_engine.timeout (before: a 1 s bound on the whole receive)
     assert worker._take_staged(7, IDLE_S) == {"version": 7, "digest": None}
     staging.join(timeout=30)
     assert not staging.is_alive()
@@ -88,8 +88,8 @@ def test_a_receive_that_stops_moving_fails_naming_the_worker_and_the_setting(wor
     staging = _stage_in_background(worker, 7)
     with pytest.raises(
         TimeoutError,
-        match=r"rollout worker 3: weights 7: the receive made no progress for 2 s .*"
-        r"ckpt_engine.timeout=2 s per wait",
+        match=r"rollout worker 3: weights 7: the receive made no progress for 1 s .*"
+        r"ckpt_engine.timeout=1 s per wait",
     ):
         worker.sync(7)
     staging.join(timeout=30)
@@ -138,7 +138,7 @@ def test_rank_0s_send_that_stops_moving_fails_naming_it_and_the_setting(monkeypa
     push = _pusher(monkeypatch, 2, 3 * IDLE_S)
     with pytest.raises(
         TimeoutError,
-        match=r"actor rank 0's weight send: made no progress for 2 s \(ckpt_engine.timeout=2 s",
+        match=r"actor rank 0's weight send: made no progress for 1 s \(ckpt_engine.timeout=1 s",
     ):
         push.finish_push()
     # still its own: a later wait takes it
