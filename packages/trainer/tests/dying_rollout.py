@@ -63,3 +63,22 @@ class PacedDiesOnce(DiesOnce, PacedEngine):
     """:class:`DiesOnce` over the ``paced`` engine (``rollout.paced_step_s`` a step)."""
 
     name = "dying_rollout:PacedDiesOnce"
+
+
+class DiesInSyncOnce(HFEngine):
+    """The ``hf`` engine whose worker 1 SIGKILLs its process while it receives its third
+    weight update, once per run directory (a death during a sync)."""
+
+    name = "dying_rollout:DiesInSyncOnce"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.syncs = 0
+
+    async def stage(self, engine):
+        self.syncs += 1
+        marker = Path(self.config.trainer.output_dir) / "rollout-died"
+        if (self.index, self.syncs) == (1, 3) and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await super().stage(engine)

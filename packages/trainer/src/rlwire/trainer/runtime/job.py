@@ -123,8 +123,8 @@ class Job(JobStart):
             try:
                 reports = self.watch.get(refs, timeout=None, what="weight sync")
             except RolloutLost as lost:
-                self._settle(refs, lost)
-                self.fleet.replace(lost)
+                self.fleet.replace(lost)  # (or the line that stops the run, at once)
+                self._settle(refs, lost)  # while the replacement loads
                 return self.start_sync(version)()
             if self.hybrid:
                 return {**reports[0], "pulls": [r["pull"] for r in reports]}
