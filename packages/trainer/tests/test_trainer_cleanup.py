@@ -113,7 +113,8 @@ def test_close_workers_closes_each_then_kills_all_without_waiting_on_a_stuck_one
 ):
     """A worker's close runs (its finalizer: a file here) before the kill; one whose close
     never ends, and one already dead, are reported and killed without holding the rest."""
-    from rlwire.trainer.runtime.cluster import close_workers, ray_environment
+    from rlwire.trainer.runtime.cluster import ray_environment
+    from rlwire.trainer.runtime.waits import close_workers
 
     ray_environment()
     import ray

@@ -11,7 +11,7 @@ import pytest
 from rlwire.trainer.config.root import load_config
 from rlwire.trainer.errors import RunError
 from rlwire.trainer.runtime import healing
-from rlwire.trainer.runtime.cluster import RolloutLost
+from rlwire.trainer.runtime.waits import RolloutLost
 
 
 def _fleet(*overrides: str, hybrid: bool = False) -> tuple[healing.Fleet, list[int]]:

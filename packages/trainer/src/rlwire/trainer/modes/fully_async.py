@@ -27,8 +27,9 @@ from ..data.validation import validation_due, validation_metrics, validation_tas
 from ..errors import RunError
 from ..outputs.metrics import step_record
 from ..rollout import Rollout
-from ..runtime.cluster import Handle, RolloutLost, Watch
+from ..runtime.cluster import Handle
 from ..runtime.job import Job
+from ..runtime.waits import RolloutLost, Watch
 from .sample_queue import SampleQueue
 
 __all__ = ["run_fully_async", "sync_due"]

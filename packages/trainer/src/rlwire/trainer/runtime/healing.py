@@ -17,7 +17,7 @@ generates; the driver makes every call; :class:`~.job.Job`), where a worker's de
   never a mix.
 
 Fully-async mode (:mod:`rlwire.trainer.modes.fully_async`): a worker's loop that ends in its
-death is replaced (:attr:`~.cluster.Watch.heal`); the groups it held go back to be generated
+death is replaced (:attr:`~.waits.Watch.heal`); the groups it held go back to be generated
 first and it is absent from the sample queue (handed nothing; a sync completes without it)
 until its replacement joined the weight group (the queue's ``worker_lost`` and
 ``worker_joined``). A death during a weight push is not healed there.
@@ -45,7 +45,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RunError
-from .cluster import Handle, RolloutLost
+from .cluster import Handle
+from .waits import RolloutLost
 
 if TYPE_CHECKING:
     from .job import Job

@@ -30,18 +30,12 @@ from ..outputs.export import mark_exported
 from ..outputs.metrics import StepMetrics, UpdateMetrics, update_metrics
 from ..outputs.rollout_data import write_rollouts
 from ..rollout import Rollout, rollout_engine_class, split_evenly
-from .cluster import (
-    CLOSE_TIMEOUT,
-    Handle,
-    RolloutLost,
-    close_workers,
-    gpu_layout,
-    placement,
-)
+from .cluster import Handle, gpu_layout, placement
 from .healing import Fleet
 from .hybrid import HybridWorker
 from .job_start import JobStart
 from .rollout_worker import RolloutWorker
+from .waits import CLOSE_TIMEOUT, RolloutLost, close_workers
 from .workers import ActorWorker
 
 __all__ = ["Job"]
@@ -239,7 +233,7 @@ class Job(JobStart):
 
         Each rollout engine's own ``close`` runs first, in its worker (its core's thread,
         vLLM's adapter directories, a ``vllm serve`` process: what nothing removes after a
-        kill), :data:`~rlwire.trainer.runtime.cluster.CLOSE_TIMEOUT` seconds at most for all
+        kill), :data:`~rlwire.trainer.runtime.waits.CLOSE_TIMEOUT` seconds at most for all
         of them (a dead worker's close fails at once; a stuck one's is given up at the end
         of it); a close that fails or times out is a warning in the log. Then ``ray.kill``
         exits every process at once. A normal exit would finalize the interpreter while the

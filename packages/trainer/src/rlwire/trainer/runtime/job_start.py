@@ -15,15 +15,8 @@ from ..config.root import TrainerConfig
 from ..errors import RunError
 from ..outputs.checkpoint import load_checkpoint
 from ..outputs.loggers import Tracker
-from .cluster import (
-    GpuLayout,
-    Handle,
-    Watch,
-    cause,
-    engine_backend,
-    first_line,
-    shm_bytes_needed,
-)
+from .cluster import GpuLayout, Handle, engine_backend, shm_bytes_needed
+from .waits import Watch, cause, first_line
 
 __all__ = ["JobStart"]
 
