@@ -19,7 +19,7 @@ from ._registry import (
     backend_for_device,
     registry,
 )
-from ._segments import remove_segments
+from ._segments import process_running, remove_segments
 from ._sizes import DEFAULT_BUCKET_SIZE, parse_bucket_size
 from ._store import bound_store
 
@@ -41,6 +41,7 @@ __all__ = [
     "bound_store",
     "parse_bucket_size",
     "registry",
+    "process_running",
     "remove_segments",
     "stage_update",
 ]

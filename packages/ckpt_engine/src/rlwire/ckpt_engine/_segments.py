@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Iterable
 
-__all__ = ["SHM_DIR", "SHM_PREFIX", "remove_segments"]
+__all__ = ["SHM_DIR", "SHM_PREFIX", "process_running", "remove_segments"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "rlwire-ckpt-shm-"
@@ -16,7 +16,7 @@ SHM_PREFIX = "rlwire-ckpt-shm-"
 that segments an engine killed mid-update left behind can be found and removed."""
 
 
-def _alive(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -55,9 +55,9 @@ def remove_segments(pids: Iterable[int], *, wait: float = 0.0) -> list[str]:
         with contextlib.suppress(FileNotFoundError):
             if os.stat(path).st_uid != os.getuid():
                 continue
-            while _alive(int(pid)) and time.monotonic() < deadline:
+            while process_running(int(pid)) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if not _alive(int(pid)):
+            if not process_running(int(pid)):
                 os.unlink(path)
                 removed.append(path)
     return removed

@@ -130,9 +130,12 @@ class SignedStore:
 def bound_store(host: str, timeout: float) -> TCPStore:
     """A TCPStore served by this process on a free port (``store.port``) of ``host``'s
     address only: loopback when ``host`` is (every member on this machine), the interface
-    named otherwise; ``0.0.0.0`` asks for every interface. Unsigned: for torch's own
-    rendezvous (``torch.distributed.init_process_group(store=...)``); the engine's messages
-    go through :func:`master_store`."""
+    named otherwise (``0.0.0.0``, every interface, only where a caller asks for it: the
+    trainer never does). Unsigned: for torch's own rendezvous
+    (``torch.distributed.init_process_group(store=...)``), whose values torch reads as they
+    are; a process that reaches the port could write them, as it could reach gloo's own
+    peer connections, which carry no key either: on a cluster both belong on a private
+    network. The engine's messages go through :func:`master_store`, which signs them."""
     sock = _listening_socket(host)
     port = sock.getsockname()[1]
     return TCPStore(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -54,11 +55,10 @@ def private_root(path: str, *, create: bool) -> str:
     in the resolved directory, so a link changed later is not followed.
     """
     if create:
-        try:
+        # an existing root (or another member's, made meanwhile) is left as it is: checked below
+        with contextlib.suppress(FileExistsError):
             os.makedirs(path, mode=0o700)
             os.chmod(path, 0o700)  # the umask may have taken the owner's bits too
-        except FileExistsError:
-            pass  # an existing root (or another member's, made meanwhile): checked below
     real = os.path.realpath(path)
     shown = repr(path) if real == os.path.abspath(path) else f"{path!r} (-> {real!r})"
     try:

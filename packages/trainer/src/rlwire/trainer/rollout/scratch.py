@@ -17,6 +17,8 @@ import tempfile
 import weakref
 from pathlib import Path
 
+from rlwire.ckpt_engine import process_running
+
 __all__ = ["ScratchDir", "sweep"]
 
 
@@ -74,20 +76,8 @@ def sweep(prefix: str, *, parent: str | os.PathLike[str] | None = None) -> list[
             info = entry.stat(follow_symlinks=False)
         except FileNotFoundError:  # another process swept it meanwhile
             continue
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or _alive(int(pid)):
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or process_running(int(pid)):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(Path(entry.path))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user's counts: it cannot be signalled,
-    but it is there)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
