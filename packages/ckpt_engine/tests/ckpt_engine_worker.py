@@ -8,6 +8,9 @@ the receivers. Scenarios:
   shared     roundtrip, with the sender's tensors moved into shared memory once
              (shm only) and updated in place between versions
   kill       the last receiver dies (os._exit) in the middle of update 1
+  abort      kill, and the sender, seeing that receiver's process gone, aborts the update
+             (engine.abort from a thread of its own, as a caller that watches its
+             members does)
   corrupt    checksum=True; receiver 1 flips one byte of the first bucket it gets
   delta      delta="on", five versions with sparse changes (make_delta_state); receivers
              hold their weights and pass base_version, applying what arrives
@@ -27,6 +30,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -213,9 +217,23 @@ async def delta_receiver(engine, scenario: str, rank: int, out: str) -> None:
     torch.save(report, out)
 
 
-async def sender(engine, scenario: str, out: str) -> None:
+def _abort_when_gone(engine, pid_file: str) -> None:
+    """The ``abort`` scenario's watcher: once the dying receiver's process is gone, abort
+    the update, naming it."""
+    from rlwire.ckpt_engine import process_running
+
+    pid = int(_wait_for(pid_file, 60))
+    while process_running(pid):
+        time.sleep(0.01)
+    engine.abort(f"receiver process {pid} died")
+
+
+async def sender(engine, scenario: str, out: str, rendezvous: str = "") -> None:
     report: dict = {"stats": [], "error": None}
     start = time.monotonic()
+    if scenario == "abort":
+        pid_file = os.path.join(rendezvous, "dying.pid")
+        threading.Thread(target=_abort_when_gone, args=(engine, pid_file), daemon=True).start()
     shared = None
     if scenario == "shared":
         shared = make_state(1)
@@ -250,7 +268,7 @@ async def receiver(engine, scenario: str, rank: int, world_size: int, out: str) 
             copy = update != 1
             got = []
             async for name, tensor in engine.receive_weights(copy=copy):
-                if scenario == "kill" and rank == world_size - 1 and len(got) == 1000:
+                if scenario in ("kill", "abort") and rank == world_size - 1 and len(got) == 1000:
                     os._exit(3)
                 # A zero-copy view is only valid until the next item: copy it now.
                 got.append((name, tensor.cpu() if copy else tensor.clone().cpu()))
@@ -296,8 +314,14 @@ def main(
             else delta_receiver(engine, scenario, rank, out)
         )
     elif rank == 0:
-        run = sender(engine, scenario, out)
+        run = sender(engine, scenario, out, rendezvous)
     else:
+        if scenario == "abort" and rank == world_size - 1:  # for the sender's watcher
+            with open(os.path.join(rendezvous, "dying.pid.tmp"), "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(
+                os.path.join(rendezvous, "dying.pid.tmp"), os.path.join(rendezvous, "dying.pid")
+            )
         run = receiver(engine, scenario, rank, world_size, out)
     asyncio.run(run)
     engine.finalize()

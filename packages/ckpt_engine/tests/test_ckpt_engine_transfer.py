@@ -120,6 +120,25 @@ def test_receiver_killed_mid_update_fails_the_sender_within_timeout(backend, tmp
     assert sender["seconds"] < FAILURE_TIMEOUT + 10, sender
 
 
+@pytest.mark.parametrize("backend", ["shm", "filesystem", "broadcast-cpu"])
+def test_abort_ends_every_members_wait_for_a_dead_receiver(backend, tmp_path):
+    """The sender, told that a receiver died, ends its own wait for that receiver and the
+    other receivers' waits at once: each ends with the abort naming the cause, not with
+    the timeout (15 s here) it would otherwise wait out. (gloo's waits end by themselves:
+    a dead peer's connections close, the test above.)"""
+    sender, survivor, killed = _run_group(backend, "abort", tmp_path)
+    assert killed["exit"] == 3
+    kind, message = sender["error"]
+    assert kind == "CheckpointEngineAborted", sender
+    assert "the update was aborted" in message and "died" in message, message
+    if backend == "filesystem":  # it read its own copy, written whole before the wait
+        assert survivor["error"] is None, survivor
+        _assert_bit_identical(survivor["updates"][0][1], make_state(1))
+    else:
+        assert survivor["error"][0] == "CheckpointEngineAborted", survivor
+        assert "died" in survivor["error"][1], survivor
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_corrupted_bucket_is_detected_with_checksum(backend, tmp_path):
     sender, corrupted, clean = _run_group(backend, "corrupt", tmp_path)

@@ -12,7 +12,7 @@ from ._admission import TOKEN_ENV as WEIGHT_TRANSFER_TOKEN_ENV
 from ._apply import StagedUpdate, apply_to_module, stage_update
 from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
 from ._delta import DELTA_MODES, Delta
-from ._errors import CheckpointEngineError, CheckpointEngineTimeout
+from ._errors import CheckpointEngineAborted, CheckpointEngineError, CheckpointEngineTimeout
 from ._registry import (
     BackendCapabilities,
     CheckpointEngineRegistry,
@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "StagedUpdate",
     "CheckpointEngine",
+    "CheckpointEngineAborted",
     "CheckpointEngineError",
     "CheckpointEngineRegistry",
     "CheckpointEngineTimeout",

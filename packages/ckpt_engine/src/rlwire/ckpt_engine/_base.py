@@ -11,7 +11,7 @@ from typing import Any, ClassVar, TypeVar, overload
 import torch
 
 from ._delta import Delta, DeltaMirror, check_delta_mode
-from ._errors import CheckpointEngineError
+from ._errors import CheckpointEngineAborted, CheckpointEngineError
 from ._sizes import parse_bucket_size
 from ._wire import aiter_weights
 
@@ -137,6 +137,8 @@ class CheckpointEngine(abc.ABC):
         self.world_size: int | None = None
         self._exchange = False  # members say which version they hold before each update
         self.last_version: int | None = None
+        self.aborted: str | None = None
+        """Why :meth:`abort` ended this engine's updates (None: it did not)."""
         self.progressed_at = time.monotonic()
         """When a transfer of this engine last moved (``time.monotonic()``): an item taken to
         send or yielded to the receiver, or an update begun or sent. A caller that waits for a
@@ -183,6 +185,33 @@ class CheckpointEngine(abc.ABC):
         """Free buffers and tear down the group. Idempotent; subclasses call ``super()``."""
         self.rank = self.world_size = None
 
+    def abort(self, reason: str) -> None:
+        """End the update in progress at once, and refuse any later one, from any thread:
+        what a caller does when it learns that a member died (a sender waiting for a dead
+        receiver's acknowledgement would otherwise wait ``timeout``). On the master it ends
+        every member's waits of the update (the receivers' too); on a receiver, its own.
+        Each ends with :class:`CheckpointEngineAborted` naming ``reason``; a receiver has
+        applied nothing of the update. The engine is then only finalized: join a new group
+        for the next update.
+
+        Where a wait is inside a collective the engine cannot interrupt (``gloo``'s, NCCL's,
+        HCCL's), it ends when the transport sees the dead peer (a gloo connection to a killed
+        process closes at once) or at ``timeout``."""
+        if self.aborted is None:
+            self.aborted = str(reason)
+        self._abort(self.aborted)
+
+    def _abort(self, reason: str) -> None:  # noqa: B027  # optional: most backends end theirs
+        """Backend: end the waits in progress (:meth:`abort` set :attr:`aborted`; a backend
+        whose waits check it needs nothing more)."""
+
+    def _check_aborted(self) -> None:
+        if self.aborted is not None:
+            raise CheckpointEngineAborted(
+                f"{self.name}: the update was aborted ({self.aborted}); finalize this engine "
+                "and join a new group"
+            )
+
     @property
     def active(self) -> bool:
         return self.rank is not None and self.rank >= 0
@@ -215,6 +244,7 @@ class CheckpointEngine(abc.ABC):
             CheckpointEngineTimeout: a receiver did not keep up within ``timeout``.
         """
         self._check_joined("send_weights")
+        self._check_aborted()
         if not self.active:
             # Nothing to send, but iterate: a generator that gathers shards
             # collectively needs every trainer rank to take part.
@@ -280,6 +310,7 @@ class CheckpointEngine(abc.ABC):
             return _empty()
         if self.rank == 0:
             raise CheckpointEngineError("receive_weights on the master (rank 0)")
+        self._check_aborted()
         self.progressed_at = time.monotonic()
         return self._ticked(self._receive(copy, base_version))
 

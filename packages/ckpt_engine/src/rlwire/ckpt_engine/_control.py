@@ -140,6 +140,15 @@ class StoreControlledEngine(BucketedEngine):
         self._release_slots()
         self._store = None
 
+    def _abort(self, reason: str) -> None:
+        store = self._store
+        if store is None:  # not joined: nothing waits
+            return
+        # The master also ends the receivers' waits: each waits for the metadata of the
+        # bucket after the last one it took, at most one past the last one published.
+        ahead = [f"meta/{self._seq}", f"meta/{self._seq + 1}"] if self.is_master else []
+        store.abort(reason, also=ahead)
+
     # --- the protocol -------------------------------------------------------------------
     async def _exchange_held(self, held: int | None) -> list[int | None]:
         # Keyed by the first bucket of the update, which every member knows.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointEngineError", "CheckpointEngineTimeout"]
+__all__ = ["CheckpointEngineAborted", "CheckpointEngineError", "CheckpointEngineTimeout"]
 
 
 class CheckpointEngineError(RuntimeError):
@@ -11,3 +11,9 @@ class CheckpointEngineError(RuntimeError):
 
 class CheckpointEngineTimeout(CheckpointEngineError):
     """A peer did not answer within the engine's ``timeout`` (it stalled or died)."""
+
+
+class CheckpointEngineAborted(CheckpointEngineError):
+    """The update was ended by :meth:`~rlwire.ckpt_engine.CheckpointEngine.abort` (on this
+    member, or on the master for the whole group): nothing of it was applied; the engine
+    takes no further update (finalize it and join a new group)."""

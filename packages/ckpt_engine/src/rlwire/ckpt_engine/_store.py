@@ -19,14 +19,15 @@ import hmac
 import queue
 import secrets
 import socket
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 # torch.distributed.TCPStore itself, imported from where it is declared with its types
 # (torch.distributed re-exports it without listing it in __all__).
 from torch._C._distributed_c10d import TCPStore
 
-from ._errors import CheckpointEngineError, CheckpointEngineTimeout
+from ._errors import CheckpointEngineAborted, CheckpointEngineError, CheckpointEngineTimeout
 
 __all__ = [
     "SignedStore",
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+_ABORT = b"\0rlwire-abort\0"
+"""What a value written by :meth:`SignedStore.abort` starts with (then the reason)."""
 
 
 def _listening_socket(host: str) -> socket.socket:
@@ -76,6 +80,10 @@ class SignedStore:
 
     def __init__(self, store: TCPStore, secret: bytes, name: str) -> None:
         self.raw, self.secret, self.name = store, secret, name
+        self.aborted: str | None = None
+        """Why :meth:`abort` ended this store's waits (None: it did not)."""
+        self._waiting: list[str] = []  # the keys a wait_get blocks on now
+        self._writes = threading.Lock()  # a set and an abort: one before the other
 
     @property
     def port(self) -> int:
@@ -106,19 +114,59 @@ class SignedStore:
         return value
 
     def set(self, key: str, value: bytes | str) -> None:
-        self.raw.set(key, self.sign(key, value))  # type: ignore[arg-type]  # stub: str only
+        """Write ``value`` signed; refused once the store is aborted (a message written
+        after :meth:`abort` could replace the abort a member waits for)."""
+        with self._writes:
+            self._check_aborted()
+            self.raw.set(key, self.sign(key, value))  # type: ignore[arg-type]  # stub: str only
 
     def get(self, key: str) -> bytes:
-        return self.verify(key, self.raw.get(key))
+        """The verified value of ``key``; :class:`CheckpointEngineAborted` where it is an
+        abort (:meth:`abort`)."""
+        value = self.verify(key, self.raw.get(key))
+        if value.startswith(_ABORT):
+            reason = value[len(_ABORT) :].decode(errors="replace")
+            raise CheckpointEngineAborted(f"{self.name}: the update was aborted: {reason}")
+        return value
 
     def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
         self.raw.wait(keys, timeout)
 
     def wait_get(self, keys: list[str], timeout: datetime.timedelta) -> list[bytes]:
-        """Wait for ``keys`` and return their verified values."""
-        if keys:
-            self.raw.wait(keys, timeout)
-        return [self.get(key) for key in keys]
+        """Wait for ``keys`` and return their verified values; ended at once by
+        :meth:`abort` (:class:`CheckpointEngineAborted`)."""
+        self._waiting = list(keys)  # before the check: an abort after it sees the keys
+        try:
+            self._check_aborted()
+            if keys:
+                self.raw.wait(keys, timeout)
+            return [self.get(key) for key in keys]
+        finally:
+            self._waiting = []
+
+    def _check_aborted(self) -> None:
+        if self.aborted is not None:
+            raise CheckpointEngineAborted(f"{self.name}: the update was aborted: {self.aborted}")
+
+    def abort(self, reason: str, *, also: Iterable[str] = ()) -> None:
+        """End this store's waits and refuse its writes from now on, from any thread: the
+        keys a :meth:`wait_get` blocks on now, and ``also`` (keys other members may wait
+        for), are written with a signed abort, through a connection of their own (the
+        waiting thread holds the store's); each waiter then raises
+        :class:`CheckpointEngineAborted` with ``reason``. Only a member holding the secret
+        can abort, as only one can write."""
+        with self._writes:
+            if self.aborted is None:
+                self.aborted = reason
+            keys = list(dict.fromkeys([*self._waiting, *also]))
+            if not keys:
+                return
+            timeout = datetime.timedelta(seconds=30)
+            with peer_errors(f"{self.name}: aborting the update", 30):
+                other = TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout)
+                for key in keys:
+                    signed = self.sign(key, _ABORT + reason.encode())
+                    other.set(key, signed)  # type: ignore[arg-type]  # stub: str only
 
     def check(self, keys: list[str]) -> bool:
         return self.raw.check(keys)

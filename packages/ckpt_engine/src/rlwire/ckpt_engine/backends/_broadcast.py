@@ -176,7 +176,7 @@ class BroadcastEngine(StoreControlledEngine):
         worker.start()
         worker.join(self.timeout)
         if failure:
-            self._abort()
+            self._abort_group()
             raise CheckpointEngineError(
                 f"{self.name}: connecting the group of {self.world_size} failed: {failure[0]}"
             ) from failure[0]
@@ -185,14 +185,20 @@ class BroadcastEngine(StoreControlledEngine):
             # from a thread of its own, so that this error is raised at once either way.
             self._failed = True
             threading.Thread(
-                target=self._abort, name=f"rlwire-{self.name}-abort", daemon=True
+                target=self._abort_group, name=f"rlwire-{self.name}-abort", daemon=True
             ).start()
             raise CheckpointEngineTimeout(
                 f"{self.name}: connecting the group of {self.world_size}: not done within "
                 f"{self.timeout:g} s (a member did not take part)"
             )
 
-    def _abort(self) -> None:
+    def _abort(self, reason: str) -> None:
+        # The store's waits end at once; a collective in flight when the communicator is
+        # aborted (NCCL's way to end a blocked wait from another thread).
+        super()._abort(reason)
+        self._abort_group()
+
+    def _abort_group(self) -> None:
         """After a failure: abort the communicator (pending work would block a shutdown)."""
         self._failed = True
         self._inflight = [None, None]
@@ -204,7 +210,7 @@ class BroadcastEngine(StoreControlledEngine):
         try:
             return await super()._send(weights, version)
         except Exception:
-            self._abort()
+            self._abort_group()
             raise
 
     async def _receive(
@@ -214,7 +220,7 @@ class BroadcastEngine(StoreControlledEngine):
             async for item in super()._receive(copy, base_version):
                 yield item
         except Exception:
-            self._abort()
+            self._abort_group()
             raise
 
     def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
@@ -264,7 +270,7 @@ class BroadcastEngine(StoreControlledEngine):
     def finalize(self) -> None:
         pg, self._pg = self._pg, None
         if pg is not None and not self._failed and hasattr(pg, "shutdown"):
-            pg.shutdown()  # a clean drain: graceful; after a failure _abort() already ran
+            pg.shutdown()  # a clean drain: graceful; after a failure _abort_group() already ran
         super().finalize()
 
 

@@ -17,13 +17,16 @@ from typing import Any, TypeVar
 import torch
 
 from .._base import CheckpointEngine, TransferStats, Weights
-from .._errors import CheckpointEngineError, CheckpointEngineTimeout
+from .._errors import CheckpointEngineAborted, CheckpointEngineError, CheckpointEngineTimeout
 from .._wire import aiter_weights, as_bytes, checksum, dtype_from_name, dtype_name
 
 __all__ = ["FilesystemEngine"]
 
 MANIFEST = "manifest.json"
 MARKER = "COMPLETE"
+ABORTED = "ABORTED"
+"""The file the master's :meth:`~rlwire.ckpt_engine.CheckpointEngine.abort` writes in the
+root (its reason inside): every member's waits end when they see it."""
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 _T = TypeVar("_T")
 
@@ -121,6 +124,9 @@ class FilesystemEngine(CheckpointEngine):
 
     def prepare(self) -> dict[str, Any]:
         given, self.root = self.root, private_root(self.root, create=True)
+        if self.is_master:  # a new group: an earlier one's abort is not this one's
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.root, ABORTED))
         # the path as given: another host may reach the shared directory by other links
         return {"root": given} if self.is_master else {}
 
@@ -139,10 +145,26 @@ class FilesystemEngine(CheckpointEngine):
     async def _wait_for(self, predicate: Callable[[], _T | None], what: str) -> _T:
         deadline = time.monotonic() + self.timeout
         while (result := predicate()) is None:
+            self._check_aborted()
+            try:
+                with open(os.path.join(self.root, ABORTED)) as f:
+                    reason = f.read()
+            except FileNotFoundError:
+                pass
+            else:
+                raise CheckpointEngineAborted(f"filesystem: the update was aborted: {reason}")
             if time.monotonic() > deadline:
                 raise CheckpointEngineTimeout(f"filesystem: {what} within {self.timeout:g} s")
             await asyncio.sleep(self.poll_interval)
         return result
+
+    def _abort(self, reason: str) -> None:
+        if not (self.is_master and self.active):  # a receiver's own waits see the flag
+            return
+        path = os.path.join(self.root, ABORTED)
+        with open(f"{path}.tmp", "w") as f:
+            f.write(reason)
+        os.replace(f"{path}.tmp", path)
 
     async def _send(self, weights: Weights, version: int) -> TransferStats:
         st = _safetensors()

@@ -150,6 +150,12 @@ class GlooEngine(BucketedEngine):
         if meta.last:
             await self._ack()
 
+    def _abort(self, reason: str) -> None:
+        # The store's waits (joining, the delta exchange) end at once; the collectives'
+        # when a dead peer's connections close, which gloo sees at once.
+        if self._store is not None:
+            self._store.abort(reason)
+
     def finalize(self) -> None:
         super().finalize()
         self._pg = None
