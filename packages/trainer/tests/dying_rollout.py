@@ -65,11 +65,13 @@ class PacedDiesOnce(DiesOnce, PacedEngine):
     name = "dying_rollout:PacedDiesOnce"
 
 
-class DiesInSyncOnce(HFEngine):
-    """The ``hf`` engine whose worker 1 SIGKILLs its process while it receives its third
-    weight update, once per run directory (a death during a sync)."""
+class _DiesInSync:
+    """A rollout engine whose worker ``sync_dies[0]`` SIGKILLs its process as it begins to
+    receive its ``sync_dies[1]``-th weight update, once per run directory (the file
+    ``sync_marker`` there remembers it): a death during a sync."""
 
-    name = "dying_rollout:DiesInSyncOnce"
+    sync_dies = (1, 3)
+    sync_marker = "rollout-died"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -77,8 +79,21 @@ class DiesInSyncOnce(HFEngine):
 
     async def stage(self, engine):
         self.syncs += 1
-        marker = Path(self.config.trainer.output_dir) / "rollout-died"
-        if (self.index, self.syncs) == (1, 3) and not marker.exists():
+        marker = Path(self.config.trainer.output_dir) / self.sync_marker
+        if (self.index, self.syncs) == self.sync_dies and not marker.exists():
             marker.write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
         return await super().stage(engine)
+
+
+class DiesInSyncOnce(_DiesInSync, HFEngine):
+    """The ``hf`` engine whose worker 1 dies as it receives its third weight update."""
+
+    name = "dying_rollout:DiesInSyncOnce"
+
+
+class PacedDiesInSync(_DiesInSync, PacedEngine):
+    """The ``paced`` engine whose worker 0 dies as it receives its second weight update."""
+
+    name = "dying_rollout:PacedDiesInSync"
+    sync_dies = (0, 2)

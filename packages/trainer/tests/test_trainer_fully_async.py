@@ -477,9 +477,11 @@ def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tm
         assert r["rollout_paused_s"] >= 0 and 0.0 <= r["reward_mean"] <= 1.0
         assert r["optimizer_steps"] == 1 and r["rollout_is_mean"] > 0
         assert r["version_span_max"] in (0, 2)  # a sync moves the weights 2 versions on
-        if r["step"] in (2, 4):  # a sync step: both workers hold exactly what the actor sent
+        if r["step"] in (2, 4):  # a sync step: the members hold exactly what the actor sent
             assert r["weight_sync_gbps"] > 0
-            assert r["weight_digest_rollout"] == [r["weight_digest_actor"]] * 2
+            # (worker 1's replacement is a member from the first sync after its engine loaded)
+            members = r["rollout_engines_live"]
+            assert r["weight_digest_rollout"] == [r["weight_digest_actor"]] * members
             digests.append(r["weight_digest_actor"])
         else:
             assert "weight_digest_actor" not in r
@@ -497,22 +499,29 @@ def test_a_sync_waits_for_generation_longer_than_the_transfer_timeout(ray_cluste
     checkpoint engine's 1 s timeout. The workers receive every sync while they generate, so the
     transfer never waits for a boundary, and the wait for the boundary is bounded by
     ``async.sample_timeout`` (a sync used to time out here: the transfer started only at the
-    worker's boundary, under the transfer's deadline)."""
-    records, _ = train_cli(
-        tmp_path / "run",
+    worker's boundary, under the transfer's deadline). Worker 0 dies (SIGKILL,
+    :mod:`dying_rollout`) as it receives that sync: the push is aborted on every member and
+    sent again, whole, to worker 1 alone (the replacement joins no later sync: there is
+    none); the run ends with exit 0."""
+    run = tmp_path / "run"
+    records, out = train_cli(
+        run,
         "ckpt_engine.digest=true",
         "ckpt_engine.timeout=1",
         "trainer.mode=fully_async",
         "rollout.num_workers=2",
         "trainer.steps=2",
-        "rollout.backend=paced",
+        "rollout.backend=dying_rollout:PacedDiesInSync",
         "rollout.paced_step_s=0.2",
         "rollout.max_new_tokens=16",
         cluster=ray_cluster,
     )
+    assert (run / "rollout-died").exists()  # it did die, in the sync
+    assert "rollout worker 0 died; starting its replacement (restart 1 of 3" in out
     assert [r["weight_version"] for r in records] == [1, 1]
-    synced = records[0]  # both workers hold exactly what the actor sent
-    assert synced["weight_digest_rollout"] == [synced["weight_digest_actor"]] * 2
+    assert [r["rollout_restarts"] for r in records] == [1, 1]
+    synced = records[0]  # the survivor holds exactly what the actor sent
+    assert synced["weight_digest_rollout"] == [synced["weight_digest_actor"]]
     # each step's samples: a chunk from each worker, each past the transfer's 1 s timeout
     assert all(r["time_generate_s"] > 2 * 1.0 for r in records)
 

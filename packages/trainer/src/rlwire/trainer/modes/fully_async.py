@@ -30,6 +30,7 @@ from ..rollout import Rollout
 from ..runtime.cluster import Handle
 from ..runtime.job import Job
 from ..runtime.waits import RolloutLost, Watch
+from .async_push import Pushes
 from .sample_queue import SampleQueue
 
 __all__ = ["run_fully_async", "sync_due"]
@@ -79,9 +80,13 @@ def run_fully_async(job: Job, bar) -> None:
         job.fleet.replace(lost)
         lost_groups = ray.get(queue.worker_lost.remote(lost.index), timeout=wait_s)
         job.fleet.requeued(lost.index, lost_groups)
-        return job.rollouts[lost.index].run.remote(queue)
+        new_loop = job.rollouts[lost.index].run.remote(queue)
+        watch.loops[lost.index] = new_loop  # before any wait below sees the dead one again
+        pushes.member_died(lost)  # a push it was receiving is sent again to the others
+        return new_loop
 
     watch.heal = heal
+    pushes = Pushes(job, queue, watch, wait_s, heal)
 
     def take(step: int, count: int = required):
         """Ask for ``count`` groups for update ``step`` (answered once they are there)."""
@@ -95,45 +100,6 @@ def run_fully_async(job: Job, bar) -> None:
                 f"{wait_s:g} s (async.sample_timeout; {got['queued']} queued)"
             )
         return got
-
-    def start_sync(version: int, *, request: bool = True) -> tuple[int, list]:
-        """Ask the workers to take ``version`` at their next boundary and hand it over:
-        each actor rank gathers the weights, rank 0 sends them from a thread of its own
-        and goes on with its next calls; each worker receives them beside its generation.
-        Nothing here waits (:func:`finish_sync` collects every answer at once)."""
-        if job.fleet.joining:  # replacements of dead workers join the weight group first
-            joining = sorted(job.fleet.joining)
-            job.fleet.rejoin()
-            watch.get(
-                [queue.worker_joined.remote(i) for i in joining], timeout=wait_s, what="samples"
-            )
-        calls = [queue.request_sync.remote(version)] if request else []
-        calls += [actor.start_push.remote(version) for actor in job.actors]  # before the
-        # next update on every rank; then each worker's receive, on its own thread:
-        calls += [
-            r.stage_weights.options(concurrency_group="receive").remote(version)
-            for r in job.rollouts
-        ]
-        return version, calls
-
-    def finish_sync(started: tuple[int, list]) -> dict[str, Any]:
-        """Wait until rank 0's send ended and every worker wrote the version in: the
-        send's report, with each worker's (``pulls``)."""
-        version, calls = started
-        finished = [a.finish_push.remote() for a in job.actors]
-        # The workers write it in at their next boundary, after the generation they are in:
-        # bounded by async.sample_timeout; the transfer by the engine (ckpt_engine.timeout
-        # per wait: a large model may outlast any fixed budget for the whole).
-        synced = queue.wait_synced.remote(version, wait_s)
-        *_, stats, pulls = watch.get(
-            [*calls, *finished[1:], finished[0], synced], timeout=None, what="weight sync"
-        )
-        if pulls is None:
-            raise RunError(
-                f"weight sync: the rollout workers did not reach a boundary to take version "
-                f"{version} within {wait_s:g} s (async.sample_timeout)"
-            )
-        return {**stats, "pulls": [p for p in pulls if p]}  # a dead worker's left out
 
     def validate(version: int) -> None:
         """The held-out prompts on every worker with the weights they hold (``version``,
@@ -158,15 +124,16 @@ def run_fully_async(job: Job, bar) -> None:
         job.record(record, bar, fields["batch"])
         bar.update(1)
 
-    def write_synced(step: int, started: Any, fields: dict[str, Any]) -> None:
+    def write_synced(step: int, fields: dict[str, Any]) -> None:
         """A sync step's record once its sync completed; then, if due, the validation of
         the weights it synced."""
-        write(step, finish_sync(started), fields)
+        write(step, pushes.finish(), fields)
         if validation_due(config, step + 1):
             validate(step + 1)
 
     try:
-        finish_sync(start_sync(job.start_step, request=False))
+        pushes.start(job.start_step, request=False)
+        pushes.finish()
         if validation_due(config, job.start_step, before=True):
             validate(job.start_step)
         held = job.start_step  # the version the rollout workers hold
@@ -205,9 +172,9 @@ def run_fully_async(job: Job, bar) -> None:
             if pending is not None:  # the actor ran that push before this update
                 write_synced(*pending)
                 pending = None
-            started = None
-            if sync_due(step, trigger, config.trainer.steps):
-                started = start_sync(step + 1)
+            started = sync_due(step, trigger, config.trainer.steps)
+            if started:
+                pushes.start(step + 1)
                 held = step + 1
             t_sync = time.perf_counter()
             seconds = {k: got[k] - seconds_before[k] for k in seconds_before}
@@ -226,12 +193,12 @@ def run_fully_async(job: Job, bar) -> None:
                 "rollout_sync_wait_s": seconds["sync_wait_s"],
             }
             due = job.save_due(step + 1)
-            if started is None:
+            if not started:
                 write(step, unsynced, fields)
             elif due:  # the record goes before its checkpoint, as in every other step
-                write_synced(step, started, fields)
+                write_synced(step, fields)
             else:  # completed while the next step takes its samples and updates
-                pending = (step, started, fields)
+                pending = (step, fields)
             if due:  # the actor saves after its push: the weights of this update
                 position = queue.position.remote(step + 1)
                 job.save(step + 1, queue=watch.get(position, timeout=wait_s, what="checkpoint"))
@@ -239,7 +206,8 @@ def run_fully_async(job: Job, bar) -> None:
             write_synced(*pending)
         steps = config.trainer.steps
         if steps > job.start_step and validation_due(config, steps):  # the final weights
-            finish_sync(start_sync(steps))  # (never synced for training: none is after them)
+            pushes.start(steps)  # (never synced for training: none is after them)
+            pushes.finish()
             validate(steps)
         watch.get(queue.stop.remote(), timeout=wait_s, what="stopping the sample queue")
         watch.loops = []  # their ends are expected now: a worker dead by then is named

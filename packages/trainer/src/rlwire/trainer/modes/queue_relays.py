@@ -90,9 +90,10 @@ class FleetRelay:
     version: int
 
     def _synced_all(self) -> bool:
-        """Every worker present holds the version a sync asked for."""
+        """Every worker present holds the version a sync asked for (and one is present: with
+        every worker gone, the replacements that join take it first)."""
         present = [v for w, v in enumerate(self.worker_versions) if w not in self.absent]
-        return all(v == self.sync_to for v in present)
+        return bool(present) and all(v == self.sync_to for v in present)
 
     def _complete_sync(self) -> None:
         """(lock held) The sync asked for is complete once every present worker holds it."""

@@ -177,6 +177,10 @@ class VLLMServer:
             self.progressed_at = time.monotonic()
             call.join(poll)
         if outcome[0] is not None:
+            if "the update was aborted" in str(outcome[0]):  # the type is lost over HTTP
+                from rlwire.ckpt_engine import CheckpointEngineAborted
+
+                raise CheckpointEngineAborted(str(outcome[0])) from None
             raise outcome[0]
         (versions,) = self._call("/collective_rpc", {"method": "rlwire_weight_versions"})["results"]
         return int(versions["staged"])

@@ -10,17 +10,19 @@ generates; the driver makes every call; :class:`~.job.Job`), where a worker's de
   replacement joins at once, receives the actor's current weights and generates it (its
   samples are stamped with that version). The groups are counted (``regenerated_groups``)
   and named in the log.
-- **weight sync**: every other member's part of the transfer ends (the sender's and the
-  receivers' waits are bounded by ``ckpt_engine.timeout`` each), the worker is replaced,
-  the group re-formed, and the same version sent again, whole. A receiver writes an update
-  in only once it arrived whole, so the survivors hold the old weights or the new ones,
-  never a mix.
+- **weight sync**: the send is aborted at once on every member (the checkpoint engine's
+  ``abort``: the sender does not wait ``ckpt_engine.timeout`` for the dead receiver), the
+  worker is replaced, the group re-formed, and the same version sent again, whole. A
+  receiver writes an update in only once it arrived whole, so the survivors hold the old
+  weights or the new ones, never a mix.
 
 Fully-async mode (:mod:`rlwire.trainer.modes.fully_async`): a worker's loop that ends in its
 death is replaced (:attr:`~.waits.Watch.heal`); the groups it held go back to be generated
 first and it is absent from the sample queue (handed nothing; a sync completes without it)
 until its replacement joined the weight group (the queue's ``worker_lost`` and
-``worker_joined``). A death during a weight push is not healed there.
+``worker_joined``), at the first push after its engine loaded (the pushes go on without it
+meanwhile). A death during a push aborts it on every member at once and sends the same
+version again to the survivors (:mod:`rlwire.trainer.modes.async_push`).
 
 A replacement is a new Ray actor of the same index with its own engine (``vllm_server``:
 a new server: the dead worker's watchdog stopped the old one); it joins the
@@ -141,24 +143,49 @@ class Fleet:
     def rejoin(self) -> None:
         """Once the replacements' engines are loaded, re-form the checkpoint engine's group
         with them in it (before a sync: the sync gives them the current weights)."""
-        import ray
 
         if not self.joining:
             return
+        self.wait_loaded()
+        self.job.reform_weight_group()
+
+    def wait_loaded(self) -> list[int]:
+        """Wait for every replacement's engine to load (each bounded by
+        ``ray.startup_timeout``): no longer joining, to be in the group re-formed next."""
+        done = sorted(self.loading)
+        for index in done:
+            self._loaded(index)
+            self.joining.discard(index)
+        return done
+
+    def ready(self) -> list[int]:
+        """Fully async: the replacements whose engines have loaded, without waiting for the
+        others (a ``vllm serve`` server takes minutes): no longer joining, to be in the
+        group re-formed next."""
+        import ray
+
+        done = [i for i, (ref, _) in sorted(self.loading.items()) if ray.wait([ref], timeout=0)[0]]
+        for index in done:
+            self._loaded(index)
+            self.joining.discard(index)
+        return done
+
+    def _loaded(self, index: int) -> None:
+        """Wait for replacement ``index``'s engine (bounded by ``ray.startup_timeout``) and
+        note where it runs."""
+        import ray
+
         job, here = self.job, ray.get_runtime_context().get_node_id()
         timeout = job.config.ray.startup_timeout
-        for index, (loaded, start) in sorted(self.loading.items()):
-            what = f"starting the replacement of rollout worker {index}"
-            job.watch.get(loaded, timeout=timeout, what=what)
-            worker = job.rollouts[index]
-            where = worker.node.options(concurrency_group="receive").remote()  # beside run()
-            node, pid = job.watch.get(where, timeout=timeout, what=what)
-            if node == here:  # close() sweeps the shared memory its workers leave here
-                job.local_pids.append(pid)
-            log.info("rollout worker %d replaced in %.1f s", index, time.perf_counter() - start)
-        self.loading.clear()
-        job.reform_weight_group()
-        self.joining.clear()
+        loaded, start = self.loading.pop(index)
+        what = f"starting the replacement of rollout worker {index}"
+        job.watch.get(loaded, timeout=timeout, what=what)
+        worker = job.rollouts[index]
+        where = worker.node.options(concurrency_group="receive").remote()  # beside run()
+        node, pid = job.watch.get(where, timeout=timeout, what=what)
+        if node == here:  # close() sweeps the shared memory its workers leave here
+            job.local_pids.append(pid)
+        log.info("rollout worker %d replaced in %.1f s", index, time.perf_counter() - start)
 
     def regenerating(self, index: int, indices: range, by: int | None, position: int) -> None:
         """Count and name the prompt groups of worker ``index``'s lost share (``by``: the

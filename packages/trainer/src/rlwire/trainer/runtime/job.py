@@ -65,7 +65,13 @@ class Job(JobStart):
         self.rollout_sleeps = engine.can_sleep and layout is not None and colocated
         self.namespace = f"rlwire-{os.getpid()}-{int(time.time())}"
         place = placement(layout, config.ray.startup_timeout)
-        actor_class = ray.remote(num_cpus=1)(HybridWorker if self.hybrid else ActorWorker)
+        actor_class = (
+            ray.remote(num_cpus=1)(HybridWorker)
+            if self.hybrid
+            else ray.remote(  # type: ignore[call-overload]  # stub: no concurrency_groups
+                num_cpus=1, concurrency_groups=ActorWorker.CONCURRENCY_GROUPS
+            )(ActorWorker)
+        )
         rollout_class = ray.remote(  # type: ignore[call-overload]  # stub: no concurrency_groups
             num_cpus=1, concurrency_groups=RolloutWorker.CONCURRENCY_GROUPS
         )(RolloutWorker)
@@ -86,6 +92,8 @@ class Job(JobStart):
             if self.hybrid
             else [rollout_worker(i, 0) for i in range(workers)]
         )
+        self.members = list(range(len(self.rollouts)))
+        """The rollout workers in the checkpoint engine's group, by rank (:mod:`.healing`)."""
         self.fleet = Fleet(self, rollout_worker)
         # every worker process once
         self.processes = self.actors if self.hybrid else [*self.actors, *self.rollouts]
@@ -118,7 +126,8 @@ class Job(JobStart):
                 reports = self.watch.get(refs, timeout=None, what="weight sync")
             except RolloutLost as lost:
                 self.fleet.replace(lost)  # (or the line that stops the run, at once)
-                self._settle(refs, lost)  # while the replacement loads
+                self.abort_push(lost)  # the sender and the survivors stop waiting for it
+                self.settle(refs, lost)  # while the replacement loads
                 return self.start_sync(version)()
             if self.hybrid:
                 return {**reports[0], "pulls": [r["pull"] for r in reports]}
@@ -126,7 +135,15 @@ class Job(JobStart):
 
         return done
 
-    def _settle(self, refs: list, lost: RolloutLost) -> None:
+    def abort_push(self, lost: RolloutLost) -> None:
+        """End the weight send in progress at once on actor rank 0 and every receiver (the
+        checkpoint engine's ``abort``), instead of the ``ckpt_engine.timeout`` the sender
+        would wait for the dead worker; the group is re-formed before the next send."""
+        reason = f"rollout worker {lost.index} died"
+        call = self.actors[0].abort_push.options(concurrency_group="abort").remote(reason)
+        self.watch.get(call, timeout=self.config.ckpt_engine.timeout, what="aborting the sync")
+
+    def settle(self, refs: list, lost: RolloutLost) -> None:
         """Wait until every call of a sync that lost a member has ended (each of their
         waits is bounded by ``ckpt_engine.timeout``), whatever their outcome; ``lost`` is
         raised if they do not end."""

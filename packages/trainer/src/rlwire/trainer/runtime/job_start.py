@@ -155,11 +155,12 @@ class JobStart:
         self.kl_ctrl = KLController(self.config.algorithm.kl_ctrl, saved.get("kl_ctrl_value"))
         load_checkpoint(self, checkpoint, saved)
 
-    def reform_weight_group(self) -> None:
+    def reform_weight_group(self, members: list[int] | None = None) -> None:
         """A new checkpoint-engine group with every member joined anew (a replaced rollout
-        worker among them): a new master, so the next update is whole."""
+        worker among them), or only the rollout workers ``members`` (the others join at a
+        later re-forming): a new master, so the next update is whole."""
         start = time.perf_counter()
-        self.engine_backend = self._engine_setup(self.engine_backend)
+        self.engine_backend = self._engine_setup(self.engine_backend, members)
         log.info("weight group re-formed in %.1f s", time.perf_counter() - start)
 
     def _engine_backend(self, layout, one_host: bool, model_path: str) -> str:
@@ -176,10 +177,11 @@ class JobStart:
             shm_bytes=shm_bytes_needed(model_path, config.ckpt_engine.bucket_size),
         )
 
-    def _engine_setup(self, backend: str) -> str:
+    def _engine_setup(self, backend: str, members: list[int] | None = None) -> str:
         """Join every member to the checkpoint engine of ``backend``; the backend. Hybrid:
         each rank hands over to its own rollout engine; otherwise actor rank 0 sends,
-        rollout worker i receives as rank 1 + i."""
+        rollout worker i receives as rank 1 + i (of ``members``, the rollout workers that
+        join, all by default: the k-th of them as rank 1 + k)."""
         config = self.config
         timeout = config.ray.startup_timeout + config.ckpt_engine.timeout
         if self.hybrid:
@@ -198,14 +200,16 @@ class JobStart:
         )
         if "host" in metadata:  # store-controlled backends: where receivers connect
             log.info("checkpoint engine master at %s:%d", metadata["host"], metadata["port"])
-        size = 1 + len(self.rollouts)
+        joining = list(range(len(self.rollouts))) if members is None else members
+        self.members = joining  # the rollout workers in the group, by rank
+        size = 1 + len(joining)
         self.watch.get(
             [
                 *[  # on the receive group: fully async's loop may hold the default one
-                    r.engine_init.options(concurrency_group="receive").remote(
-                        backend, size, metadata
-                    )
-                    for r in self.rollouts
+                    self.rollouts[i]
+                    .engine_init.options(concurrency_group="receive")
+                    .remote(backend, size, metadata, rank=1 + k)
+                    for k, i in enumerate(joining)
                 ],
                 *[a.engine_init.remote(backend, size, metadata) for a in self.actors],
             ],

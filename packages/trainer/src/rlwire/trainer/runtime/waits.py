@@ -40,9 +40,11 @@ class RolloutLost(RunError):
     """A rollout worker's process died: the line that stops the run, unless the job
     replaces the worker (:mod:`rlwire.trainer.runtime.healing`); ``index``: the worker."""
 
-    def __init__(self, message: str, index: int) -> None:
+    def __init__(self, message: str, index: int, actor: str = "") -> None:
         super().__init__(message)
         self.index = index
+        self.actor = actor
+        """The dead worker's Ray actor id (hex): a replacement of the same index has another."""
 
 
 class Watch:
@@ -90,7 +92,7 @@ class Watch:
                         who, said, actor = dead
                         line = f"{what}: {who} died ({said}); {_INTACT}"
                         if actor in self.rollouts:
-                            raise RolloutLost(line, self.rollouts[actor]) from None
+                            raise RolloutLost(line, self.rollouts[actor], actor) from None
                         raise RunError(line) from None
                     raise RunError(
                         f"{what}: {type(reason).__name__}: {first_line(reason)}"
@@ -138,7 +140,7 @@ class Watch:
             )
             dead = self._dead(reason)
             if dead is not None and dead[2] in self.rollouts and self.heal is not None:
-                self.loops[worker] = self.heal(RolloutLost(line, worker))
+                self.loops[worker] = self.heal(RolloutLost(line, worker, dead[2]))
                 return
             raise RunError(line) from None
         raise RunError(f"rollout worker {worker} left its loop before the run ended")

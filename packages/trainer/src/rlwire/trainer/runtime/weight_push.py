@@ -5,6 +5,7 @@ background (fully async). Mixed into :class:`~rlwire.trainer.runtime.workers.Act
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Coroutine
 from contextlib import AbstractContextManager
@@ -36,6 +37,8 @@ class WeightPush:
     shared: dict[str, torch.Tensor] | None
     sync_device: torch.device
     _sending: Background
+    _snapshot: tuple[int, list[tuple[str, torch.Tensor]], float, WeightsDigest | None] | None
+    """Rank 0, fully async: the last push's (version, weights, gathering seconds, digest)."""
 
     if TYPE_CHECKING:  # ActorWorker's, declared for the type checker only
 
@@ -82,6 +85,13 @@ class WeightPush:
             engine.init_process_group(rank=-1, world_size=world_size, master_metadata=metadata)
             return
         self._engine().init_process_group(rank=0, world_size=world_size, master_metadata=metadata)
+
+    def abort_push(self, reason: str) -> None:
+        """Rank 0, on the ``abort`` concurrency group while a send waits on the default one
+        (or runs in the background): end it at once, on every receiver too (the checkpoint
+        engine's ``abort``); the group is left at the next :meth:`engine_prepare`."""
+        if self.rank == 0 and self.engine is not None:
+            self.engine.abort(reason)
 
     def _leave_group(self) -> None:
         """Leave the checkpoint engine's group this rank joined, if any (its store, shared
@@ -152,14 +162,37 @@ class WeightPush:
                 snapshot = self._into_arena(items)
             else:
                 snapshot = [(name, value.detach().clone()) for name, value in items]
-        gathered_s = time.perf_counter() - start
+        self._snapshot = (version, snapshot, time.perf_counter() - start, digest)
+        self._send_snapshot()
+
+    def resend_push(self, version: int) -> None:
+        """Send the snapshot of ``version`` that :meth:`start_push` took again, in the
+        background, to the group re-formed since (a member died during its send, or every
+        member did and a replacement needs the weights the others hold): the same bytes,
+        whatever updates ran since. Rank 0 only (nothing is gathered)."""
+        if self.rank != 0:
+            return
+        held = self._snapshot[0] if self._snapshot is not None else None
+        if held != version:
+            raise RuntimeError(f"actor rank 0: no snapshot of version {version} (holds {held})")
+        from rlwire.ckpt_engine import CheckpointEngineError
+
+        # the send this one replaces, if its outcome (aborted, or failed with the member
+        # that died) was not collected
+        with contextlib.suppress(CheckpointEngineError):
+            self.finish_push()
+        self._send_snapshot()
+
+    def _send_snapshot(self) -> None:
+        assert self._snapshot is not None  # start_push took it
+        version, snapshot, gathered_s, digest = self._snapshot
         engine = self._engine()
 
         async def send() -> dict[str, Any]:
             stats = await engine.send_weights(snapshot, version=version)
             return _report(stats, gathered_s, digest)
 
-        self._sending.start(send, timeout=0)  # none in flight: finished above
+        self._sending.start(send, timeout=0)  # none in flight: finished before
 
     def finish_push(self) -> dict[str, Any]:
         """Wait for the send :meth:`start_push` began while it moves: the engine bounds each

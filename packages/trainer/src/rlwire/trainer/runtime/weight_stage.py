@@ -74,19 +74,31 @@ class WeightStage:
         :func:`~.background.idle_budget` seconds without progress (the receiver handle's
         ``progressed_at``: each item received; a handle without it: that long in all).
         Its version and digest."""
+        from rlwire.ckpt_engine import CheckpointEngineError
+
         idle = idle_budget(timeout)
         with self._slot:
 
             def received(seconds: float) -> bool:
                 return self._slot.wait_for(lambda: self._staged is not None, seconds)
 
-            if not wait_moving(received, lambda: getattr(self.engine, "progressed_at", None), idle):
-                raise TimeoutError(
-                    f"rollout worker {self.index}: weights {version}: the receive made no "
-                    f"progress for {idle:g} s after reaching a boundary (ckpt_engine.timeout="
-                    f"{timeout:g} s per wait, twice, and 30 s)"
-                )
-            staged, self._staged = self._staged, None
+            def progress() -> float | None:  # the receiver's handle (a re-formed group's)
+                return getattr(self.engine, "progressed_at", None)
+
+            while True:
+                if not wait_moving(received, progress, idle):
+                    raise TimeoutError(
+                        f"rollout worker {self.index}: weights {version}: the receive made no "
+                        f"progress for {idle:g} s after reaching a boundary (ckpt_engine."
+                        f"timeout={timeout:g} s per wait, twice, and 30 s)"
+                    )
+                staged, self._staged = self._staged, None
+                # A transfer that failed (aborted for a member's death, or its peer gone)
+                # is sent again to a re-formed group (engine_init, then stage_weights):
+                # wait for it with the weights in use; a failure the driver does not heal
+                # stops the run there (the driver sees this receive's error too).
+                if not isinstance(staged, CheckpointEngineError):
+                    break
         assert staged is not None  # what wait_for waited for
         if isinstance(staged, BaseException):
             raise staged

@@ -67,6 +67,11 @@ class ActorWorker(WeightPush, WorkerProcess):
     a third party's) behind :class:`rlwire.trainer.actor.ActorEngine`, GRPO updates, weight
     export through the checkpoint engine, and checkpoints."""
 
+    CONCURRENCY_GROUPS = {"abort": 1}
+    """The Ray actor's concurrency groups (not the hybrid engine's): every call runs in
+    order on the default group but :meth:`~.weight_push.WeightPush.abort_push`, on
+    ``abort``, which ends a send that the default group's thread is waiting in."""
+
     def __init__(self, config: TrainerConfig, model_path: str, rank: int) -> None:
         super().__init__(config)
         self.model_path = model_path
@@ -75,6 +80,7 @@ class ActorWorker(WeightPush, WorkerProcess):
         self.engine = None
         self.shared: dict[str, torch.Tensor] | None = None  # zero-copy: the arena's tensors
         self._sending = Background("actor rank 0's weight send")  # fully async: the send in flight
+        self._snapshot = None  # fully async, rank 0: the last push's weights (resend_push)
         self.lr_scale = 1.0  # the staleness-aware step size in effect
         # Where a sync's tensors go for an engine without a device of its own: the host
         # for a receiver in another process; the hybrid engine's in-process receiver reads
