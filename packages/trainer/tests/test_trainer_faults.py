@@ -438,6 +438,17 @@ def test_a_restarted_trial_is_compared_exactly_with_the_reference_resumed_at_its
         trial, tmp_path / "skipped", references, restarted=False, resumed_from=None
     )
     assert unfaulted["reference"] == "unfaulted" and unfaulted["same_model"] is True
+    # informational (fully async): the unfaulted run, no reference resumed for it
+    loose = Trial(name="t", mode="fully_async", target="actor1", phase="push", seed=1)
+    references.states[(loose.mode, loose.run_seed, loose.world, None)] = references.states[
+        (*key, None)
+    ]
+    informational = fault_model.compare_model(
+        loose, tmp_path / "run", references, restarted=True, resumed_from="step_4"
+    )
+    assert informational["reference"] == "unfaulted"
+    assert informational["exact_expected"] is False and informational["same_model"] is False
+    assert (loose.mode, loose.run_seed, loose.world, 4) not in references.states
 
 
 def test_a_resumed_reference_needs_the_hooks_and_says_so(tmp_path):

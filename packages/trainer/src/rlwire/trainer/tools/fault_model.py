@@ -14,7 +14,9 @@ unfaulted run *resumed at the same step*: the same command stopped right after i
 as a scheduler's stop does), then run again to the end. A resumed one-step off-policy run
 is not the unfaulted one: it generates the batch after its checkpoint with the restored
 weights (lag 0 once), where the unfaulted run used weights one step older (found by this
-check's first campaign); resumed at the same step, it is deterministic again.
+check's first campaign); resumed at the same step, it is deterministic again. A
+comparison that is only informational (fully async, a healed worker with no survivor)
+takes the unfaulted run: no reference is run for it alone.
 
 Exactness is expected where the job is deterministic (:func:`exact_expected`): one-step
 off-policy, where each step trains a fixed data batch and each generation call is seeded
@@ -225,17 +227,20 @@ def compare_model(
 ) -> dict[str, Any]:
     """A completed trial's final model and optimizer state against its reference's
     (``restarted``: its first run failed; ``resumed_from``: the checkpoint its second run
-    resumed from, ``step_K``; :func:`reference_step`): ``same_model`` (None: not compared),
+    resumed from, ``step_K``; :func:`reference_step`; where exactness is not expected, the
+    unfaulted run's, informational): ``same_model`` (None: not compared),
     ``model_diff`` (the first differing entries, or why there was nothing to compare),
     ``reference`` (``unfaulted`` or ``resumed at step_K``), ``regenerated_groups``,
     ``no_survivor`` and ``exact_expected`` (whether a difference is a failure)."""
     records = checks.step_records(run_dir / "metrics.jsonl")
     count, no_survivor = regenerated(run_dir, records)
-    at = reference_step(restarted, resumed_from)
+    exact = exact_expected(trial.mode, no_survivor)
+    # an informational comparison takes the unfaulted run: no reference run for it alone
+    at = reference_step(restarted, resumed_from) if exact else None
     fields: dict[str, Any] = {
         "regenerated_groups": count,
         "no_survivor": no_survivor,
-        "exact_expected": exact_expected(trial.mode, no_survivor),
+        "exact_expected": exact,
         "reference": "unfaulted" if at is None else f"resumed at step_{at}",
     }
     reference = references.state(trial, at)
