@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,17 +52,23 @@ def tiny_model(tmp_path_factory) -> Path:
     return path
 
 
-def _env() -> dict[str, str]:
-    return {
+@pytest.fixture(scope="module")
+def vllm_env():
+    """The engines' environment; their ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``) in a private
+    directory of this module's, removed after it: by default vLLM leaves them in /tmp."""
+    rpc = tempfile.mkdtemp(prefix="rlwire-test-vllm-rpc-")
+    yield {
         **os.environ,
         "TORCHDYNAMO_DISABLE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_DO_NOT_TRACK": "1",
         "VLLM_SERVER_DEV_MODE": "1",  # vLLM's weight-transfer routes
+        "VLLM_RPC_BASE_PATH": rpc,
     }
+    shutil.rmtree(rpc, ignore_errors=True)
 
 
-def test_vllm_loads_the_rlwire_engines_as_a_plugin_and_keeps_its_own():
+def test_vllm_loads_the_rlwire_engines_as_a_plugin_and_keeps_its_own(vllm_env):
     pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
     code = (
         "import sys, json\n"
@@ -76,7 +84,7 @@ def test_vllm_loads_the_rlwire_engines_as_a_plugin_and_keeps_its_own():
         "  'trainers': {k: T._registry[k]().__name__ for k in keys if k in T._registry}}))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=_env()
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=vllm_env
     )
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
@@ -171,7 +179,7 @@ BACKENDS = ["shm", "gloo", "filesystem"]
 
 
 @pytest.fixture(scope="module")
-def transfers(tiny_model) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+def transfers(tiny_model, vllm_env) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
     """One ``vllm.LLM`` (the generic ``rlwire`` backend) updated through each backend in
     turn (``vllm_transfer.py``): the process and each backend's report."""
     out = subprocess.run(
@@ -179,7 +187,7 @@ def transfers(tiny_model) -> tuple[subprocess.CompletedProcess, dict[str, dict]]
         capture_output=True,
         text=True,
         timeout=400,
-        env=_env(),
+        env=vllm_env,
     )
     reports = {}
     for line in out.stdout.splitlines():
@@ -226,7 +234,7 @@ def test_three_versions_reach_vllm_LLM_bit_exact(transfers, backend):
     )
 
 
-def test_with_tensor_parallelism_2_each_rank_takes_its_shard_deltas_included(tiny_model):
+def test_with_tensor_parallelism_2_each_rank_takes_its_shard_deltas_included(tiny_model, vllm_env):
     """Two worker processes (vLLM's ``mp`` executor), each an rlwire receiver; vLLM's loader
     takes each rank's shard of the checkpoint-format tensors. The CPU build binds one core
     per worker (``VLLM_CPU_OMP_THREADS_BIND``: it refuses two workers on one NUMA node)."""
@@ -237,7 +245,7 @@ def test_with_tensor_parallelism_2_each_rank_takes_its_shard_deltas_included(tin
         capture_output=True,
         text=True,
         timeout=300,
-        env={**_env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        env={**vllm_env, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("REPORT shm "))
@@ -259,7 +267,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_vllm_serve_process_is_updated_over_http(tiny_model, tmp_path):
+def test_a_vllm_serve_process_is_updated_over_http(tiny_model, vllm_env, tmp_path):
     import requests
     from safetensors.torch import load_file
     from vllm.distributed.weight_transfer import (
@@ -282,7 +290,7 @@ def test_a_vllm_serve_process_is_updated_over_http(tiny_model, tmp_path):
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=_env(),
+        env=vllm_env,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240

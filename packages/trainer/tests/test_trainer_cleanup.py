@@ -95,17 +95,26 @@ def test_a_killed_processs_directory_is_swept_by_the_next_and_no_other(tmp_path)
     assert [str(p) for p in sweep(PREFIX, parent=tmp_path)] == [alive_path]
 
 
-def test_the_vllm_engines_close_removes_its_adapter_versions(tmp_path):
+def test_the_vllm_engines_close_removes_its_adapter_versions_and_sockets(tmp_path, monkeypatch):
     """``VLLMEngine.close`` (vLLM itself is not needed: it is imported by ``__init__``
-    only): the engine's core stopped, then its adapters' directory removed."""
-    from rlwire.trainer.rollout.vllm import ADAPTERS_PREFIX, VLLMEngine
+    only): the engine's core stopped, then its adapters' directory and its sockets'
+    directory (``VLLM_RPC_BASE_PATH``) removed, and the variable as it was before."""
+    import socket
+
+    from rlwire.trainer.rollout.vllm import ADAPTERS_PREFIX, RPC_PATH_ENV, RPC_PREFIX, VLLMEngine
 
     engine = object.__new__(VLLMEngine)  # the state close() reads; no vLLM engine
     engine.core = None
     engine._adapters = ScratchDir(ADAPTERS_PREFIX, parent=tmp_path)
     (engine._adapters.path / "v0").mkdir()
+    engine._rpc = ScratchDir(RPC_PREFIX, parent=tmp_path)
+    engine._rpc_before = "/elsewhere"
+    monkeypatch.setenv(RPC_PATH_ENV, str(engine._rpc.path))  # as __init__ leaves it
+    with socket.socket(socket.AF_UNIX) as zmq_like:  # a socket file, as vLLM's engine makes
+        zmq_like.bind(str(engine._rpc.path / "0b5e7c1a"))
     engine.close()
-    assert not engine._adapters.path.exists()
+    assert not engine._adapters.path.exists() and not engine._rpc.path.exists()
+    assert os.environ[RPC_PATH_ENV] == "/elsewhere"
 
 
 def test_close_workers_closes_each_then_kills_all_without_waiting_on_a_stuck_one(

@@ -153,37 +153,39 @@ def test_the_plan_walks_every_combination_once_per_round():
     assert {(t.mode, t.run_seed) for t in specials} <= {(t.mode, t.run_seed) for t in trials}
 
 
+_SOUND = {
+    "completed": True,
+    "hf_model": True,
+    "hang": False,
+    "lost": 0,
+    "repeated": 0,
+    "missing_steps": 0,
+    "extra_steps": 0,
+    "prompt_mismatches": 0,
+    "versions_back": 0,
+    "shm_leftovers": 0,
+    "process_leftovers": 0,
+    "damaged": [],
+    "clean_stop": True,
+    "fault_at_s": 12.0,
+    "landed": False,
+}
+"""A completed trial's record that passes every check."""
+
+
 def test_failures_name_each_failed_check():
-    sound = {
-        "completed": True,
-        "hf_model": True,
-        "hang": False,
-        "lost": 0,
-        "repeated": 0,
-        "missing_steps": 0,
-        "extra_steps": 0,
-        "prompt_mismatches": 0,
-        "versions_back": 0,
-        "shm_leftovers": 0,
-        "process_leftovers": 0,
-        "damaged": [],
-        "clean_stop": True,
-        "fault_at_s": 12.0,
-        "landed": False,
-    }
+    sound = _SOUND
     assert failures(sound) == []
     bad = {**sound, "repeated": 8, "process_leftovers": 1, "damaged": ["step_4/COMPLETE"]}
     assert failures(bad) == ["groups repeated", "leftovers", "checkpoint damaged"]
     assert failures({**sound, "fault_at_s": None}) == ["fault never happened"]
     assert failures({**sound, "hf_model": False}) == ["completed without hf_model/"]
     differs = {**sound, "same_model": False, "model_diff": ["optimizer/state/w/exp_avg"]}
-    assert failures({**differs, "exact_expected": True}) == [
-        "model differs from the unfaulted run's"
-    ]
+    assert failures({**differs, "exact_expected": True}) == ["model differs from its reference's"]
     assert failures({**differs, "exact_expected": False}) == []  # fully async: informational
     # no reference to compare with (its run failed) where exactness is expected: a failure
     assert failures({**sound, "same_model": None, "exact_expected": True}) == [
-        "model differs from the unfaulted run's"
+        "model differs from its reference's"
     ]
 
 
@@ -372,7 +374,7 @@ def test_the_model_check_names_an_optimizer_state_that_differs(tmp_path):
     assert fault_model.model_diff(fault_model.actor_state(tmp_path / "same"), reference) == []
     trial = Trial(name="t", mode="one_step_off", target="actor0", phase="save", seed=1)
     references = fault_model.References(tmp_path)
-    references.states[trial.mode, trial.run_seed, trial.world] = reference  # as if run
+    references.states[trial.mode, trial.run_seed, trial.world, None] = reference  # as if run
     compared = fault_model.compare_model(trial, tmp_path / "run", references, restarted=False)
     assert compared["same_model"] is False and compared["exact_expected"] is True
     assert compared["model_diff"] == ["optimizer/state/0/exp_avg"]
@@ -393,10 +395,74 @@ def test_a_no_survivor_regeneration_makes_the_model_check_informational(tmp_path
         "... are generated again by " + fault_model.NO_SURVIVOR + ": it took the actor's)\n"
     )
     assert fault_model.regenerated(tmp_path, records[:1]) == (0, True)
-    assert fault_model.exact_expected("one_step_off", no_survivor=False, restarted=False)
-    assert not fault_model.exact_expected("one_step_off", no_survivor=True, restarted=False)
-    assert not fault_model.exact_expected("one_step_off", no_survivor=False, restarted=True)
-    assert not fault_model.exact_expected("fully_async", no_survivor=False, restarted=False)
+    assert fault_model.exact_expected("one_step_off", no_survivor=False)
+    assert not fault_model.exact_expected("one_step_off", no_survivor=True)
+    assert not fault_model.exact_expected("fully_async", no_survivor=False)
+
+
+def test_a_trial_resumed_from_step_k_needs_the_reference_resumed_at_k():
+    """After a restart that resumed from ``step_K`` the reference is the unfaulted run
+    resumed at K; without a restart, after a restart that started over, or one that resumed
+    from the final checkpoint only to export, the unfaulted run."""
+    assert fault_model.reference_step(restarted=False, resumed_from=None) is None
+    assert fault_model.reference_step(restarted=True, resumed_from="step_4") == 4
+    assert fault_model.reference_step(restarted=True, resumed_from="step_2") == 2
+    assert fault_model.reference_step(restarted=True, resumed_from=None) is None
+    assert fault_model.reference_step(restarted=True, resumed_from="step_8") is None
+
+
+def test_a_restarted_trial_is_compared_exactly_with_the_reference_resumed_at_its_step(tmp_path):
+    """A restarted one-step off trial is exact against the reference resumed at its step,
+    and only that one: equal to it passes whatever the unfaulted run holds; a resume that
+    skipped the optimizer state (its moments differ) is named."""
+    _save_actor_state(tmp_path / "resumed")
+    _save_actor_state(tmp_path / "unfaulted", nudge_optimizer=True)  # lag 0 once: differs
+    _save_actor_state(tmp_path / "run" / "checkpoints" / "step_8")
+    _save_actor_state(tmp_path / "skipped" / "checkpoints" / "step_8", nudge_optimizer=True)
+    trial = Trial(name="t", mode="one_step_off", target="actor1", phase="push", seed=1)
+    references = fault_model.References(tmp_path)
+    key = (trial.mode, trial.run_seed, trial.world)
+    references.states[(*key, None)] = fault_model.actor_state(tmp_path / "unfaulted")
+    references.states[(*key, 4)] = fault_model.actor_state(tmp_path / "resumed")
+    compared = fault_model.compare_model(
+        trial, tmp_path / "run", references, restarted=True, resumed_from="step_4"
+    )
+    assert compared["exact_expected"] is True and compared["same_model"] is True
+    assert compared["reference"] == "resumed at step_4"
+    skipped = fault_model.compare_model(
+        trial, tmp_path / "skipped", references, restarted=True, resumed_from="step_4"
+    )
+    assert skipped["same_model"] is False and skipped["model_diff"] == ["optimizer/state/0/exp_avg"]
+    assert failures({**_SOUND, **skipped}) == ["model differs from its reference's"]
+    unfaulted = fault_model.compare_model(
+        trial, tmp_path / "skipped", references, restarted=False, resumed_from=None
+    )
+    assert unfaulted["reference"] == "unfaulted" and unfaulted["same_model"] is True
+    # informational (fully async): the unfaulted run, no reference resumed for it
+    loose = Trial(name="t", mode="fully_async", target="actor1", phase="push", seed=1)
+    references.states[(loose.mode, loose.run_seed, loose.world, None)] = references.states[
+        (*key, None)
+    ]
+    informational = fault_model.compare_model(
+        loose, tmp_path / "run", references, restarted=True, resumed_from="step_4"
+    )
+    assert informational["reference"] == "unfaulted"
+    assert informational["exact_expected"] is False and informational["same_model"] is False
+    assert (loose.mode, loose.run_seed, loose.world, 4) not in references.states
+
+
+def test_a_resumed_reference_needs_the_hooks_and_says_so(tmp_path):
+    """Without the hooks' folder the reference cannot be stopped at its step: no run starts,
+    the state is None (so an exact trial fails) and the report says why."""
+    trial = Trial(name="t", mode="one_step_off", target="driver", phase="save", seed=1)
+    references = fault_model.References(tmp_path)
+    assert references.state(trial, 4) is None
+    assert references.runs[-1]["error"] == "no hooks folder to stop the run with"
+    compared = fault_model.compare_model(
+        trial, tmp_path, references, restarted=True, resumed_from="step_4"
+    )
+    assert compared["same_model"] is None and compared["exact_expected"] is True
+    assert len(references.runs) == 1  # cached per (mode, seed, world, step)
 
 
 def test_the_hooks_pause_the_driver_before_complete_of_one_checkpoint(tmp_path):
@@ -440,6 +506,43 @@ def test_the_hooks_pause_the_driver_before_complete_of_one_checkpoint(tmp_path):
     assert (tmp_path / "checkpoints" / "step_2" / "COMPLETE").read_text() == "2"
     assert not (tmp_path / "checkpoints" / "step_4" / "MANIFEST.json").exists()
     assert not (tmp_path / "checkpoints" / "step_4" / "COMPLETE").exists()
+
+
+def test_the_hooks_stop_the_driver_right_after_complete_of_one_checkpoint(tmp_path):
+    """``RLWIRE_FAULT_STOP``: the named step's ``finish_checkpoint`` writes ``COMPLETE``,
+    logs ``stop`` and the driver stops as a SIGTERM stops it (its one-line ``RunError``);
+    nothing after it runs (the next save never starts)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(Path(fault_hooks.__file__).read_text())
+    events = tmp_path / "events.jsonl"
+    for step in (2, 4, 6):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step}" / "trainer_state.json").write_text("{}")
+    script = (
+        "from pathlib import Path\n"
+        "from rlwire.trainer.driver import _stopped_by_sigterm\n"
+        "from rlwire.trainer.outputs.checkpoint import finish_checkpoint\n"
+        f"root = Path({str(tmp_path / 'checkpoints')!r})\n"
+        "with _stopped_by_sigterm():\n"
+        "    for step in (2, 4, 6):\n"
+        "        finish_checkpoint(root / f'step_{step}', step)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(hooks),
+        "RLWIRE_FAULT_EVENTS": str(events),
+        "RLWIRE_FAULT_STOP": "step_4",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    assert "RunError: stopped by SIGTERM" in done.stderr.splitlines()[-1]
+    logged = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [(e["ev"], Path(e["path"]).name) for e in logged] == [("stop", "step_4")]
+    assert (tmp_path / "checkpoints" / "step_4" / "COMPLETE").read_text() == "4"
+    assert not (tmp_path / "checkpoints" / "step_6" / "COMPLETE").exists()
 
 
 def test_the_uncommitted_trial_passes_only_resumed_from_the_save_before():

@@ -486,9 +486,11 @@ def served(tmp_path_factory):
     shared by the tests that give its URL: ``(model_dir, url)``."""
     pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
     import os
+    import shutil
     import socket
     import subprocess
     import sys
+    import tempfile
     import time
     import urllib.request
 
@@ -498,7 +500,9 @@ def served(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TORCHDYNAMO_DISABLE": "1"}
+    rpc = tempfile.mkdtemp(prefix="rlwire-test-vllm-rpc-")  # its sockets, not in /tmp itself
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TORCHDYNAMO_DISABLE": "1",
+           "VLLM_RPC_BASE_PATH": rpc}  # fmt: skip
     log = (model_dir.parent / "serve.log").open("w")
     server = subprocess.Popen(
         [
@@ -529,6 +533,7 @@ def served(tmp_path_factory):
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+        shutil.rmtree(rpc, ignore_errors=True)
 
 
 def _weight_version(url: str) -> str:
@@ -576,6 +581,36 @@ def started(tmp_path_factory):
         yield process, model_dir
     finally:
         process.stop()
+    assert _rpc_dirs(process) == [], "the server's socket directory outlived it"
+
+
+def _rpc_dirs(process) -> list:
+    """The directories of vLLM's sockets that the watchdog of ``process`` made."""
+    import tempfile
+    from pathlib import Path
+
+    from rlwire.trainer.rollout.vllm import RPC_PREFIX
+
+    pattern = f"{RPC_PREFIX}{process.process.pid}-*"
+    return sorted(Path(tempfile.gettempdir()).glob(pattern))
+
+
+def test_a_started_servers_sockets_are_in_its_own_directory_not_the_temp_dir(started):
+    """vLLM's ZMQ IPC sockets of a server the run started are in the watchdog's private
+    directory (0o700; removed when it stops: the fixture checks), none of them in the temp
+    dir (each engine used to leave its own there)."""
+    import stat
+    import tempfile
+    from pathlib import Path
+
+    process, _ = started
+    (rpc,) = _rpc_dirs(process)
+    assert stat.S_IMODE(rpc.stat().st_mode) == 0o700
+    sockets = [p for p in rpc.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+    assert sockets, "vLLM made no socket in VLLM_RPC_BASE_PATH: does it still read it?"
+    names = {p.name for p in sockets}
+    loose = [p for p in Path(tempfile.gettempdir()).iterdir() if p.name in names]
+    assert loose == []
 
 
 def _post(url: str, body: dict, token: str | None = None) -> tuple[int, str]:

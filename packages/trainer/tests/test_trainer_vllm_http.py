@@ -302,3 +302,55 @@ def test_the_servers_log_has_no_name_and_is_closed_with_it():
     assert server.process.poll() is not None
     assert set(os.listdir("/proc/self/fd")) == before_fds
     assert _tmp_logs() == before_logs
+
+
+_BINDS = (  # what vLLM's engine does with VLLM_RPC_BASE_PATH: a ZMQ ipc socket file there
+    "import os, socket, stat, time\n"
+    "where = os.environ['VLLM_RPC_BASE_PATH']\n"
+    "s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(where, 'engine-core'))\n"
+    "print('rpc', where, oct(stat.S_IMODE(os.stat(where).st_mode)), flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def _rpc_line(server: ServerProcess) -> list[str]:
+    deadline = time.monotonic() + 60
+    while not (lines := [x for x in server.tail().splitlines() if x.startswith("rpc ")]):
+        assert server.process.poll() is None, server.tail()
+        assert time.monotonic() < deadline, "the command printed nothing within 60 s"
+        time.sleep(0.1)
+    return lines[0].split()
+
+
+def test_a_servers_sockets_go_in_a_private_directory_removed_with_it(tmp_path):
+    """vLLM's ZMQ sockets (``VLLM_RPC_BASE_PATH``) go in a directory of the watchdog's own
+    (``0o700``), not the temp dir; it is removed when the server stops, and after a
+    watchdog killed outright, by the next one's sweep."""
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    from rlwire.trainer.rollout.vllm import RPC_PREFIX, rpc_dir
+
+    command = [sys.executable, "-c", _BINDS]
+    server = ServerProcess.launch(command, dict(os.environ), url="http://127.0.0.1:1", token="t")
+    try:
+        _, where, mode = _rpc_line(server)
+        rpc = Path(where)
+        assert rpc.parent == Path(tempfile.gettempdir()) and mode == "0o700"
+        assert rpc.name.startswith(f"{RPC_PREFIX}{server.process.pid}-")  # the watchdog's
+        assert [p.name for p in rpc.iterdir()] == ["engine-core"]
+    finally:
+        server.stop()
+    assert not rpc.exists()
+    killed = ServerProcess.launch(command, dict(os.environ), url="http://127.0.0.1:1", token="t")
+    try:
+        left = Path(_rpc_line(killed)[1])
+        killed.process.send_signal(signal.SIGKILL)  # no finally runs in the watchdog
+        killed.process.wait(timeout=60)
+        assert left.exists()
+        swept = rpc_dir()
+        swept.close()
+        assert left in swept.swept and not left.exists()
+    finally:
+        killed.stop()

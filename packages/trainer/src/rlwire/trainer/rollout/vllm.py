@@ -51,7 +51,14 @@ from .requests import EngineCore
 from .scratch import ScratchDir
 from .vllm_steps import VLLMStepper
 
-__all__ = ["INSTALL_HINT", "VLLMEngine", "WeightReloadExtension", "transfer_init_info"]
+__all__ = [
+    "INSTALL_HINT",
+    "RPC_PATH_ENV",
+    "VLLMEngine",
+    "WeightReloadExtension",
+    "rpc_dir",
+    "transfer_init_info",
+]
 
 INSTALL_HINT = (
     "rollout.backend=vllm needs vLLM in the rollout workers' environment: "
@@ -107,8 +114,23 @@ class WeightReloadExtension:
 
 ADAPTERS_PREFIX = "rlwire-adapters-"
 """The adapter versions' directories (LoRA): ``<temp dir>/rlwire-adapters-<pid>-<random>``."""
+RPC_PREFIX = "rlwire-vllm-rpc-"
+"""The directories of vLLM's ZMQ IPC sockets, one per engine owner (an engine in a rollout
+worker, a ``vllm serve`` watchdog): ``<temp dir>/rlwire-vllm-rpc-<pid>-<random>``."""
+RPC_PATH_ENV = "VLLM_RPC_BASE_PATH"
+"""Where vLLM makes its ZMQ IPC sockets (``ipc://<dir>/<uuid>``: the engine core's
+handshake, input and output between processes). By default the temp dir itself, where
+they are left behind (one set per engine started: hundreds on a test machine)."""
 CPU_KV_CACHE_BYTES = 64 << 20  # the CPU default: enough for the tiny job
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's max_lora_rank takes
+
+
+def rpc_dir() -> ScratchDir:
+    """A private directory (``0o700``) in the temp dir for one engine owner's vLLM sockets
+    (:data:`RPC_PATH_ENV`; one the owner's environment named is replaced), removed by its
+    ``close``, at the interpreter's exit, or after a kill by the next one made on the host
+    (:class:`~.scratch.ScratchDir`)."""
+    return ScratchDir(RPC_PREFIX)
 
 
 class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
@@ -174,6 +196,13 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
         self.lora_request = None  # the adapter version generations use (LoRA runs)
         self._adapters: ScratchDir | None = None  # the adapter versions' directory (LoRA)
         self._transfer = None  # vLLM's weight-transfer engine, once joined (not LoRA)
+        # Read by vLLM when a process of the engine opens a socket (vllm.envs is lazy until
+        # an engine core starts, which then caches it for its process): set before LLM().
+        # The in-process engine (uni executor) opens none (measured); a multi-process one
+        # (VLLM_ENABLE_V1_MULTIPROCESSING=1) hands it to its engine core's process.
+        self._rpc = rpc_dir()
+        self._rpc_before = os.environ.get(RPC_PATH_ENV)
+        os.environ[RPC_PATH_ENV] = str(self._rpc.path)
         if not config.actor.lora.enabled:
             options["weight_transfer_config"] = {"backend": "rlwire"}
         else:
@@ -191,6 +220,7 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
         try:
             self.llm = LLM(**options)
         except BaseException:
+            self._close_rpc()
             if self._adapters is not None:
                 self._adapters.close()
             raise
@@ -264,12 +294,23 @@ class VLLMEngine(SleepingRolloutEngine, RequestsEngine, StagingRolloutEngine):
 
     def close(self) -> None:
         """Stop serving (the step in progress ends; requests not answered fail), then remove
-        the adapter versions from disk (LoRA), even if the core did not stop in time."""
+        the adapter versions (LoRA) and the sockets' directory from disk, even if the core
+        did not stop in time."""
         try:
             super().close()
         finally:
+            self._close_rpc()
             if self._adapters is not None:
                 self._adapters.close()
+
+    def _close_rpc(self) -> None:
+        """Remove the sockets' directory; the process's environment as it was."""
+        self._rpc.close()
+        if os.environ.get(RPC_PATH_ENV) == str(self._rpc.path):
+            if self._rpc_before is None:
+                os.environ.pop(RPC_PATH_ENV)
+            else:
+                os.environ[RPC_PATH_ENV] = self._rpc_before
 
     def digest(self) -> str | None:
         return None  # the engine's weights are repacked; updates are checked by log-probs

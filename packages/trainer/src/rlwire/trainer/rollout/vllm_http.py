@@ -12,7 +12,9 @@ without a name (``O_TMPFILE``): nothing is left in ``/tmp`` however the worker e
 Run as ``python -m rlwire.trainer.rollout.vllm_http PARENT_PID COMMAND...``: a watchdog that
 runs ``COMMAND`` (the server) and stops it when the process ``PARENT_PID`` is gone, so that
 a rollout worker killed outright leaves no server behind; the server also gets SIGTERM when
-the watchdog itself is killed (Linux).
+the watchdog itself is killed (Linux). The watchdog gives the server a private directory for
+vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``, :func:`~.vllm.rpc_dir`) and removes it once
+the server has exited; a watchdog killed outright leaves it to the next one's sweep.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import IO, Any
 
 from rlwire.ckpt_engine import WEIGHT_TRANSFER_TOKEN_ENV
 
-from .vllm import CPU_KV_CACHE_BYTES, INSTALL_HINT, transfer_init_info
+from .vllm import CPU_KV_CACHE_BYTES, INSTALL_HINT, RPC_PATH_ENV, rpc_dir, transfer_init_info
 
 __all__ = ["ServerProcess", "VLLMServer", "server_command"]
 
@@ -356,8 +358,18 @@ def _die_with_parent() -> None:
 
 def _watch(parent: int, command: list[str]) -> int:
     """Run ``command`` until it exits, or until ``parent`` is gone or this process is asked
-    to stop: then stop it (SIGTERM, SIGKILL after 30 s)."""
-    child = subprocess.Popen(command, preexec_fn=_die_with_parent)
+    to stop: then stop it (SIGTERM, SIGKILL after 30 s). Its vLLM sockets go in a directory
+    of this process's (``VLLM_RPC_BASE_PATH``), removed once it has exited."""
+    rpc = rpc_dir()
+    try:
+        env = {**os.environ, RPC_PATH_ENV: str(rpc.path)}
+        return _serve(parent, subprocess.Popen(command, preexec_fn=_die_with_parent, env=env))
+    finally:
+        rpc.close()
+
+
+def _serve(parent: int, child: subprocess.Popen) -> int:
+    """Wait for ``child`` (see :func:`_watch`); its exit status."""
     stopping = False
 
     def stop(*_: Any) -> None:

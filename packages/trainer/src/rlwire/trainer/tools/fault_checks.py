@@ -201,8 +201,11 @@ def summary_table(trials: list[dict[str, Any]]) -> str:
     trained twice (over completed runs); steps whose weight version went back; leftovers
     (shm segments and processes, both runs); checkpoint files changed; first runs that
     stopped with one line (a SIGKILLed driver's always counts); completed trials whose
-    final model and optimizer state equal the unfaulted run's bit for bit, of those compared
-    (``*``: a difference where none was expected to be exact); trials that failed any check;
+    final model and optimizer state equal their reference's bit for bit, of those compared
+    (the unfaulted run's, or after a restart that resumed from ``step_K``, that of the
+    unfaulted run stopped after ``step_K`` and resumed; ``*``: a difference where none was
+    expected to be exact: fully async, a healed worker with no survivor); trials that
+    failed any check;
     the mean seconds a trial took. The fault is the target and the signal it got."""
     rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for t in trials:

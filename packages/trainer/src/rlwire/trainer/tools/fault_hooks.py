@@ -23,6 +23,11 @@ What it does, steered by environment variables:
   once every actor rank's part and ``trainer_state.json`` are written, before the manifest
   and ``COMPLETE``) logs a ``pause`` line and sleeps :data:`PAUSE_S` s first: the campaign
   kills the driver there (the ``uncommitted`` trial).
+- ``RLWIRE_FAULT_STOP=step_N``: once the driver's ``finish_checkpoint`` of ``step_N`` has
+  returned (``COMPLETE`` written), it logs a ``stop`` line and SIGTERMs itself: the run
+  stops there as a scheduler's stop does (one line, Ray stopped, nothing pruned after
+  it), for the model check's reference resumed at that step
+  (:mod:`rlwire.trainer.tools.fault_model`).
 - ``RLWIRE_FAULT_ENOSPC=FRAGMENT``: a file opened for writing through ``open`` /
   ``io.open`` (``pathlib`` too) whose path contains FRAGMENT is created, and its first
   ``write`` raises ``OSError(ENOSPC)``, as a full disk does; an ``enospc`` line is logged.
@@ -39,6 +44,7 @@ import importlib.util
 import io
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -58,7 +64,8 @@ PHASES = {
 }
 """Module -> (class, {method: phase}) wrapped at import."""
 PAUSES = {"rlwire.trainer.outputs.checkpoint": "finish_checkpoint"}
-"""Module -> the function ``RLWIRE_FAULT_PAUSE`` pauses (its first argument: the directory)."""
+"""Module -> the function ``RLWIRE_FAULT_PAUSE`` pauses and after which ``RLWIRE_FAULT_STOP``
+stops (its first argument: the directory)."""
 PAUSE_S = 300.0
 """How long the pause lasts: the campaign kills the driver long before (a pause that ends
 lets the save complete, which the trial's checks name)."""
@@ -161,10 +168,30 @@ def _pausing(function: Callable[..., Any], step_dir: str) -> Callable[..., Any]:
     return call
 
 
+def _stopping(function: Callable[..., Any], step_dir: str) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def call(directory: Any, *args: Any, **kwargs: Any) -> Any:
+        result = function(directory, *args, **kwargs)
+        if os.path.basename(os.fspath(directory)) == step_dir:
+            emit(role="driver", ev="stop", path=os.fspath(directory))
+            # the driver's handler raises its stop in the main thread at the next bytecode
+            # (the sleep is interrupted): nothing after this save runs, its pruning included
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(PAUSE_S)
+        return result
+
+    return call
+
+
 def _patch(module: ModuleType) -> None:
     if module.__name__ in PAUSES:
         name = PAUSES[module.__name__]
-        setattr(module, name, _pausing(getattr(module, name), os.environ["RLWIRE_FAULT_PAUSE"]))
+        function = getattr(module, name)
+        if os.environ.get("RLWIRE_FAULT_PAUSE"):
+            function = _pausing(function, os.environ["RLWIRE_FAULT_PAUSE"])
+        if os.environ.get("RLWIRE_FAULT_STOP"):
+            function = _stopping(function, os.environ["RLWIRE_FAULT_STOP"])
+        setattr(module, name, function)
         return
     cls_name, methods = PHASES[module.__name__]
     cls: Any = getattr(module, cls_name)
@@ -188,7 +215,9 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, name: str, path: Any = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        pause = name in PAUSES and bool(os.environ.get("RLWIRE_FAULT_PAUSE"))
+        pause = name in PAUSES and any(
+            os.environ.get(f"RLWIRE_FAULT_{what}") for what in ("PAUSE", "STOP")
+        )
         if name not in PHASES and not pause:
             return None
         sys.meta_path.remove(self)

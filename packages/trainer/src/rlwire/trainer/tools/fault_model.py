@@ -6,14 +6,24 @@ resume that dropped the optimizer state, or loaded the weights of the wrong step
 them all. This one reads the final checkpoint's actor state (DCP, read without a process
 group) and compares every tensor bit for bit (``torch.equal``) with the reference's.
 
-Exactness is expected where the job is deterministic: one-step off-policy without a
-restart, where each step trains a fixed data batch and each generation call is seeded from
-``trainer.seed``, the step and the worker. It is not expected after a restart (the resumed
-run generates the batch after its checkpoint with the restored weights, lag 0 once, where
-the unfaulted run used weights one step older: found by this check's first campaign), nor
-in fully async (timing decides which groups each version trains: the group indices are
-checked instead), nor after a healed rollout worker with no survivor regenerated its
-share with the actor's current, newer weights (:mod:`rlwire.trainer.runtime.healing`)."""
+Which reference (:func:`reference_step`): a trial that completed without a restart (or
+whose second run found no checkpoint and started over) is compared with the unfaulted
+run. A trial whose second run resumed from ``checkpoints/step_K`` is compared with the
+unfaulted run *resumed at the same step*: the same command stopped right after its
+``step_K`` is complete (the hooks' ``RLWIRE_FAULT_STOP``: the driver SIGTERMs itself there,
+as a scheduler's stop does), then run again to the end. A resumed one-step off-policy run
+is not the unfaulted one: it generates the batch after its checkpoint with the restored
+weights (lag 0 once), where the unfaulted run used weights one step older (found by this
+check's first campaign); resumed at the same step, it is deterministic again. A
+comparison that is only informational (fully async, a healed worker with no survivor)
+takes the unfaulted run: no reference is run for it alone.
+
+Exactness is expected where the job is deterministic (:func:`exact_expected`): one-step
+off-policy, where each step trains a fixed data batch and each generation call is seeded
+from ``trainer.seed``, the step and the worker; not in fully async (timing decides which
+groups each version trains: the group indices are checked instead), nor after a healed
+rollout worker with no survivor regenerated its share with the actor's current, newer
+weights (:mod:`rlwire.trainer.runtime.healing`)."""
 
 from __future__ import annotations
 
@@ -35,6 +45,7 @@ __all__ = [
     "compare_model",
     "exact_expected",
     "model_diff",
+    "reference_step",
     "regenerated",
 ]
 
@@ -100,21 +111,33 @@ def regenerated(run_dir: Path, records: list[dict[str, Any]]) -> tuple[int, bool
     return count, NO_SURVIVOR in text
 
 
-def exact_expected(mode: str, no_survivor: bool, restarted: bool) -> bool:
-    """Whether a completed trial must end with the reference's model bit for bit: one-step
-    off-policy, completed without a restart, and not healed by a replacement with newer
-    weights. A restart is not exact either: the resumed run generates the batch after its
-    checkpoint with the restored weights (lag 0 once), where the unfaulted run used the
-    weights one step older (docs/trainer/checkpoints.md, "Resuming")."""
-    return mode == "one_step_off" and not no_survivor and not restarted
+def exact_expected(mode: str, no_survivor: bool) -> bool:
+    """Whether a completed trial must end with its reference's model bit for bit (its
+    reference: :func:`reference_step`): one-step off-policy, not healed by a replacement
+    with newer weights."""
+    return mode == "one_step_off" and not no_survivor
+
+
+def reference_step(restarted: bool, resumed_from: str | None) -> int | None:
+    """The step ``K`` at which a trial's reference is resumed (its second run resumed from
+    ``resumed_from``, ``step_K``); None: the unfaulted run itself (no restart; a restart
+    that started over; or one that resumed from the final checkpoint, only to export,
+    whose state is the unfaulted run's)."""
+    if not restarted or resumed_from is None:
+        return None
+    step = int(resumed_from.removeprefix("step_"))
+    return step if 0 < step < STEPS else None
 
 
 class References:
-    """The unfaulted run of each (mode, run seed, world size) a campaign's trials need (of
-    ``modes``: the trials of other modes are not compared), run
-    once, when the first completed trial of that kind asks for it, in ``out/reference-...``
-    (removed once read, unless ``keep``). ``runs``: each reference's name, exit status and
-    seconds, for the campaign's report."""
+    """The references a campaign's trials need (of ``modes``: the trials of other modes are
+    not compared), each run once, when the first completed trial that needs it asks, in
+    ``out/reference-...`` (removed once read, unless ``keep``): per (mode, run seed, world
+    size), the unfaulted run, and per step ``K`` a trial resumed from, the unfaulted run
+    stopped after ``step_K`` and resumed (its first run carries ``hooks``, the folder
+    holding the hooks as ``sitecustomize``; without one, no resumed reference). ``runs``:
+    each reference's name, exit status, seconds and what went wrong (``error``), for the
+    campaign's report."""
 
     def __init__(
         self,
@@ -122,62 +145,105 @@ class References:
         *,
         modes: Iterable[str] = ("one_step_off", "fully_async"),
         keep: bool = False,
+        hooks: Path | None = None,
     ) -> None:
-        self.out, self.keep, self.modes = out, keep, frozenset(modes)
-        self.states: dict[tuple[str, int, int], dict[str, Any] | None] = {}
+        self.out, self.keep, self.modes, self.hooks = out, keep, frozenset(modes), hooks
+        self.states: dict[tuple[str, int, int, int | None], dict[str, Any] | None] = {}
         self.runs: list[dict[str, Any]] = []
 
-    def state(self, trial: Trial) -> dict[str, Any] | None:
-        """The reference's final actor state for ``trial``'s job (None: its run failed)."""
-        key = (trial.mode, trial.run_seed, trial.world)
+    def state(self, trial: Trial, resumed_at: int | None = None) -> dict[str, Any] | None:
+        """The reference's final actor state for ``trial``'s job, resumed at step
+        ``resumed_at`` (None: the unfaulted run); None: its run failed."""
+        key = (trial.mode, trial.run_seed, trial.world, resumed_at)
         if key not in self.states:
             self.states[key] = self._run(*key)
         return self.states[key]
 
-    def _run(self, mode: str, seed: int, world: int) -> dict[str, Any] | None:
-        job = Trial(name=f"reference-{mode}-{seed}-{world}", mode=mode, target="none",
-                    phase="none", seed=seed, run_seed=seed, world=world, signal="")  # fmt: skip
+    def _run(self, mode: str, seed: int, world: int, at: int | None) -> dict[str, Any] | None:
+        name = f"reference-{mode}-{seed}-{world}" + (f"-resumed{at}" if at else "")
+        job = Trial(name=name, mode=mode, target="none", phase="none", seed=seed,
+                    run_seed=seed, world=world, signal="")  # fmt: skip
         base = self.out / job.name
         shutil.rmtree(base, ignore_errors=True)
         base.mkdir(parents=True)
         plain = {k: v for k, v in os.environ.items() if not k.startswith("RLWIRE_FAULT")}
         started = time.monotonic()
-        run = Watched(job, base, 1, plain)
+        record: dict[str, Any] = {"name": job.name, "rc": None, "hang": False, "error": None}
+        if at is not None:
+            record["error"] = self._stop_at(job, base, plain, at)
+        if record["error"] is None:
+            run, hang = self._complete(job, base, 2 if at else 1, plain)
+            record.update(rc=run.proc.returncode, hang=hang)
+            final = run.run_dir / "checkpoints" / f"step_{STEPS}"
+            if run.proc.returncode != 0 or hang or not (final / "COMPLETE").exists():
+                record["error"] = f"no complete step_{STEPS} (rc {run.proc.returncode})"
+        state = actor_state(final) if record["error"] is None else None
+        self.runs.append({**record, "seconds": round(time.monotonic() - started, 1)})
+        if state is not None and not self.keep:
+            shutil.rmtree(base, ignore_errors=True)
+        return state
+
+    def _complete(
+        self, job: Trial, base: Path, number: int, env: dict[str, str]
+    ) -> tuple[Watched, bool]:
+        """Run ``number`` of the reference to its end (its leftovers removed); whether it
+        hung."""
+        run = Watched(job, base, number, env)
         run.start()
         hang = watch(run, {})["hang"]
         run.leftovers()
         shutil.rmtree(run.ray_tmp, ignore_errors=True)
-        final = run.run_dir / "checkpoints" / f"step_{STEPS}"
-        ok = run.proc.returncode == 0 and not hang and (final / "COMPLETE").exists()
-        state = actor_state(final) if ok else None
-        self.runs.append(
-            {
-                "name": job.name,
-                "rc": run.proc.returncode,
-                "hang": hang,
-                "seconds": round(time.monotonic() - started, 1),
-            }  # fmt: skip
+        return run, hang
+
+    def _stop_at(self, job: Trial, base: Path, plain: dict[str, str], at: int) -> str | None:
+        """The reference's first run, stopped right after ``step_<at>`` is complete; what
+        went wrong (None: stopped there, ``step_<at>`` its latest complete checkpoint)."""
+        if self.hooks is None:
+            return "no hooks folder to stop the run with"
+        path = os.pathsep.join(filter(None, [str(self.hooks), plain.get("PYTHONPATH")]))
+        env = {**plain, "PYTHONPATH": path, "RLWIRE_FAULT_STOP": f"step_{at}",
+               "RLWIRE_FAULT_EVENTS": str(base / "events1.jsonl")}  # fmt: skip
+        run, _ = self._complete(job, base, 1, env)
+        stopped = any(e["ev"] == "stop" for e in run.events)
+        complete = sorted(
+            int(p.parent.name.removeprefix("step_"))
+            for p in (run.run_dir / "checkpoints").glob("step_*/COMPLETE")
         )
-        if ok and not self.keep:
-            shutil.rmtree(base, ignore_errors=True)
-        return state
+        if not stopped or run.proc.returncode == 0 or not complete or complete[-1] != at:
+            return (
+                f"the run meant to stop after step_{at} did not (rc {run.proc.returncode}, "
+                f"stopped {stopped}, complete {complete})"
+            )
+        return None
 
 
 def compare_model(
-    trial: Trial, run_dir: Path, references: References, *, restarted: bool
+    trial: Trial,
+    run_dir: Path,
+    references: References,
+    *,
+    restarted: bool,
+    resumed_from: str | None = None,
 ) -> dict[str, Any]:
-    """A completed trial's final model and optimizer state against the reference's:
-    ``same_model`` (None: not compared), ``model_diff`` (the first differing entries, or
-    why there was nothing to compare), ``regenerated_groups``, ``no_survivor`` and
-    ``exact_expected`` (whether a difference is a failure)."""
+    """A completed trial's final model and optimizer state against its reference's
+    (``restarted``: its first run failed; ``resumed_from``: the checkpoint its second run
+    resumed from, ``step_K``; :func:`reference_step`; where exactness is not expected, the
+    unfaulted run's, informational): ``same_model`` (None: not compared),
+    ``model_diff`` (the first differing entries, or why there was nothing to compare),
+    ``reference`` (``unfaulted`` or ``resumed at step_K``), ``regenerated_groups``,
+    ``no_survivor`` and ``exact_expected`` (whether a difference is a failure)."""
     records = checks.step_records(run_dir / "metrics.jsonl")
     count, no_survivor = regenerated(run_dir, records)
+    exact = exact_expected(trial.mode, no_survivor)
+    # an informational comparison takes the unfaulted run: no reference run for it alone
+    at = reference_step(restarted, resumed_from) if exact else None
     fields: dict[str, Any] = {
         "regenerated_groups": count,
         "no_survivor": no_survivor,
-        "exact_expected": exact_expected(trial.mode, no_survivor, restarted),
+        "exact_expected": exact,
+        "reference": "unfaulted" if at is None else f"resumed at step_{at}",
     }
-    reference = references.state(trial)
+    reference = references.state(trial, at)
     final = run_dir / "checkpoints" / f"step_{STEPS}"
     if reference is None:
         return {**fields, "same_model": None, "model_diff": ["no reference: its run failed"]}

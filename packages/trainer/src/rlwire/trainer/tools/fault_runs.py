@@ -50,8 +50,9 @@ class Trial:
     seed: int
     """The trial's own seed (what its fault draws from)."""
     run_seed: int = 0
-    """``trainer.seed`` of both runs: one per mode in a campaign (:func:`run_seed`), so one
-    unfaulted reference run per mode is the trained model every trial is compared with."""
+    """``trainer.seed`` of both runs: one per mode in a campaign (:func:`run_seed`), so the
+    references (:class:`rlwire.trainer.tools.fault_model.References`: the unfaulted run per
+    mode, and one resumed at each step a trial resumed from) serve every trial."""
     world: int = 2
     """``actor.world_size``."""
     occurrence: int = 0

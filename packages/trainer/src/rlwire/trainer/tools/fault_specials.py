@@ -13,7 +13,8 @@ run, what it records between the runs, and its own checks.
   every actor rank's part and ``trainer_state.json`` are written and before the manifest and
   ``COMPLETE``; the driver is SIGKILLed there. ``step_4`` must have no ``COMPLETE``, and the
   same command must resume from ``step_2`` and complete (the other checks: nothing damaged,
-  lost or repeated, the model the unfaulted run's).
+  lost or repeated, the model that of the unfaulted run stopped after ``step_2`` and
+  resumed).
 - ``stranger``: a process without the group's secret writes the checkpoint engine's bucket
   metadata during the run (:mod:`rlwire.trainer.tools.fault_stranger`).
 """

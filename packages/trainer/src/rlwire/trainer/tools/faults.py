@@ -12,7 +12,8 @@ generation, an update, a weight push or a checkpoint save, then runs the same co
 completion. The trials walk the 24 combinations in shuffled rounds (seeded): ``--trials 48``
 is every combination twice. The trial's seed draws its fault; the runs' ``trainer.seed`` is
 the campaign's, one per mode (:func:`rlwire.trainer.tools.fault_runs.run_seed`), so one
-unfaulted reference run per mode serves every trial's model check.
+unfaulted reference run per mode (and one resumed at each step a trial resumed from)
+serves every trial's model check.
 
 **Phases.** The runs carry :mod:`rlwire.trainer.tools.fault_hooks` as their ``sitecustomize``:
 each phase method of the Ray workers logs its start and end (``ActorWorker.train``:
@@ -38,13 +39,15 @@ segments removed; after a SIGKILLed driver, whose own shutdown never runs, Ray's
 may take 120 s);
 every file of every checkpoint seen complete is byte-identical after each run, unless the
 retention policy removed the checkpoint; the final model and optimizer state equal the
-unfaulted reference run's bit for bit (:mod:`rlwire.trainer.tools.fault_model`; a failure
-only in one-step off-policy, not after a healed worker with no survivor regenerated its
-share with newer weights; informational in fully async, where timing decides what each
-version trains); a killed worker, or a SIGTERMed driver, stops the first run with one
-``rlwire-train: error:`` line and no traceback, or lets it finish with exit 0: a rollout
-worker in one-step off-policy mode, which heals (:mod:`rlwire.trainer.runtime.healing`;
-the table's ``no restart``), or any worker killed after the last step that needed it.
+reference's bit for bit (:mod:`rlwire.trainer.tools.fault_model`: the unfaulted run, or,
+for a trial whose second run resumed from ``step_K``, the unfaulted run stopped after
+``step_K`` and resumed; a failure in one-step off-policy, not after a healed worker with no
+survivor regenerated its share with newer weights; informational in fully async, where
+timing decides what each version trains); a killed worker, or a SIGTERMed driver, stops
+the first run with one ``rlwire-train: error:`` line and no traceback, or lets it finish
+with exit 0: a rollout worker in one-step off-policy mode, which heals
+(:mod:`rlwire.trainer.runtime.healing`; the table's ``no restart``), or any worker killed
+after the last step that needed it.
 
 **Special trials** (``--special``, :mod:`rlwire.trainer.tools.fault_specials`): ``enospc``
 (a full disk during a save), ``corrupt`` (a damaged file of the latest checkpoint),
@@ -163,7 +166,7 @@ def run_trial(
     trial: Trial, out: Path, hooks: Path, references: References | None = None
 ) -> dict[str, Any]:
     """One trial: the first run with its fault, the same command again, every check; the
-    final model against ``references``' unfaulted run (none: not compared)."""
+    final model against ``references``' run for it (none: not compared)."""
     base = out / trial.name
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -222,7 +225,12 @@ def run_trial(
     if r["completed"] and references is not None and trial.mode in references.modes:
         referenced = time.monotonic()
         before = sum(run["seconds"] for run in references.runs)
-        r.update(compare_model(trial, second.run_dir, references, restarted=r["rc1"] != 0))
+        restarted, resumed_from = r["rc1"] != 0, r["resumed_from"]
+        r.update(
+            compare_model(
+                trial, second.run_dir, references, restarted=restarted, resumed_from=resumed_from
+            )
+        )
         # a reference run started for this trial is the campaign's time, not the trial's
         started += sum(run["seconds"] for run in references.runs) - before
         r["compare_s"] = round(time.monotonic() - referenced, 1)
@@ -255,7 +263,7 @@ def failures(r: dict[str, Any]) -> list[str]:
         "weight version went back": r["versions_back"] != 0,
         "leftovers": r["shm_leftovers"] + r["process_leftovers"] > 0,
         "checkpoint damaged": bool(r["damaged"]),
-        "model differs from the unfaulted run's": done
+        "model differs from its reference's": done
         and r.get("exact_expected", False)
         and r.get("same_model") is not True,
         "first run did not stop with one line": not r["clean_stop"],
@@ -280,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         default=list(MODES),
         choices=MODES,
         help="the modes whose trials' final model is compared with an unfaulted run of "
-        "their own (one run per mode; default both; none: no comparison)",
+        "their own (one per mode, and one resumed at each step a trial resumed from; "
+        "default both; none: no comparison)",
     )
     args = parser.parse_args(argv)
     out = args.out.resolve()
@@ -291,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.special:
         trials += SPECIALS[name].trials(args.seed, args.world_size)
     results = []
-    references = References(out, modes=args.reference_modes, keep=args.keep)
+    references = References(out, modes=args.reference_modes, keep=args.keep, hooks=hooks)
     with (out / "trials.jsonl").open("w") as record:
         for i, trial in enumerate(trials, 1):
             r = run_trial(trial, out, hooks, references)
@@ -313,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "table.md").write_text(table)
     print(table)
     for ref in references.runs if references else []:
-        print(f"reference {ref['name']}: rc {ref['rc']}, {ref['seconds']:.0f} s")
+        error = f" ({ref['error']})" if ref["error"] else ""
+        print(f"reference {ref['name']}: rc {ref['rc']}, {ref['seconds']:.0f} s{error}")
     failed = sum(bool(r["failed"]) for r in results)
     print(f"{len(results)} trials, {failed} failed: {out / 'trials.jsonl'}, {out / 'table.md'}")
     return 1 if failed else 0
