@@ -97,3 +97,14 @@ class PacedDiesInSync(_DiesInSync, PacedEngine):
 
     name = "dying_rollout:PacedDiesInSync"
     sync_dies = (0, 2)
+
+
+class PacedDiesTwice(_DiesInSync, PacedDiesOnce):
+    """:class:`PacedDiesOnce` (worker 1 dies in its second chunk of groups), and worker 0
+    dies as it receives its third weight update (``rollout-died-in-sync``): in fully async,
+    before worker 1's replacement has loaded, a sync with no member left (by hand: the docs'
+    "Rollout workers that heal")."""
+
+    name = "dying_rollout:PacedDiesTwice"
+    sync_dies = (0, 3)
+    sync_marker = "rollout-died-in-sync"
