@@ -257,6 +257,11 @@ async def sender(engine, scenario: str, out: str, rendezvous: str = "") -> None:
         report["error"] = [type(err).__name__, str(err)]
     report["seconds"] = time.monotonic() - start
     torch.save(report, out)
+    if scenario == "abort":  # the master's store serves the abort until the survivor read it
+        survivor = os.path.join(rendezvous, "rank1.pt")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(survivor) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 async def receiver(engine, scenario: str, rank: int, world_size: int, out: str) -> None:

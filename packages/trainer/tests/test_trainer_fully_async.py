@@ -442,10 +442,9 @@ def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tm
 
     The workers are made slower than the trainer (the paced engine, 20 ms a decoding step;
     one micro-batch for the update): they never pause on the staleness bound, so every sync
-    is written in between two decoding steps in the middle of their responses. Worker 1
-    dies (SIGKILL, :mod:`dying_rollout`) in its second chunk of groups: the run heals (the
-    groups go back to be generated first, a replacement joins at the next sync) and trains
-    every group once."""
+    is written in between two decoding steps in the middle of their responses. (A worker's
+    death in fully async: the next test. Here it would leave one worker for most of the run,
+    whose responses continued across a sync are trained after the run's last step.)"""
     run = tmp_path / "run"
     records, _ = train_cli(
         run,
@@ -456,16 +455,13 @@ def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tm
         "async.staleness_threshold=1",
         "async.trigger_parameter_sync_step=2",
         "async.partial_rollout=true",
-        "rollout.backend=dying_rollout:PacedDiesOnce",
+        "rollout.backend=paced",
         "rollout.paced_step_s=0.02",
         "rollout.max_new_tokens=24",
         "actor.micro_batch_size=64",
         cluster=ray_cluster,
     )
-    assert (run / "rollout-died").exists()  # it did die
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert records[-1]["rollout_restarts"] == 1
-    assert sum(r.get("regenerated_groups", 0) for r in records) > 0  # its chunk went back
     bound = 2 * (1 + 1) - 1  # T x (1 + ceil(S)) - 1
     versions = [r["weight_version"] for r in records]
     assert versions == [0, 2, 2, 4, 4, 4]  # synced after every 2nd update (not after the last)
@@ -479,9 +475,7 @@ def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tm
         assert r["version_span_max"] in (0, 2)  # a sync moves the weights 2 versions on
         if r["step"] in (2, 4):  # a sync step: the members hold exactly what the actor sent
             assert r["weight_sync_gbps"] > 0
-            # (worker 1's replacement is a member from the first sync after its engine loaded)
-            members = r["rollout_engines_live"]
-            assert r["weight_digest_rollout"] == [r["weight_digest_actor"]] * members
+            assert r["weight_digest_rollout"] == [r["weight_digest_actor"]] * 2
             digests.append(r["weight_digest_actor"])
         else:
             assert "weight_digest_actor" not in r
@@ -522,6 +516,8 @@ def test_a_sync_waits_for_generation_longer_than_the_transfer_timeout(ray_cluste
     assert [r["rollout_restarts"] for r in records] == [1, 1]
     synced = records[0]  # the survivor holds exactly what the actor sent
     assert synced["weight_digest_rollout"] == [synced["weight_digest_actor"]]
+    trained = [i for r in records for i in r["group_indices"]]  # its groups went back:
+    assert len(trained) == len(set(trained))  # none trained twice
     # each step's samples: a chunk from each worker, each past the transfer's 1 s timeout
     assert all(r["time_generate_s"] > 2 * 1.0 for r in records)
 

@@ -65,13 +65,13 @@ class Pushes:
         report, with each member's (``pulls``); re-sent first if a member dies meanwhile."""
         version = self.version
         assert version is not None, "finish() with no push in flight"
-        if self.finished is None:
-            self.finished = [a.finish_push.remote() for a in self.job.actors]
         # The workers write it in at their next boundary, after the generation they are in:
         # bounded by async.sample_timeout; the transfer by the engine (ckpt_engine.timeout
         # per wait: a large model may outlast any fixed budget for the whole).
         synced = self.queue.wait_synced.remote(version, self.wait_s)
         while True:
+            if self.finished is None:  # (asked for anew after a re-send)
+                self.finished = [a.finish_push.remote() for a in self.job.actors]
             calls, finished = self.calls, self.finished
             try:
                 *_, stats, pulls = self.watch.get(
@@ -94,6 +94,10 @@ class Pushes:
             )
         return {**stats, "pulls": [p for p in pulls if p]}  # a dead worker's left out
 
+    def drop(self) -> None:
+        """Forget every call (the run ends: no reference to a Ray object is kept)."""
+        self.calls, self.finished, self.version = [], None, None
+
     def member_died(self, lost: RolloutLost) -> None:
         """Rollout worker ``lost.index`` died (its replacement is starting). A push in flight
         that it was a member of is aborted and sent again to the others (the module's
@@ -103,6 +107,7 @@ class Pushes:
         job = self.job
         if self.version is not None and lost.index in job.members:
             job.abort_push(lost)
+            job.fleet.aborted = True  # the group takes no further update: re-formed below
             transfer = self.calls + (self.finished or [a.finish_push.remote() for a in job.actors])
             job.settle(transfer, lost)  # (the failed send is collected: the next starts clean)
         elif self._members():
@@ -131,8 +136,9 @@ class Pushes:
         if job.fleet.joining and not self._members():
             joined += job.fleet.wait_loaded()
         members = self._members()
-        if members != job.members:
-            job.reform_weight_group(members)
+        if joined or members != job.members or job.fleet.aborted:  # (a replacement may
+            job.reform_weight_group(members)  # take a dead member's index)
+            job.fleet.aborted = False
         if joined:
             self.watch.get(
                 [self.queue.worker_joined.remote(i) for i in joined],

@@ -214,6 +214,11 @@ def run_fully_async(job: Job, bar) -> None:
         watch.get(loops, timeout=wait_s, what="stopping the rollout loops")
     finally:
         ray.kill(queue)
+        # No Ray object reference may outlive the run in a reference cycle (heal -> pushes
+        # -> watch -> heal): one collected after Ray's shutdown, in Ray's own GC thread,
+        # makes Ray end the process (found: a test session ended mid-run with no output).
+        pushes.drop()
+        watch.heal = None
 
 
 class _Refill:

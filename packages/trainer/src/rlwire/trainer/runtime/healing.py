@@ -82,6 +82,8 @@ class Fleet:
         """Prompt groups generated again since the last step's record."""
         self.joining: set[int] = set()
         """Replacements not yet in the checkpoint engine's group."""
+        self.aborted = False
+        """Whether the weight group's engines were aborted (re-formed before the next push)."""
         self.loading: dict[int, tuple[Any, float]] = {}
         """Replacement index -> (its ``load_engine`` call, when it was started)."""
 
