@@ -685,6 +685,11 @@ def test_the_store_listens_on_the_hosts_address_only(backend):
         engine.finalize()
     with pytest.raises(CheckpointEngineError, match=r"^host '203.0.113.7': cannot listen there"):
         registry.new(backend, is_master=True, host="203.0.113.7").prepare()
+    for wildcard in ("0.0.0.0", "::"):  # every interface: refused, never bound
+        with pytest.raises(
+            CheckpointEngineError, match=rf"^host '{wildcard}' would listen on every interface"
+        ):
+            registry.new(backend, is_master=True, host=wildcard).prepare()
 
 
 def test_delta_mode_is_checked_and_offered_only_by_backends_that_can():

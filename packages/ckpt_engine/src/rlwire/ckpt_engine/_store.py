@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import hashlib
 import hmac
+import ipaddress
 import queue
 import secrets
 import socket
@@ -54,6 +55,12 @@ def _listening_socket(host: str) -> socket.socket:
         sock = socket.socket(family, kind, proto)
     except OSError as err:
         raise CheckpointEngineError(f"host {host!r}: cannot be resolved ({err})") from None
+    if ipaddress.ip_address(str(address[0]).split("%")[0]).is_unspecified:
+        sock.close()
+        raise CheckpointEngineError(
+            f"host {host!r} would listen on every interface; give an address of this machine "
+            "that the receivers can reach (127.0.0.1 when they all run here)"
+        )
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
@@ -178,8 +185,8 @@ class SignedStore:
 def bound_store(host: str, timeout: float) -> TCPStore:
     """A TCPStore served by this process on a free port (``store.port``) of ``host``'s
     address only: loopback when ``host`` is (every member on this machine), the interface
-    named otherwise (``0.0.0.0``, every interface, only where a caller asks for it: the
-    trainer never does). Unsigned: for torch's own rendezvous
+    named otherwise; a wildcard (``0.0.0.0``, ``::``: every interface) is refused.
+    Unsigned: for torch's own rendezvous
     (``torch.distributed.init_process_group(store=...)``), whose values torch reads as they
     are; a process that reaches the port could write them, as it could reach gloo's own
     peer connections, which carry no key either: on a cluster both belong on a private

@@ -146,17 +146,21 @@ class FilesystemEngine(CheckpointEngine):
         deadline = time.monotonic() + self.timeout
         while (result := predicate()) is None:
             self._check_aborted()
-            try:
-                with open(os.path.join(self.root, ABORTED)) as f:
-                    reason = f.read()
-            except FileNotFoundError:
-                pass
-            else:
+            reason = self._abort_reason()
+            if reason is not None:
                 raise CheckpointEngineAborted(f"filesystem: the update was aborted: {reason}")
             if time.monotonic() > deadline:
                 raise CheckpointEngineTimeout(f"filesystem: {what} within {self.timeout:g} s")
             await asyncio.sleep(self.poll_interval)
         return result
+
+    def _abort_reason(self) -> str | None:
+        """The reason in the master's ``ABORTED`` file (None: the update was not aborted)."""
+        try:
+            with open(os.path.join(self.root, ABORTED)) as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
 
     def _abort(self, reason: str) -> None:
         if not (self.is_master and self.active):  # a receiver's own waits see the flag

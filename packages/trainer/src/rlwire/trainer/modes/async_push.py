@@ -46,6 +46,8 @@ class Pushes:
         ``resend_push``), each member's ``stage_weights``."""
         self.finished: list | None = None
         """Each actor rank's ``finish_push`` (None: not asked yet)."""
+        self.aborted = False
+        """Whether the group's engines were aborted (re-formed before the next send)."""
 
     def start(self, version: int, *, request: bool = True) -> None:
         """Ask the workers to take ``version`` at their next boundary and hand it over:
@@ -107,7 +109,7 @@ class Pushes:
         job = self.job
         if self.version is not None and lost.index in job.members:
             job.abort_push(lost)
-            job.fleet.aborted = True  # the group takes no further update: re-formed below
+            self.aborted = True  # the group takes no further update: re-formed below
             transfer = self.calls + (self.finished or [a.finish_push.remote() for a in job.actors])
             job.settle(transfer, lost)  # (the failed send is collected: the next starts clean)
         elif self._members():
@@ -136,9 +138,9 @@ class Pushes:
         if job.fleet.joining and not self._members():
             joined += job.fleet.wait_loaded()
         members = self._members()
-        if joined or members != job.members or job.fleet.aborted:  # (a replacement may
-            job.reform_weight_group(members)  # take a dead member's index)
-            job.fleet.aborted = False
+        if joined or members != job.members or self.aborted:  # (a replacement may take
+            job.reform_weight_group(members)  # a dead member's index)
+            self.aborted = False
         if joined:
             self.watch.get(
                 [self.queue.worker_joined.remote(i) for i in joined],

@@ -82,8 +82,6 @@ class Fleet:
         """Prompt groups generated again since the last step's record."""
         self.joining: set[int] = set()
         """Replacements not yet in the checkpoint engine's group."""
-        self.aborted = False
-        """Whether the weight group's engines were aborted (re-formed before the next push)."""
         self.loading: dict[int, tuple[Any, float]] = {}
         """Replacement index -> (its ``load_engine`` call, when it was started)."""
 
@@ -145,7 +143,6 @@ class Fleet:
     def rejoin(self) -> None:
         """Once the replacements' engines are loaded, re-form the checkpoint engine's group
         with them in it (before a sync: the sync gives them the current weights)."""
-
         if not self.joining:
             return
         self.wait_loaded()
@@ -154,11 +151,7 @@ class Fleet:
     def wait_loaded(self) -> list[int]:
         """Wait for every replacement's engine to load (each bounded by
         ``ray.startup_timeout``): no longer joining, to be in the group re-formed next."""
-        done = sorted(self.loading)
-        for index in done:
-            self._loaded(index)
-            self.joining.discard(index)
-        return done
+        return self._joined(sorted(self.loading))
 
     def ready(self) -> list[int]:
         """Fully async: the replacements whose engines have loaded, without waiting for the
@@ -166,11 +159,15 @@ class Fleet:
         group re-formed next."""
         import ray
 
-        done = [i for i, (ref, _) in sorted(self.loading.items()) if ray.wait([ref], timeout=0)[0]]
-        for index in done:
+        loaded = [i for i, (ref, _) in self.loading.items() if ray.wait([ref], timeout=0)[0]]
+        return self._joined(sorted(loaded))
+
+    def _joined(self, indices: list[int]) -> list[int]:
+        """Replacements ``indices``, loaded (:meth:`_loaded`), no longer joining."""
+        for index in indices:
             self._loaded(index)
             self.joining.discard(index)
-        return done
+        return indices
 
     def _loaded(self, index: int) -> None:
         """Wait for replacement ``index``'s engine (bounded by ``ray.startup_timeout``) and
