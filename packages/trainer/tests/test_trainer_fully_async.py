@@ -518,8 +518,10 @@ def test_a_sync_waits_for_generation_longer_than_the_transfer_timeout(ray_cluste
     assert synced["weight_digest_rollout"] == [synced["weight_digest_actor"]]
     trained = [i for r in records for i in r["group_indices"]]  # its groups went back:
     assert len(trained) == len(set(trained))  # none trained twice
-    # each step's samples: a chunk from each worker, each past the transfer's 1 s timeout
-    assert all(r["time_generate_s"] > 2 * 1.0 for r in records)
+    # the trained samples' generation, past twice the transfer's 1 s timeout (a step's samples
+    # carry only their share of a chunk's seconds: after the death the survivor's chunk of the
+    # 12 groups sent back is split over two steps, so the sum is taken over the run)
+    assert sum(r["time_generate_s"] for r in records) > 2 * 1.0
 
 
 def assert_every_group_once(run, records: list[dict]) -> None:
