@@ -56,14 +56,6 @@ def test_a_worker_that_keeps_dying_stops_the_run_with_its_line(monkeypatch):
     [
         (("trainer.mode=one_step_off", "rollout.max_restarts=0"), False),
         (("trainer.mode=colocated",), True),  # the engines live in the actor ranks
-        (
-            (
-                "trainer.mode=one_step_off",
-                "rollout.backend=vllm_server",
-                "rollout.server_urls=[http://a:1,http://b:2]",
-            ),
-            False,
-        ),  # servers the run did not start
     ],
 )
 def test_a_death_the_fleet_does_not_heal_is_the_line_it_always_was(overrides, hybrid):

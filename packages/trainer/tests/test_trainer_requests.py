@@ -355,6 +355,43 @@ def test_a_slow_server_call_holds_back_no_other_request(tiny):
     core.close()
 
 
+def test_a_lost_engine_fails_its_requests_at_once_and_refuses_more():
+    """A server that stopped answering (its calls hang): :meth:`EngineCore.fail` ends every
+    request in flight and waiting, and the weight commit queued behind them, with the
+    engine's :class:`EngineLost` at once, not after the calls' timeout; a later submit gets
+    the same error, and the hung calls' answers, when they come, are dropped."""
+    from rlwire.trainer.rollout import EngineLost
+    from rlwire.trainer.rollout.chains import ChainStepper
+
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def hung(context, max_tokens, seed, request):
+        started.release()
+        release.wait(30)  # a stopped server: no answer until it goes on
+        return [7] * max_tokens, [-0.5] * max_tokens, "length"
+
+    stepper = ChainStepper(hung, eos=None, chunk_tokens=None, max_in_flight=2, timeout=60, name="t")
+    core = EngineCore(stepper, max_num_seqs=2)
+    stepper.core = core
+    futures = core.submit_all([Request((1, 2), 3, 1.0, seed=i) for i in range(3)])
+    for _ in range(2):  # two calls in flight, the third request waits for room
+        assert started.acquire(timeout=30)
+    commit = core.call(lambda: 1)
+    lost = EngineLost("vllm_server http://x: no answer to /health for 6 s", 0)
+    began = time.monotonic()
+    core.fail(lost)
+    for future in [*futures, commit]:
+        with pytest.raises(EngineLost) as err:
+            future.result(timeout=5)
+        assert err.value is lost
+    assert time.monotonic() - began < 5  # not the calls' 60 s
+    with pytest.raises(EngineLost):
+        core.submit(Request((1,), 1, 1.0, seed=9))
+    release.set()  # the hung calls answer now: nothing raises in the core's thread
+    core.close(timeout=10)
+    assert not core._thread.is_alive()
+
+
 # --- conversations that never wait for each other ------------------------------------------
 
 

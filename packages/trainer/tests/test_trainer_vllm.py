@@ -485,62 +485,16 @@ def served(tmp_path_factory):
     """A ``vllm serve`` server for a tiny model, started as a user would (the README's flags),
     shared by the tests that give its URL: ``(model_dir, url)``."""
     pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
-    import os
-    import shutil
-    import socket
-    import subprocess
-    import sys
-    import tempfile
-    import time
-    import urllib.request
+    from vllm_serve import vllm_serve
 
-    from rlwire.trainer.models.tiny import build_tiny_model
-
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("served") / "tiny", seed=0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    rpc = tempfile.mkdtemp(prefix="rlwire-test-vllm-rpc-")  # its sockets, not in /tmp itself
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TORCHDYNAMO_DISABLE": "1",
-           "VLLM_RPC_BASE_PATH": rpc}  # fmt: skip
-    log = (model_dir.parent / "serve.log").open("w")
-    server = subprocess.Popen(
-        [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-            "--kv-cache-memory-bytes", str(64 << 20), "--logprobs-mode", "processed_logprobs",
-            "--generation-config", "vllm", "--weight-transfer-config", '{"backend": "rlwire"}',
-            "--worker-extension-cls", "rlwire.ckpt_engine.vllm.WorkerExtension",
-        ],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, (model_dir.parent / "serve.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not start within 240 s"
-                time.sleep(1)
+    with vllm_serve(tmp_path_factory.mktemp("served")) as (model_dir, url, _):
         yield model_dir, url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
-        shutil.rmtree(rpc, ignore_errors=True)
 
 
-def _weight_version(url: str) -> str:
-    import urllib.request
+def _weight_version(url: str) -> str | None:
+    from vllm_serve import weight_version
 
-    with urllib.request.urlopen(f"{url}/weight_info", timeout=30) as answer:
-        return json.loads(answer.read())["weight_version"]
+    return weight_version(url)
 
 
 def test_a_run_on_a_running_vllm_server_then_a_second_run_is_refused(served, ray_cluster, tmp_path):

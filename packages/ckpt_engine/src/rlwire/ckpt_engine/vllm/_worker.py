@@ -337,3 +337,19 @@ class WorkerExtension:
             "staged": engine.staged_version,
             "rlwire": True,
         }
+
+    def rlwire_end_update(self) -> bool:
+        """End an update that a trainer which went away left open: vLLM's session
+        (``start_weight_update`` without ``finish_weight_update``, which refuses the next
+        start) and what the rlwire engine received and did not write in. The weights vLLM
+        holds stay. Whether a session was open (a trainer calls it before it joins)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        was_open = bool(getattr(self, "_weight_update_active", False))
+        if was_open:
+            self._weight_update_active = False
+            reset = getattr(engine, "reset_weight_update_target", None)
+            if reset is not None:
+                reset()
+        if isinstance(engine, RlwireWeightTransferEngine):
+            engine._staged = engine._staged_version = None
+        return was_open

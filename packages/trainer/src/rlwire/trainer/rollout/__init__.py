@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .base import (
     ROLLOUT_ENGINES,
+    EngineLost,
     PartialRolloutEngine,
     RolloutEngine,
     SleepingRolloutEngine,
@@ -37,6 +38,7 @@ from .tokens import completions_rollout, token_rollout
 
 __all__ = [
     "ROLLOUT_ENGINES",
+    "EngineLost",
     "Example",
     "HFEngine",
     "PartialRolloutEngine",

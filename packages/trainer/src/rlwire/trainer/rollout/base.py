@@ -27,6 +27,7 @@ from .tokens import completions_rollout, continuation_rows, token_rollout
 
 __all__ = [
     "ROLLOUT_ENGINES",
+    "EngineLost",
     "PartialRolloutEngine",
     "RequestsEngine",
     "RolloutEngine",
@@ -39,6 +40,18 @@ T = TypeVar("T")
 
 CLOSE_TIMEOUT = 5.0
 """Seconds :meth:`RolloutEngine.close` waits for its core's step in progress."""
+
+
+class EngineLost(RuntimeError):
+    """The engine of rollout worker ``index`` is gone while its process lives: the server it
+    drives stopped answering. The job heals it as a dead worker (:mod:`rlwire.trainer.runtime.
+    healing`): the worker is replaced, and the replacement waits for the server to answer
+    again (:attr:`RolloutEngine.rejoins`)."""
+
+    def __init__(self, message: str, index: int = 0) -> None:
+        super().__init__(message)
+        self.index = index
+
 
 ROLLOUT_ENGINES: dict[str, str] = {
     "hf": "rlwire.trainer.rollout.hf:HFEngine",
@@ -84,6 +97,11 @@ class RolloutEngine(abc.ABC):
     takes_lora: ClassVar[bool] = False
     """Whether the engine holds ``actor.lora``'s adapters over the base weights and applies
     a sync of the adapter alone (by :func:`rlwire.trainer.models.lora.adapter_name`)."""
+    rejoins: ClassVar[bool] = False
+    """Whether the engine takes ``rejoin=True`` (a keyword of its constructor) when it is
+    built to replace a lost one of the same index: ``vllm_server`` then waits, with
+    backoff, for a server given by URL to answer again, and takes it back holding this
+    run's weights (:class:`EngineLost`)."""
 
     def __init__(
         self,

@@ -29,8 +29,14 @@ class VLLMSection:
     version: each rollout worker is one Ray actor on one GPU (an engine over several GPUs
     needs a placement this trainer does not make yet); scale with ``rollout.num_workers``."""
     request_timeout: float = 600.0
-    """``vllm_server``: seconds any HTTP call to a server may take before the run stops
-    with a line naming the server."""
+    """``vllm_server``: seconds any HTTP call to a server may take; past it, as when the
+    server refuses the connection, the server is lost (a line names it; its worker is
+    replaced where the run heals, else the run stops)."""
+    health_timeout: float = 60.0
+    """``vllm_server``: seconds a server may leave ``/health`` unanswered (asked every 5 s)
+    before it is lost: the requests in flight on it fail at once and its worker is
+    replaced (a server given by URL is waited for, with backoff, and rejoins at the
+    current weights once it answers)."""
 
     def __post_init__(self) -> None:
         check(
@@ -56,6 +62,12 @@ class VLLMSection:
             self.request_timeout > 0,
             "rollout.vllm.request_timeout",
             self.request_timeout,
+            "use seconds > 0",
+        )
+        check(
+            self.health_timeout > 0,
+            "rollout.vllm.health_timeout",
+            self.health_timeout,
             "use seconds > 0",
         )
 

@@ -169,6 +169,8 @@ class EngineCore:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._failure: BaseException | None = None
+        self._stepping: list[Live] = []  # the requests of the step in progress
         self.steps = 0
         """Decoding steps run so far (each advances every live request)."""
         self.busy_s = 0.0
@@ -192,7 +194,7 @@ class EngineCore:
             lives.append(Live(request, concurrent.futures.Future()))
         with self._cond:
             if self._closed:
-                raise RuntimeError(f"{self.name}: closed; no request is taken")
+                raise self._failure or RuntimeError(f"{self.name}: closed; no request is taken")
             self._waiting.extend(lives)
             self._start()
             self._cond.notify_all()
@@ -205,7 +207,7 @@ class EngineCore:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._closed:
-                raise RuntimeError(f"{self.name}: closed; no call is taken")
+                raise self._failure or RuntimeError(f"{self.name}: closed; no call is taken")
             self._calls.append((fn, future))
             self._start()
             self._cond.notify_all()
@@ -216,6 +218,17 @@ class EngineCore:
         flight starts no more: :mod:`.chains`)."""
         with self._cond:
             return bool(self._calls)
+
+    def fail(self, err: BaseException) -> None:
+        """End the core at once, from any thread: every request and call not answered fails
+        with ``err`` now (not after the step in progress), and so does every later submit;
+        the answers of that step, if they come, are dropped (the engine is gone:
+        :class:`~rlwire.trainer.rollout.base.EngineLost`)."""
+        with self._cond:
+            self._closed = True
+            self._failure = err
+            self._fail_all(err)
+            self._cond.notify_all()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the loop once the step in progress ends; what was not answered fails; then
@@ -254,9 +267,11 @@ class EngineCore:
                 room = self.max_num_seqs - len(self._running)
                 admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 running = list(self._running)
-            admitted = [live for live in admitted if live.future.set_running_or_notify_cancel()]
+            admitted = [live for live in admitted if _begin(live.future)]
             if not admitted and not running:
                 continue
+            with self._cond:
+                self._stepping = admitted + running  # (fail() answers them at once)
             began = time.perf_counter()
             try:
                 self.stepper.step(admitted, running, self.version)
@@ -265,7 +280,7 @@ class EngineCore:
                 with self._cond:
                     self._running = []
                 for failed in admitted + running:
-                    failed.future.set_exception(err)
+                    _settle(failed.future, err)
                 continue
             self.steps += 1
             self.busy_s += time.perf_counter() - began
@@ -276,35 +291,55 @@ class EngineCore:
             with self._cond:
                 self._running = [r for r in stepped if r.finish_reason is None]
             for r in ended:
-                r.future.set_result(r.completion())
+                _settle(r.future, r.completion())
 
     def _stepper_in_flight(self) -> bool:
         in_flight = getattr(self.stepper, "in_flight", None)
         return bool(in_flight()) if in_flight is not None else False
 
     def _run_call(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
-        if not future.set_running_or_notify_cancel():
+        if not _begin(future):
             return
         try:
             result = fn()
         except BaseException as err:  # noqa: BLE001 - handed to the caller
-            future.set_exception(err)
+            _settle(future, err)
             return
         if isinstance(result, int) and not isinstance(result, bool):
             self.version = result
-        future.set_result(result)
+        _settle(future, result)
 
     def _fail_all(self, err: BaseException) -> None:
         """Lock held: every request and call not answered fails with ``err``."""
-        for live in [*self._waiting, *self._running]:
-            if not live.future.done():
-                live.future.set_exception(err)
+        for live in [*self._waiting, *self._running, *self._stepping]:
+            _settle(live.future, err)
         for _, future in self._calls:
             if not future.done():
                 future.set_exception(err)
         self._waiting.clear()
-        self._running = []
+        self._running = self._stepping = []
         self._calls.clear()
+
+
+def _begin(future: concurrent.futures.Future) -> bool:
+    """Mark ``future`` running; False if it was cancelled or :meth:`EngineCore.fail` answered
+    it already."""
+    try:
+        return future.set_running_or_notify_cancel()
+    except RuntimeError:  # answered meanwhile (failed): not to run
+        return False
+
+
+def _settle(future: concurrent.futures.Future, outcome: Any) -> None:
+    """Answer ``future`` with ``outcome`` (an error is raised to its waiter) unless
+    :meth:`EngineCore.fail` answered it already."""
+    try:
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+    except concurrent.futures.InvalidStateError:
+        pass  # failed meanwhile: the engine is gone
 
 
 def wait_all(futures: list[concurrent.futures.Future], timeout: float, what: str) -> list:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import json
+import logging
 import os
 import secrets
 import signal
@@ -38,9 +39,12 @@ from typing import IO, Any
 
 from rlwire.ckpt_engine import WEIGHT_TRANSFER_TOKEN_ENV
 
+from .base import EngineLost
 from .vllm import CPU_KV_CACHE_BYTES, INSTALL_HINT, RPC_PATH_ENV, rpc_dir, transfer_init_info
 
 __all__ = ["ServerProcess", "VLLMServer", "server_command"]
+
+log = logging.getLogger("rlwire.trainer")
 
 EXTENSION = "rlwire.ckpt_engine.vllm.WorkerExtension"
 GUARD = "rlwire.ckpt_engine.vllm.TokenGuard"
@@ -57,10 +61,24 @@ class VLLMServer:
     weight-transfer token, sent with every call (``Authorization: Bearer``) and in the init
     info, for a server that demands one."""
 
-    def __init__(self, url: str, *, timeout: float, token: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float,
+        token: str | None = None,
+        index: int = 0,
+        health_timeout: float | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.health_timeout = timeout if health_timeout is None else min(timeout, health_timeout)
+        """Seconds the server may leave ``/health`` unanswered during an update, and the
+        bound of a call that does no work of its own length (a weight commit, a reset):
+        past it, the server is lost."""
         self.token = token or None
+        self.index = index
+        """The rollout worker's index (named by :class:`~.base.EngineLost`)."""
         self.model_name: str | None = None
         self.progressed_at = time.monotonic()
         """When the update being received last moved (``time.monotonic()``): the server
@@ -96,8 +114,8 @@ class VLLMServer:
         except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
             reason = getattr(err, "reason", err)
             within = f" within {wait:g} s" if deadline else ""
-            raise RuntimeError(
-                f"vllm_server {self.url}: no answer to {path}{within} ({reason})"
+            raise EngineLost(
+                f"vllm_server {self.url}: no answer to {path}{within} ({reason})", self.index
             ) from None
         return json.loads(raw) if raw else None
 
@@ -108,9 +126,27 @@ class VLLMServer:
             return False
         return True
 
-    def check_serves(self, *paths: str) -> None:
+    def wait_answering(self, *, first: float = 1.0, most: float = 30.0) -> None:
+        """Wait for the server to answer ``/health`` again, asking at growing intervals
+        (``first`` seconds, doubled each time, ``most`` at most), each try logged. No
+        deadline of its own: a replacement waits while the run goes on without it, and the
+        run bounds what it waits for (:meth:`~rlwire.trainer.runtime.healing.Fleet.
+        wait_loaded`)."""
+        pause, tries, since = first, 0, time.monotonic()
+        while not self.healthy():
+            tries += 1
+            log.warning(
+                "vllm_server %s: no answer to /health for %.0f s (try %d); asking again in "
+                "%.0f s", self.url, time.monotonic() - since, tries, pause,
+            )  # fmt: skip
+            time.sleep(pause)
+            pause = min(most, pause * 2)
+
+    def check_serves(self, *paths: str, rejoin: bool = False) -> None:
         """Refuse a server that serves another model than ``paths`` name, lacks the rlwire
-        weight transfer, or holds weights an earlier run sent."""
+        weight transfer, or holds weights an earlier run sent (``rejoin``: a server this
+        run lost and takes back may hold this run's: the re-formed group's first update
+        is whole)."""
         models = self._call("/v1/models")["data"]
         served = {name for m in models for name in (m["id"], m.get("root")) if name}
         wanted = {p for p in paths if p}
@@ -129,7 +165,7 @@ class VLLMServer:
                 f"vllm_server {self.url} has no rlwire weight transfer; start it with "
                 f"{SERVER_FLAGS}"
             )
-        if held["held"] is not None:
+        if held["held"] is not None and not rejoin:
             raise RuntimeError(
                 f"vllm_server {self.url} serves weights version {held['held']} that an earlier "
                 "run sent, not the model's own: restart it"
@@ -138,6 +174,8 @@ class VLLMServer:
     def init_weight_transfer(
         self, backend: str, *, rank: int, world_size: int, metadata: dict, timeout: float
     ) -> None:
+        # an update a lost worker left open (vLLM refuses to start another) ends first
+        self._call("/collective_rpc", {"method": "rlwire_end_update"}, timeout=self.health_timeout)
         info = transfer_init_info(
             backend,
             rank=rank,
@@ -156,8 +194,9 @@ class VLLMServer:
         receiver bounds each of its waits by ``ckpt_engine.timeout`` (the init info's) and
         answers with that error. Meanwhile ``/health`` is asked every ``poll`` seconds:
         each answer is progress (:attr:`progressed_at`, what the staging caller's wait
-        reads); a server that stops answering fails the update, naming it."""
-        self._call("/start_weight_update", {})
+        reads); a server that leaves it unanswered for :attr:`health_timeout` seconds is
+        lost (:class:`~.base.EngineLost`)."""
+        self._call("/start_weight_update", {}, timeout=self.health_timeout)
         outcome: list[BaseException | None] = []
 
         def update() -> None:
@@ -172,11 +211,15 @@ class VLLMServer:
         call.start()
         call.join(poll)
         while call.is_alive():
-            if not self.healthy():
-                raise RuntimeError(
-                    f"vllm_server {self.url}: stopped answering /health while it received an update"
+            if self.healthy():
+                self.progressed_at = time.monotonic()
+            elif time.monotonic() - self.progressed_at > self.health_timeout:
+                raise EngineLost(
+                    f"vllm_server {self.url}: no answer to /health for "
+                    f"{time.monotonic() - self.progressed_at:.0f} s while it received an update "
+                    f"(rollout.vllm.health_timeout: {self.health_timeout:g} s)",
+                    self.index,
                 )
-            self.progressed_at = time.monotonic()
             call.join(poll)
         if outcome[0] is not None:
             if "the update was aborted" in str(outcome[0]):  # the type is lost over HTTP
@@ -184,13 +227,15 @@ class VLLMServer:
 
                 raise CheckpointEngineAborted(str(outcome[0])) from None
             raise outcome[0]
-        (versions,) = self._call("/collective_rpc", {"method": "rlwire_weight_versions"})["results"]
+        (versions,) = self._call(
+            "/collective_rpc", {"method": "rlwire_weight_versions"}, timeout=self.health_timeout
+        )["results"]
         return int(versions["staged"])
 
     def finish_update(self, version: int) -> None:
         """Write the received update in; the prefix cache (KV of the old weights) reset."""
         self._call("/finish_weight_update", {"weight_version": str(version)})
-        self._call("/reset_prefix_cache", {})
+        self._call("/reset_prefix_cache", {}, timeout=self.health_timeout)
 
     def complete(self, body: dict, *, expected: int) -> list[tuple[list[int], list[float], str]]:
         """``/v1/completions``: each choice's sampled token ids, their log-probs and its

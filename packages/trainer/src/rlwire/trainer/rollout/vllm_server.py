@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import time
 from collections.abc import Callable
 
 import torch
 
 from rlwire.ckpt_engine import WEIGHT_TRANSFER_TOKEN_ENV
 
-from .base import RequestsEngine, StagingRolloutEngine
+from .base import EngineLost, RequestsEngine, StagingRolloutEngine
 from .chains import chain_core
 from .requests import Request
 from .vllm_http import ServerProcess, VLLMServer
@@ -45,6 +47,7 @@ class VLLMServerEngine(RequestsEngine, StagingRolloutEngine):
 
     name = "vllm_server"
     takes_deltas = True  # the server's weight-transfer engine keeps the version it holds
+    rejoins = True
 
     def __init__(
         self,
@@ -54,6 +57,7 @@ class VLLMServerEngine(RequestsEngine, StagingRolloutEngine):
         *,
         gpu_share: float = 1.0,
         index: int = 0,
+        rejoin: bool = False,
     ) -> None:
         super().__init__(config, model_path, device, gpu_share=gpu_share, index=index)
         from transformers import AutoTokenizer
@@ -71,19 +75,54 @@ class VLLMServerEngine(RequestsEngine, StagingRolloutEngine):
                 config, model_path, backend=config.ckpt_engine.backend, gpu_share=gpu_share
             )
             url, token = self.process.url, self.process.token
-        self.server = VLLMServer(url, timeout=timeout, token=token)
+        self.server = VLLMServer(
+            url, timeout=timeout, token=token, index=index, health_timeout=cfg.vllm.health_timeout
+        )
+        self._closing = threading.Event()
         try:
             if self.process is not None:
                 self.process.wait_ready(self.server, config.ray.startup_timeout)
-            self.server.check_serves(model_path, config.model.path)
+            elif rejoin:  # the server this worker lost: back once it answers
+                self.server.wait_answering()
+            self.server.check_serves(model_path, config.model.path, rejoin=rejoin)
         except BaseException:
             self.close()
             raise
         self.core = chain_core(
             self._call, eos=self.tokenizer.eos_token_id, config=config, index=index, name=self.name
         )
+        self._watch = threading.Thread(
+            target=self._watch_health,
+            args=(cfg.vllm.health_timeout,),
+            name=f"rlwire-vllm-health-{index}",
+            daemon=True,
+        )
+        self._watch.start()
+
+    def _watch_health(self, timeout: float) -> None:
+        """Ask ``/health`` every few seconds; once it went unanswered for ``timeout``
+        seconds (``rollout.vllm.health_timeout``), the engine is lost: every request and
+        call in flight fails at once with :class:`~.base.EngineLost` (a stopped server
+        would hold them for ``request_timeout``), and the job replaces this worker."""
+        every = min(5.0, timeout / 3)
+        answered, core = time.monotonic(), self.core
+        assert core is not None  # started after it
+        while not self._closing.wait(every):
+            if self.server.healthy():
+                answered = time.monotonic()
+            elif time.monotonic() - answered > timeout:
+                core.fail(
+                    EngineLost(
+                        f"vllm_server {self.server.url}: no answer to /health for "
+                        f"{time.monotonic() - answered:.0f} s (rollout.vllm.health_timeout: "
+                        f"{timeout:g} s)",
+                        self.index,
+                    )
+                )
+                return
 
     def close(self) -> None:
+        self._closing.set()
         if self.core is not None:
             self.core.close(timeout=5)
         if self.process is not None:

@@ -70,7 +70,7 @@ class Fleet:
         self.heals = (
             cfg.max_restarts > 0
             and job.config.trainer.mode in ("colocated", "one_step_off", "fully_async")
-            and not (job.hybrid or cfg.server_urls)
+            and not job.hybrid
         )
         """Whether a dead rollout worker is replaced (else its death stops the run)."""
         self.restarts: dict[int, collections.deque[float]] = collections.defaultdict(
@@ -117,8 +117,9 @@ class Fleet:
             ) from None
         recent.append(now)
         self.total += 1
+        what = "lost its engine" if lost.engine_lost else "died"
         _say(
-            f"rollout worker {index} died; starting its replacement (restart {len(recent)} of "
+            f"rollout worker {index} {what}; starting its replacement (restart {len(recent)} of "
             f"{self.max_restarts} within {self.window:g} s): {_first_clause(str(lost))}"
         )
         self._start(index)
@@ -132,7 +133,8 @@ class Fleet:
         old = job.rollouts[index]
         ray.kill(old, no_restart=True)
         new = self.make(index, self.total)
-        self.loading[index] = (new.load_engine.remote(job.engine_backend), time.perf_counter())
+        loading = new.load_engine.remote(job.engine_backend, rejoin=True)
+        self.loading[index] = (loading, time.perf_counter())
         job.rollouts[index] = new
         job.processes[job.processes.index(old)] = new
         actor = new._actor_id.hex()

@@ -59,18 +59,26 @@ class RolloutWorker(WeightStage, WorkerProcess):
         self.agent: AgentLoop | FunctionRunner | None = None  # the agent loop (agent.enable)
         self.version = -1
 
-    def load_engine(self, weight_backend: str | None = None) -> None:
+    def load_engine(self, weight_backend: str | None = None, rejoin: bool = False) -> None:
         """Build the generation engine on the model (the driver calls it once the model
         directory exists). ``weight_backend``: the checkpoint engine's backend as the driver
         resolved it (``ckpt_engine.backend=auto`` by where the workers run), in the config
-        the engine is given (a ``vllm serve`` server is started with its engine)."""
+        the engine is given (a ``vllm serve`` server is started with its engine);
+        ``rejoin``: this worker replaces a lost one (for an engine that
+        :attr:`~rlwire.trainer.rollout.RolloutEngine.rejoins`)."""
         if weight_backend is not None and weight_backend != self.config.ckpt_engine.backend:
             section = dataclasses.replace(self.config.ckpt_engine, backend=weight_backend)
             self.config = dataclasses.replace(self.config, ckpt_engine=section)
         engine_class = rollout_engine_class(self.config.rollout.backend)
         # several engines on one GPU split their share (vLLM: gpu_memory_utilization)
+        extra = {"rejoin": True} if rejoin and engine_class.rejoins else {}
         self.backend = backend = engine_class(
-            self.config, self.model_path, self.device, gpu_share=self.gpu_share, index=self.index
+            self.config,
+            self.model_path,
+            self.device,
+            gpu_share=self.gpu_share,
+            index=self.index,
+            **extra,
         )
         model = getattr(backend, "model", None)  # the hf engine's; vLLM's is its own
         if isinstance(model, torch.nn.Module):

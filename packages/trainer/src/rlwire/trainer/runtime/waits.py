@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import RunError
+from ..rollout import EngineLost
 from .cluster import Handle
 
 __all__ = ["CLOSE_TIMEOUT", "RolloutLost", "Watch", "cause", "close_workers", "first_line"]
@@ -40,11 +41,16 @@ class RolloutLost(RunError):
     """A rollout worker's process died: the line that stops the run, unless the job
     replaces the worker (:mod:`rlwire.trainer.runtime.healing`); ``index``: the worker."""
 
-    def __init__(self, message: str, index: int, actor: str = "") -> None:
+    def __init__(
+        self, message: str, index: int, actor: str = "", *, engine_lost: bool = False
+    ) -> None:
         super().__init__(message)
         self.index = index
         self.actor = actor
         """The dead worker's Ray actor id (hex): a replacement of the same index has another."""
+        self.engine_lost = engine_lost
+        """The worker lives but its engine is gone (:class:`~rlwire.trainer.rollout.
+        EngineLost`: its server stopped answering)."""
 
 
 class Watch:
@@ -88,27 +94,37 @@ class Watch:
                 except Exception as err:
                     reason = cause(err)
                     dead = self._dead(reason) or self._peer_died(pending)
-                    if dead is not None:  # a worker process died: name it
-                        who, said, actor = dead
-                        line = f"{what}: {who} died ({said}); {_INTACT}"
+                    if dead is not None:  # a worker process died (or lost its engine)
+                        said, actor = dead
+                        line = f"{what}: {said}; {_INTACT}"
                         if actor in self.rollouts:
-                            raise RolloutLost(line, self.rollouts[actor], actor) from None
+                            lost = isinstance(reason, EngineLost)
+                            index = self.rollouts[actor]
+                            raise RolloutLost(line, index, actor, engine_lost=lost) from None
                         raise RunError(line) from None
                     raise RunError(
                         f"{what}: {type(reason).__name__}: {first_line(reason)}"
                     ) from None
         return values[refs] if single else [values[r] for r in refs]
 
-    def _dead(self, reason: BaseException) -> tuple[str, str, str] | None:
-        """The worker ``reason`` says died, what it says, and its Ray actor id; None if it
+    def _dead(self, reason: BaseException) -> tuple[str, str] | None:
+        """The line naming the worker that ``reason`` says died (``actor rank 1 died
+        (ActorDiedError: ...)``), or the rollout worker whose engine it says is lost (its
+        server stopped answering: healed as a death), and its Ray actor id; None if it
         names none."""
+        if isinstance(reason, EngineLost):
+            actors = [a for a, i in self.rollouts.items() if i == reason.index]
+            if not actors:
+                return None
+            actor = actors[-1]  # the worker's latest actor: a replacement comes after
+            return f"{self.names[actor]} lost its engine ({first_line(reason)})", actor
         actor = getattr(reason, "actor_id", None) or ""
         who = self.names.get(actor)
         if who is None:
             return None
-        return who, f"{type(reason).__name__}: {first_line(reason)}", actor
+        return f"{who} died ({type(reason).__name__}: {first_line(reason)})", actor
 
-    def _peer_died(self, pending: list) -> tuple[str, str, str] | None:
+    def _peer_died(self, pending: list) -> tuple[str, str] | None:
         """A peer's death behind another worker's error (a collective's peer that went away:
         the survivor's connection error may arrive first): the still pending calls that
         fail within :data:`_PEER_DEATH_S` as a worker's death, the first named."""
@@ -139,8 +155,9 @@ class Watch:
                 f"{first_line(reason)}; {_INTACT}"
             )
             dead = self._dead(reason)
-            if dead is not None and dead[2] in self.rollouts and self.heal is not None:
-                self.loops[worker] = self.heal(RolloutLost(line, worker, dead[2]))
+            if dead is not None and dead[1] in self.rollouts and self.heal is not None:
+                lost = isinstance(reason, EngineLost)
+                self.loops[worker] = self.heal(RolloutLost(line, worker, dead[1], engine_lost=lost))
                 return
             raise RunError(line) from None
         raise RunError(f"rollout worker {worker} left its loop before the run ended")
