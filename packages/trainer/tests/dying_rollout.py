@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
+from rlwire.trainer.rollout import EngineLost
 from rlwire.trainer.rollout.hf import HFEngine
 from rlwire.trainer.rollout.paced import PacedEngine
 
@@ -108,3 +110,31 @@ class PacedDiesTwice(_DiesInSync, PacedDiesOnce):
     name = "dying_rollout:PacedDiesTwice"
     sync_dies = (0, 3)
     sync_marker = "rollout-died-in-sync"
+
+
+class LosesServerOnce(PacedDiesOnce):
+    """The ``paced`` engine standing in for one that drives a server (``rejoins``): worker 1
+    loses its engine in its second training generation (:class:`~rlwire.trainer.rollout.
+    EngineLost`, as ``vllm_server`` does when its server stops answering; its process
+    lives), once per run directory, and a replacement's engine waits for the "server" to
+    answer again: :data:`DOWN_S` seconds after the loss."""
+
+    name = "dying_rollout:LosesServerOnce"
+    rejoins = True
+
+    def __init__(self, *args, rejoin: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        marker = Path(self.config.trainer.output_dir) / "rollout-died"
+        if rejoin:
+            time.sleep(max(0.0, marker.stat().st_mtime + DOWN_S - time.time()))
+
+    def _count(self) -> None:
+        self.calls += 1
+        marker = Path(self.config.trainer.output_dir) / "rollout-died"
+        if (self.index, self.calls) == self.dies and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            raise EngineLost(f"server of rollout worker {self.index}: no answer (a test)", 1)
+
+
+DOWN_S = 2.0
+"""Seconds :class:`LosesServerOnce`'s "server" stays down."""

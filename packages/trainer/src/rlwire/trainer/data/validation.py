@@ -116,9 +116,11 @@ def validation_metrics(job, examples: list, parts: list[Rollout]) -> dict[str, f
 def start_validation(job, examples: list) -> Callable[[], dict[str, float]]:
     """Queue the held-out ``examples`` on ``job``'s rollout engines (after the calls already
     made to them); returns what waits for the metrics (:func:`validation_metrics`)."""
+    tasks = validation_tasks(job, examples)
+    by = job.fleet.assign(len(tasks))  # a worker still joining: another does its share
     refs = [
-        r.generate.remote(t["examples"], t["seed"], t["sampling"])
-        for r, t in zip(job.rollouts, validation_tasks(job, examples), strict=True)
+        job.rollouts[by[i]].generate.remote(t["examples"], t["seed"], t["sampling"])
+        for i, t in enumerate(tasks)
         if t is not None
     ]
     return lambda: validation_metrics(job, examples, job.call(refs, "validation"))

@@ -151,8 +151,7 @@ class Pushes:
     def _members(self) -> list[int]:
         """The rollout workers that belong in the group now: all but the replacements
         still joining."""
-        joining = self.job.fleet.joining
-        return [i for i in range(len(self.job.rollouts)) if i not in joining]
+        return self.job.fleet.present
 
     def _receives(self, version: int) -> list:
         """Each member's receive of ``version``, on a thread of its own."""

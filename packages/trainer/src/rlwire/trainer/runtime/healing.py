@@ -47,6 +47,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RunError
+from ..rollout import rollout_engine_class
 from .cluster import Handle
 from .waits import RolloutLost
 
@@ -73,6 +74,10 @@ class Fleet:
             and not job.hybrid
         )
         """Whether a dead rollout worker is replaced (else its death stops the run)."""
+        self.waits_out = rollout_engine_class(cfg.backend).rejoins
+        """Whether lock-step syncs go on without a replacement still loading (an engine that
+        :attr:`~rlwire.trainer.rollout.RolloutEngine.rejoins`: ``vllm_server``, whose
+        replacement starts a server, minutes, or waits for one that stopped answering)."""
         self.restarts: dict[int, collections.deque[float]] = collections.defaultdict(
             collections.deque
         )
@@ -142,13 +147,35 @@ class Fleet:
         job.watch.rollouts[actor] = index
         self.joining.add(index)
 
+    @property
+    def present(self) -> list[int]:
+        """The rollout workers in service: all but the replacements still joining."""
+        return [i for i in range(len(self.job.rollouts)) if i not in self.joining]
+
+    def assign(self, shares: int) -> list[int]:
+        """The worker that generates each of ``shares`` (one per rollout worker, by index):
+        its own, or, for a worker still joining, the workers in service in turn."""
+        present = self.present
+        absent = [i for i in range(shares) if i not in present]
+        return [
+            i if i in present else present[absent.index(i) % len(present)] for i in range(shares)
+        ]
+
     def rejoin(self) -> None:
-        """Once the replacements' engines are loaded, re-form the checkpoint engine's group
-        with them in it (before a sync: the sync gives them the current weights)."""
+        """Before a lock-step sync, re-form the checkpoint engine's group with the
+        replacements whose engines loaded (the sync gives them the current weights).
+        Replacements of an engine that loads in seconds are waited for (each bounded by
+        ``ray.startup_timeout``); those of an engine that :attr:`waits_out` (a server to
+        start, or one given by URL that stopped answering) join at the first sync after
+        they loaded, and the run goes on without them meanwhile, unless no worker would be
+        left."""
         if not self.joining:
             return
-        self.wait_loaded()
-        self.job.reform_weight_group()
+        joined = self.ready() if self.waits_out else self.wait_loaded()
+        if not self.present:
+            joined += self.wait_loaded()
+        if joined or self.present != self.job.members:
+            self.job.reform_weight_group(self.present)
 
     def wait_loaded(self) -> list[int]:
         """Wait for every replacement's engine to load (each bounded by

@@ -107,14 +107,15 @@ class Job(JobStart):
         dead rollout workers join the weight group first; a rollout worker that dies during
         the sync is replaced and the version sent again (:mod:`.healing`)."""
         self.fleet.rejoin()
+        members = [self.rollouts[i] for i in self.members]
         if self.rollout_sleeps:
-            self.call([r.wake_up.remote() for r in self.rollouts], "waking the rollout engines")
+            self.call([r.wake_up.remote() for r in members], "waking the rollout engines")
         if self.hybrid:
             refs = [a.sync_weights.remote(version) for a in self.actors]
         else:
             refs = [
                 *[a.push_weights.remote(version) for a in self.actors],
-                *[r.pull_weights.remote() for r in self.rollouts],
+                *[r.pull_weights.remote() for r in members],
             ]
 
         def done() -> dict[str, Any]:
@@ -171,9 +172,10 @@ class Job(JobStart):
         examples = self.batches(position)
         shares = split_evenly(examples, len(self.rollouts))
         seeds = [_seed(config, position, i) for i in range(len(shares))]
+        by = self.fleet.assign(len(shares))  # a worker still joining: another does its share
         refs = {
-            i: r.generate.remote(part, seeds[i])
-            for i, (r, part) in enumerate(zip(self.rollouts, shares, strict=True))
+            i: self.rollouts[by[i]].generate.remote(part, seeds[i])
+            for i, part in enumerate(shares)
             if part
         }
 
@@ -182,7 +184,7 @@ class Job(JobStart):
             batch = Rollout.concat([parts[i] for i in sorted(parts)])
             batch.examples = [e for e in examples for _ in range(config.rollout.n)]
             if self.rollout_sleeps:  # colocated on GPUs: free the engines' memory for the update
-                sleeps = [r.sleep.remote() for r in self.rollouts]
+                sleeps = [self.rollouts[i].sleep.remote() for i in self.fleet.present]
                 self.call(sleeps, "putting the rollout engines to sleep")
             return batch
 
@@ -236,7 +238,8 @@ class Job(JobStart):
         the generation before this one put them to sleep."""
         self.extra_batches += 1
         if self.rollout_sleeps:
-            self.call([r.wake_up.remote() for r in self.rollouts], "waking the rollout engines")
+            wakes = [self.rollouts[i].wake_up.remote() for i in self.fleet.present]
+            self.call(wakes, "waking the rollout engines")
         return self.start_generation(step)()
 
     def call(self, refs, what: str):
