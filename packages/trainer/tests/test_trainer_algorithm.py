@@ -267,7 +267,7 @@ def test_dynamic_sampling_wakes_sleeping_engines_before_each_extra_batch():
         extra_batches=0,
         batches=lambda position: [Example(prompt=f"p{position}", answer="")] * 2,
         call=lambda refs, what: list(refs),
-        fleet=types.SimpleNamespace(heals=False),
+        fleet=types.SimpleNamespace(heals=False, present=[0, 1], assign=lambda n: list(range(n))),
     )
     job._generated = types.MethodType(Job._generated, job)
     job.start_generation = types.MethodType(Job.start_generation, job)

@@ -194,15 +194,22 @@ def test_an_update_longer_than_request_timeout_is_received_while_the_server_answ
 
 
 def test_an_update_fails_naming_the_server_once_it_stops_answering_health(fake):
+    """A server that leaves ``/health`` unanswered for ``health_timeout`` during an update
+    is lost (:class:`EngineLost`, naming it and the setting), not waited for."""
+    from rlwire.trainer.rollout import EngineLost
+
     routes = {
         "/health": (503, {}),
         "/start_weight_update": (200, {}),
-        "/update_weights": (200, {}, 2.0),
+        "/update_weights": (200, {}, 3.0),
     }
     server = fake(routes)
-    client = VLLMServer(server.url, timeout=30)
-    with pytest.raises(RuntimeError, match="stopped answering /health while it received an"):
+    client = VLLMServer(server.url, timeout=30, health_timeout=1.0, index=3)
+    began = time.monotonic()
+    with pytest.raises(EngineLost, match=r"no answer to /health for \d+ s while it received an "
+                       r"update \(rollout.vllm.health_timeout: 1 s\)") as lost:  # fmt: skip
         client.receive_update(poll=0.25)
+    assert lost.value.index == 3 and time.monotonic() - began < 2.5
     for call in threading.enumerate():  # the call it left: ends when the stand-in answers
         if call.name == "rlwire-vllm-update":
             call.join(timeout=30)
@@ -218,6 +225,7 @@ def test_an_update_fails_naming_the_server_once_it_stops_answering_health(fake):
         ),
         (["rollout.backend=vllm_server", "rollout.server_urls=[a:1]"], "use http://host:port URLs"),
         (["rollout.vllm.request_timeout=0"], "use seconds > 0"),
+        (["rollout.vllm.health_timeout=-1"], "rollout.vllm.health_timeout: -1.0"),
         (["rollout.backend=vllm_server", "actor.lora.rank=8"], "does not take LoRA adapters"),
     ],
 )
@@ -240,6 +248,21 @@ def test_servers_given_one_per_worker_are_taken():
 # --- a server the run starts takes weights from the run only ---------------------------------
 
 
+def test_a_server_that_refuses_connections_is_lost_naming_it():
+    """A refused connection is a lost server (:class:`EngineLost`, which the job heals),
+    not a run-stopping error."""
+    import socket
+
+    from rlwire.trainer.rollout import EngineLost
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(EngineLost, match=f"vllm_server {url}: no answer to /v1/models") as lost:
+        VLLMServer(url, timeout=5, index=1).check_serves("/m")
+    assert lost.value.index == 1
+
+
 def test_the_token_goes_with_every_call_and_in_the_init_info(fake, tmp_path):
     token = "ab" * 32
     routes = {
@@ -251,15 +274,17 @@ def test_the_token_goes_with_every_call_and_in_the_init_info(fake, tmp_path):
     client = VLLMServer(server.url, timeout=5, token=token)
     client.check_serves(str(tmp_path))
     client.init_weight_transfer("shm", rank=1, world_size=2, metadata={"port": 1}, timeout=5)
-    assert [a for _, a in server.auth] == [f"Bearer {token}"] * 3
+    assert [a for _, a in server.auth] == [f"Bearer {token}"] * 4
     info = server.posts[-1][1]["init_info"]
     assert info["token"] == token and info["backend"] == "rlwire_shm"
+    # before the init, an update a lost worker left open on the server is ended
+    assert server.posts[-2] == ("/collective_rpc", {"method": "rlwire_end_update"})
     # a server of the user's, without a token: nothing is sent
     plain = fake(routes)
     VLLMServer(plain.url, timeout=5).init_weight_transfer(
         "gloo", rank=1, world_size=2, metadata={}, timeout=5
     )
-    assert plain.auth == [("/init_weight_transfer_engine", None)]
+    assert plain.auth == [("/collective_rpc", None), ("/init_weight_transfer_engine", None)]
     assert "token" not in plain.posts[-1][1]["init_info"]
 
 

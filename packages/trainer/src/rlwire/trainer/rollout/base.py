@@ -99,9 +99,11 @@ class RolloutEngine(abc.ABC):
     a sync of the adapter alone (by :func:`rlwire.trainer.models.lora.adapter_name`)."""
     rejoins: ClassVar[bool] = False
     """Whether the engine takes ``rejoin=True`` (a keyword of its constructor) when it is
-    built to replace a lost one of the same index: ``vllm_server`` then waits, with
-    backoff, for a server given by URL to answer again, and takes it back holding this
-    run's weights (:class:`EngineLost`)."""
+    built to replace a lost one of the same index, and may take long to load then:
+    ``vllm_server`` starts a server (minutes), or waits, with backoff, for a server given
+    by URL to answer again and takes it back holding this run's weights
+    (:class:`EngineLost`). Lock-step syncs go on without such a replacement until it
+    loaded (:mod:`rlwire.trainer.runtime.healing`)."""
 
     def __init__(
         self,

@@ -19,6 +19,11 @@ as this worker's receiver; an update is received beside the weights in use (delt
 the version the server holds) and written in at the commit, with no call in flight; the
 prefix cache is reset then, so the next calls prefill with the new weights (always
 ``rollout.kv_on_update=recompute``: a server keeps no request between two calls).
+
+A server that stops answering (``/health`` unanswered for ``rollout.vllm.health_timeout``,
+a refused connection, a call past ``rollout.vllm.request_timeout``) is lost: the requests
+in flight fail at once with :class:`~.base.EngineLost` and the job replaces the worker; a
+replacement of a server given by URL (``rejoin``) waits for it with backoff.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Rollout workers that heal: a rollout worker that dies is replaced while training goes on.
+"""Rollout workers that heal: a rollout worker that dies, or whose engine is lost (its
+server stopped answering: :class:`~rlwire.trainer.rollout.EngineLost`), is replaced while
+training goes on.
 
 Colocated and one-step off modes (every rollout worker holds the same weights while it
 generates; the driver makes every call; :class:`~.job.Job`), where a worker's death is seen:
@@ -25,16 +27,22 @@ meanwhile). A death during a push aborts it on every member at once and sends th
 version again to the survivors (:mod:`rlwire.trainer.modes.async_push`).
 
 A replacement is a new Ray actor of the same index with its own engine (``vllm_server``:
-a new server: the dead worker's watchdog stopped the old one); it joins the
-checkpoint engine's group when the group is re-formed, before the next sync, and the sync
-that follows gives it the current weights before it generates. The group is re-formed on
+a new server: the dead worker's watchdog stopped the old one; with ``rollout.server_urls``,
+the same server, waited for with backoff and taken back holding this run's weights); it
+joins the checkpoint engine's group when the group is re-formed, before the next sync, and
+the sync that follows gives it the current weights before it generates. The group is re-formed on
 every backend the same way: a new master (a new store, new shared memory) and every member
 joined anew, so the first update after it is whole (deltas need a base every member holds).
 
+Lock-step syncs wait for a replacement still loading, unless its engine
+:attr:`~rlwire.trainer.rollout.RolloutEngine.rejoins` (``vllm_server``: a server to start,
+or one to wait for): then the group is re-formed without it and another worker generates its
+share, with its seed, until it loaded (:meth:`Fleet.rejoin`, :meth:`Fleet.assign`).
+
 ``rollout.max_restarts`` replacements per worker within ``rollout.restart_window_s``; the
 next death stops the run with the line a death always gave. The hybrid engine (no rollout
-process of its own), ``rollout.server_urls`` (servers the run did not start) and a death
-during a validation are not healed: the death stops the run.
+process of its own) and a death during a validation are not healed: the death stops the
+run.
 """
 
 from __future__ import annotations

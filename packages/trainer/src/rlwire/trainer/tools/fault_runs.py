@@ -84,7 +84,7 @@ def overrides(trial: Trial, run_dir: Path) -> list[str]:
 
 
 def kill(pid: int | None, sig: str = "KILL") -> bool:
-    """Send ``pid`` SIG``sig`` (``KILL``, ``TERM``); whether it existed."""
+    """Send ``pid`` SIG``sig`` (``KILL``, ``TERM``, ``STOP``, ``CONT``); whether it existed."""
     if pid is None:
         return False
     try:

@@ -6,8 +6,9 @@ same command again, and check that nothing was lost, repeated, left behind or da
 
 Each trial runs the embedded tiny job (``rlwire-train`` with no data or model given: 8
 steps, a checkpoint every 2, 2 kept, ``actor.world_size`` 2; :mod:`rlwire.trainer.tools.fault_runs`)
-as a subprocess in one-step off-policy or fully-async mode, sends SIGKILL or SIGTERM
-(alternately: ``signal``) to an actor rank, the rollout worker or the driver during
+as a subprocess in one-step off-policy or fully-async mode, sends SIGKILL, SIGTERM or
+SIGSTOP (in turn: ``signal``; a stopped process gets SIGCONT :data:`PAUSE_S` s later: it
+stops answering for a while) to an actor rank, the rollout worker or the driver during
 generation, an update, a weight push or a checkpoint save, then runs the same command to
 completion. The trials walk the 24 combinations in shuffled rounds (seeded): ``--trials 48``
 is every combination twice. The trial's seed draws its fault; the runs' ``trainer.seed`` is
@@ -47,7 +48,8 @@ timing decides what each version trains); a killed worker, or a SIGTERMed driver
 the first run with one ``rlwire-train: error:`` line and no traceback, or lets it finish
 with exit 0: a rollout worker in one-step off-policy mode, which heals
 (:mod:`rlwire.trainer.runtime.healing`; the table's ``no restart``), or any worker killed
-after the last step that needed it.
+after the last step that needed it; a paused process (SIGSTOP) never stops the run: its
+first run must exit 0.
 
 **Special trials** (``--special``, :mod:`rlwire.trainer.tools.fault_specials`): ``enospc``
 (a full disk during a save), ``corrupt`` (a damaged file of the latest checkpoint),
@@ -74,6 +76,7 @@ import os
 import random
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,8 +106,10 @@ MARKER = {"generation": "rollout0", "update": "actor0", "push": "rollout0", "sav
 OCCURRENCES = {"generation": (3, 7), "update": (3, 7), "push": (3, 7), "save": (2, 4)}
 """The occurrence hit is drawn from these: a checkpoint is complete before it."""
 STRETCH_S = 1.5
-SIGNALS = ("KILL", "TERM")
-"""The signals a kill trial sends, alternately."""
+SIGNALS = ("KILL", "TERM", "STOP")
+"""The signals a kill trial sends, in turn (``STOP``: paused, then SIGCONT)."""
+PAUSE_S = 5.0
+"""Seconds a SIGSTOPped process stays paused before its SIGCONT."""
 
 
 def plan(trials: int, seed: int, world: int = 2) -> list[Trial]:
@@ -149,6 +154,8 @@ def phase_kill(trial: Trial, env: dict[str, str]) -> Callable[[Watched], dict | 
             return None
         pid = run.proc.pid if trial.target == "driver" else run.roles.get(trial.target)
         at, existed = time.time(), kill(pid, trial.signal)
+        if trial.signal == "STOP":  # it stops answering for a while, then goes on
+            threading.Timer(PAUSE_S, kill, (pid, "CONT")).start()
         return {"at": at, "monotonic": time.monotonic(), "existed": existed, "pid": pid}
 
     return fault
@@ -267,6 +274,7 @@ def failures(r: dict[str, Any]) -> list[str]:
         and r.get("exact_expected", False)
         and r.get("same_model") is not True,
         "first run did not stop with one line": not r["clean_stop"],
+        "a paused process stopped the run": r["signal"] == "STOP" and r["rc1"] != 0,
         **r.get("special_failures", {}),
     }
     return [name for name, bad in failed.items() if bad]
