@@ -54,6 +54,22 @@ class DiesOnce(HFEngine):
         return super().submit_all(requests)
 
 
+class DiesOnceThenValidating(DiesOnce):
+    """:class:`DiesOnce`, and worker 0 dies in its second validation call (marker
+    ``rollout-died-validating``): a death during a lock-step validation."""
+
+    name = "dying_rollout:DiesOnceThenValidating"
+
+    def generate(self, prompts, seed, sampling=None):
+        if sampling is not None and self.index == 0:
+            self.validations = getattr(self, "validations", 0) + 1
+            marker = Path(self.config.trainer.output_dir) / "rollout-died-validating"
+            if self.validations == 2 and not marker.exists():
+                marker.write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().generate(prompts, seed, sampling)
+
+
 class OnlyWorkerDiesOnce(DiesOnce):
     """:class:`DiesOnce` for worker 0 (a run with one rollout worker: no survivor)."""
 

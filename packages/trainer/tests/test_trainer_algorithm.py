@@ -269,7 +269,7 @@ def test_dynamic_sampling_wakes_sleeping_engines_before_each_extra_batch():
         call=lambda refs, what: list(refs),
         fleet=types.SimpleNamespace(heals=False, present=[0, 1], assign=lambda n: list(range(n))),
     )
-    job._generated = types.MethodType(Job._generated, job)
+    job.healed = types.MethodType(Job.healed, job)
     job.start_generation = types.MethodType(Job.start_generation, job)
     job.generate_more = types.MethodType(Job.generate_more, job)
     job.start_generation(0)()

@@ -48,11 +48,14 @@ def test_one_version_stale_and_deterministic(ray_cluster, tmp_path):
         "actor_rollout_ref.rollout.val_kwargs.n=1",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
     )
-    dies = "rollout.backend=dying_rollout:DiesOnce"
+    dies = "rollout.backend=dying_rollout:DiesOnceThenValidating"
     lines, out = train_cli(tmp_path / "b", *settings, *validation, dies, cluster=ray_cluster)
     assert (tmp_path / "b" / "rollout-died").exists()  # it did die
     assert "rollout worker 1 died; starting its replacement (restart 1 of 3" in out
     assert "(batch 1, prompts 4-7) are generated again by rollout worker 0" in out
+    # and worker 0 in its second validation: its held-out share validated by worker 1
+    assert (tmp_path / "b" / "rollout-died-validating").exists()
+    assert "rollout worker 0 was validating are validated again by rollout worker 1" in out
     second = [r for r in lines if "reward_mean" in r]
     held_out = [r for r in lines if "reward_mean" not in r]
     assert [r["step"] for r in held_out] == [0, 2, 4]  # before, every 2nd, and the last
@@ -76,7 +79,8 @@ def test_one_version_stale_and_deterministic(ray_cluster, tmp_path):
     assert all(r["kl_behaviour_proximal"] > 1e-4 for r in first[1:])  # one update apart
 
     assert [r["rollout_restarts"] for r in first] == [0] * 4
-    assert [r["rollout_restarts"] for r in second] == [1, 1, 1, 1]  # in the first step (batch 1)
+    # worker 1 in the first step (batch 1), worker 0 in step 2's validation
+    assert [r["rollout_restarts"] for r in second] == [1, 1, 2, 2]
     assert [r.get("regenerated_groups") for r in second] == [4, None, None, None]
     assert [r["rollout_engines_live"] for r in first + second] == [2] * 8
     # (and the re-formed weight group's first update is whole: another delta density)

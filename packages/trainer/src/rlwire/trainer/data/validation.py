@@ -115,12 +115,28 @@ def validation_metrics(job, examples: list, parts: list[Rollout]) -> dict[str, f
 
 def start_validation(job, examples: list) -> Callable[[], dict[str, float]]:
     """Queue the held-out ``examples`` on ``job``'s rollout engines (after the calls already
-    made to them); returns what waits for the metrics (:func:`validation_metrics`)."""
+    made to them); returns what waits for the metrics (:func:`validation_metrics`). The
+    share of a rollout worker that dies meanwhile is validated again by another, with its
+    seed (:meth:`~rlwire.trainer.runtime.job.Job.healed`)."""
     tasks = validation_tasks(job, examples)
     by = job.fleet.assign(len(tasks))  # a worker still joining: another does its share
-    refs = [
-        job.rollouts[by[i]].generate.remote(t["examples"], t["seed"], t["sampling"])
-        for i, t in enumerate(tasks)
-        if t is not None
-    ]
-    return lambda: validation_metrics(job, examples, job.call(refs, "validation"))
+
+    def redo(share: int, worker: int):
+        task = tasks[share]
+        assert task is not None  # only shares with prompts are called
+        return job.rollouts[worker].generate.remote(
+            task["examples"], task["seed"], task["sampling"]
+        )
+
+    def named(index: int, share: int, worker: int | None) -> None:
+        task = tasks[share]
+        assert task is not None
+        job.fleet.revalidating(index, len(task["examples"]), worker)
+
+    refs = {i: redo(i, by[i]) for i, t in enumerate(tasks) if t is not None}
+
+    def done() -> dict[str, float]:
+        parts = job.healed(refs, redo, named, "validation")
+        return validation_metrics(job, examples, [parts[i] for i in sorted(parts)])
+
+    return done

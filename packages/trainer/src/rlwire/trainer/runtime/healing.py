@@ -39,10 +39,13 @@ Lock-step syncs wait for a replacement still loading, unless its engine
 or one to wait for): then the group is re-formed without it and another worker generates its
 share, with its seed, until it loaded (:meth:`Fleet.rejoin`, :meth:`Fleet.assign`).
 
+A death during a lock-step validation is healed as one during generation: the dead
+worker's held-out share is validated again by another, with its seed.
+
 ``rollout.max_restarts`` replacements per worker within ``rollout.restart_window_s``; the
 next death stops the run with the line a death always gave. The hybrid engine (no rollout
-process of its own) and a death during a validation are not healed: the death stops the
-run.
+process of its own) and a death during a fully-async validation are not healed: the death
+stops the run.
 """
 
 from __future__ import annotations
@@ -235,6 +238,15 @@ class Fleet:
             f"the {len(indices)} prompt groups rollout worker {index} was generating (batch "
             f"{position}, prompts {indices.start}-{indices.stop - 1}) are generated again by "
             f"{who}"
+        )
+
+    def revalidating(self, index: int, prompts: int, by: int | None) -> None:
+        """Name the held-out prompts of worker ``index``'s lost validation share that
+        ``by`` (None: the replacement) validates again (not counted: they train nothing)."""
+        who = "the replacement" if by is None else f"rollout worker {by}"
+        _say(
+            f"the {prompts} held-out prompts rollout worker {index} was validating are "
+            f"validated again by {who}"
         )
 
     def requeued(self, index: int, positions: list[int]) -> None:

@@ -172,15 +172,20 @@ class Job(JobStart):
         examples = self.batches(position)
         shares = split_evenly(examples, len(self.rollouts))
         seeds = [_seed(config, position, i) for i in range(len(shares))]
-        by = self.fleet.assign(len(shares))  # a worker still joining: another does its share
-        refs = {
-            i: self.rollouts[by[i]].generate.remote(part, seeds[i])
-            for i, part in enumerate(shares)
-            if part
-        }
+
+        def redo(share: int, worker: int):
+            return self.rollouts[worker].generate.remote(shares[share], seeds[share])
+
+        workers = self.fleet.assign(len(shares))  # one still joining: another does its share
+        refs = {i: redo(i, workers[i]) for i, part in enumerate(shares) if part}
+
+        def named(index: int, share: int, by: int | None) -> None:
+            first = sum(len(s) for s in shares[:share])
+            span = range(first, first + len(shares[share]))
+            self.fleet.regenerating(index, span, by, position)
 
         def done() -> Rollout:
-            parts = self._generated(refs, shares, seeds, position)
+            parts = self.healed(refs, redo, named, "generation")
             batch = Rollout.concat([parts[i] for i in sorted(parts)])
             batch.examples = [e for e in examples for _ in range(config.rollout.n)]
             if self.rollout_sleeps:  # colocated on GPUs: free the engines' memory for the update
@@ -190,22 +195,28 @@ class Job(JobStart):
 
         return done
 
-    def _generated(
-        self, refs: dict[int, Any], shares: list[list], seeds: list[int], position: int
-    ) -> dict[int, Rollout]:
-        """Each share's samples (share ``i``: worker ``i``'s, with seed ``seeds[i]``). The
-        share of a worker that died is generated again by one that lived through the call
-        (same weights, same seed), or, with none left, by the replacement once it holds
-        the actor's weights."""
+    def healed(
+        self,
+        refs: dict[int, Any],
+        redo: Callable[[int, int], Any],
+        named: Callable[[int, int, int | None], None],
+        what: str,
+    ) -> dict[int, Any]:
+        """Each share's result (``refs``: share -> its call; share ``i`` is worker ``i``'s,
+        or another's while ``i`` joins). The share of a worker that died is made again by
+        one that lived through the call (same weights; ``redo(share, worker)`` makes the
+        call, with the share's own seed), or, with none left, by the replacement once it
+        holds the actor's weights; ``named(dead worker, share, by)`` logs it (``by`` None:
+        the replacement)."""
         if not self.fleet.heals:  # the first failure stops the run
-            return dict(zip(refs, self.call(list(refs.values()), "generation"), strict=True))
-        out: dict[int, Rollout] = {}
+            return dict(zip(refs, self.call(list(refs.values()), what), strict=True))
+        out: dict[int, Any] = {}
         todo = dict(refs)
         while todo:
             lost: dict[int, RolloutLost] = {}
             for share, ref in todo.items():
                 try:
-                    out[share] = self.watch.get(ref, timeout=self.task_timeout, what="generation")
+                    out[share] = self.watch.get(ref, timeout=self.task_timeout, what=what)
                 except RolloutLost as err:
                     lost[share] = err
             dead = {lost_one.index: lost_one for lost_one in lost.values()}
@@ -217,18 +228,12 @@ class Job(JobStart):
             if replaced and lost:
                 self.fleet.rejoin()
                 self.sync(self.next_update)
-                holders = list(range(len(self.rollouts)))
+                holders = self.fleet.present
             todo = {}
             for k, share in enumerate(sorted(lost)):
                 by = holders[k % len(holders)]
-                first = sum(len(s) for s in shares[:share])
-                self.fleet.regenerating(
-                    lost[share].index,
-                    range(first, first + len(shares[share])),
-                    None if replaced else by,
-                    position,
-                )
-                todo[share] = self.rollouts[by].generate.remote(shares[share], seeds[share])
+                named(lost[share].index, share, None if replaced else by)
+                todo[share] = redo(share, by)
         return out
 
     def generate_more(self, step: int, missing: int = 0) -> Rollout:

@@ -53,11 +53,31 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM ends this worker process at once (exit status 143), as SIGKILL would: the
+    job then sees its death (a rollout worker is replaced). Ray's own handler waits for
+    the task in progress to end, and a worker with concurrency groups runs its tasks off
+    the main thread: fully async's loop never ends by itself, so a SIGTERMed rollout worker
+    neither served nor died (the fault campaign's hang). Set from the actor's main thread
+    (its ``__init__``); outside a Ray actor (a test or a tool building the class itself)
+    nothing is set."""
+    import signal
+    import threading
+
+    import ray
+
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
+
+
 class WorkerProcess:
     """What every worker does as its process starts, and what the driver asks of any
     worker about where it runs."""
 
     def __init__(self, config: TrainerConfig) -> None:
+        _exit_on_sigterm()
         # one thread until the model is loaded (automatic threads are set by its size)
         torch.set_num_threads(config.ray.worker_threads or 1)
         preload_hf()  # while the driver prepares: the model is loaded later

@@ -8,8 +8,9 @@ Imported under its own name it does nothing.
 What it does, steered by environment variables:
 
 - ``RLWIRE_FAULT_EVENTS=PATH``: the phase methods of ``ActorWorker`` (``train``: update,
-  ``save``: save, ``push_weights``/``start_push``: push) and ``RolloutWorker``
-  (``generate``: generation, ``pull_weights``/``stage_weights``: push) append a line to
+  ``save``: save, ``push_weights``/``start_push``: push), ``RolloutWorker``
+  (``generate``: generation, ``pull_weights``/``stage_weights``: push) and the fully-async
+  loop's ``ServeLoop._generate`` (generation: a chunk of groups) append a line to
   PATH at their start and end: time, pid, role (``actor<rank>``, ``rollout<index>``),
   phase, the occurrence's number in that process, ``b`` or ``e``. Each ``__init__`` appends
   an ``init`` line (the process's role and pid).
@@ -36,11 +37,13 @@ What it does, steered by environment variables:
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
 import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -48,7 +51,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType, ModuleType
 from typing import Any
 
@@ -61,8 +64,11 @@ PHASES = {
         "RolloutWorker",
         {"generate": "generation", "pull_weights": "push", "stage_weights": "push"},
     ),
+    # fully async generates in the worker's loop: a coroutine per chunk of groups
+    "rlwire.trainer.runtime.rollout_serve": ("ServeLoop", {"_generate": "generation"}),
 }
-"""Module -> (class, {method: phase}) wrapped at import."""
+"""Module -> (class, {method: phase}) wrapped at import (a coroutine method by a coroutine;
+the role is the object's, or its ``worker``'s)."""
 PAUSES = {"rlwire.trainer.outputs.checkpoint": "finish_checkpoint"}
 """Module -> the function ``RLWIRE_FAULT_PAUSE`` pauses and after which ``RLWIRE_FAULT_STOP``
 stops (its first argument: the directory)."""
@@ -122,28 +128,46 @@ class _Tracer:
         return self
 
 
+@contextlib.contextmanager
+def _occurrence(owner: object, phase: str) -> Iterator[None]:
+    """One occurrence of ``phase`` in ``owner``'s role: its begin and end lines, its Python
+    lines counted or stretched as ``RLWIRE_FAULT_STRETCH`` says (in a coroutine, the
+    event loop's other tasks are slowed with it: the process's generation is)."""
+    role = _role(getattr(owner, "worker", owner))
+    with _lock:
+        n = _counts[role, phase] = _counts.get((role, phase), 0) + 1
+    count, seconds = _stretch_plan(role, phase, n)
+    tracer = None
+    if count or seconds is not None:
+        lines = _lines.get((role, phase, n - 1), 0)
+        tracer = _Tracer(seconds / lines if seconds and lines else 0.0)
+    emit(role=role, phase=phase, n=n, ev="b", stretched=seconds)
+    previous = sys.gettrace()
+    if tracer is not None:
+        sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        if tracer is not None:
+            sys.settrace(previous)
+            _lines[role, phase, n] = tracer.lines
+        emit(role=role, phase=phase, n=n, ev="e", lines=tracer and tracer.lines)
+
+
 def _wrap(method: Callable[..., Any], phase: str) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def wait(self: object, *args: Any, **kwargs: Any) -> Any:
+            with _occurrence(self, phase):
+                return await method(self, *args, **kwargs)
+
+        return wait
+
     @functools.wraps(method)
     def call(self: object, *args: Any, **kwargs: Any) -> Any:
-        role = _role(self)
-        with _lock:
-            n = _counts[role, phase] = _counts.get((role, phase), 0) + 1
-        count, seconds = _stretch_plan(role, phase, n)
-        tracer = None
-        if count or seconds is not None:
-            lines = _lines.get((role, phase, n - 1), 0)
-            tracer = _Tracer(seconds / lines if seconds and lines else 0.0)
-        emit(role=role, phase=phase, n=n, ev="b", stretched=seconds)
-        previous = sys.gettrace()
-        if tracer is not None:
-            sys.settrace(tracer)
-        try:
+        with _occurrence(self, phase):
             return method(self, *args, **kwargs)
-        finally:
-            if tracer is not None:
-                sys.settrace(previous)
-                _lines[role, phase, n] = tracer.lines
-            emit(role=role, phase=phase, n=n, ev="e", lines=tracer and tracer.lines)
 
     return call
 
@@ -197,7 +221,8 @@ def _patch(module: ModuleType) -> None:
     cls: Any = getattr(module, cls_name)
     for name, phase in methods.items():
         _set(cls, name, _wrap(getattr(cls, name), phase))
-    _set(cls, "__init__", _wrap_init(cls.__init__))
+    if module.__name__ != "rlwire.trainer.runtime.rollout_serve":  # (its worker's role)
+        _set(cls, "__init__", _wrap_init(cls.__init__))
 
 
 def _set(cls: Any, name: str, wrapper: Callable[..., Any]) -> None:

@@ -162,11 +162,25 @@ def phase_kill(trial: Trial, env: dict[str, str]) -> Callable[[Watched], dict | 
 
 
 def landed(trial: Trial, run: Watched, done: dict | None) -> bool:
-    """Whether the kill hit a live process inside the chosen occurrence of the phase."""
+    """Whether the kill hit a live process inside the chosen occurrence of the phase; in
+    fully async's generation, whose occurrences are the prompt groups' coroutines (tens of
+    ms, many at once: the stretch of one slows them all), inside any of them."""
     if not done or not done["existed"]:
         return False
-    end = run.find(MARKER[trial.phase], trial.phase, trial.occurrence, "e")
-    return end is None or end["t"] > done["at"]
+    role, at = MARKER[trial.phase], done["at"]
+    end = run.find(role, trial.phase, trial.occurrence, "e")
+    if end is None or end["t"] > at:
+        return True
+    if (trial.mode, trial.phase) != ("fully_async", "generation"):
+        return False
+    begun = {e["n"]: e["t"] for e in run.events if _of(e, role, "b") and e["t"] <= at}
+    ended = {e["n"] for e in run.events if _of(e, role, "e") and e["t"] <= at}
+    return bool(begun.keys() - ended)
+
+
+def _of(event: dict, role: str, edge: str) -> bool:
+    """Whether ``event`` is a generation edge (``b``, ``e``) of ``role``."""
+    return (event.get("role"), event.get("phase"), event["ev"]) == (role, "generation", edge)
 
 
 def run_trial(
