@@ -24,6 +24,8 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+PROMPT = [1, 5, 9, 17, 33, 2, 8]
+
 
 def versions(base: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """Three versions: all of it changed, then a few elements of every tensor twice."""
@@ -61,7 +63,7 @@ def seen(llm) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=[1, 5, 9, 17, 33, 2, 8])]
+    prompts = [TokensPrompt(prompt_token_ids=PROMPT)]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
     out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
     sums: dict = {}
@@ -73,6 +75,26 @@ def seen(llm) -> dict:
         "checksums": sums,
         "version": llm.get_weight_version(),
     }
+
+
+_HF: dict = {}
+
+
+def hf_logprobs(model_dir: str, weights: dict[str, torch.Tensor], seen_: dict) -> list[float]:
+    """The log-probs of the tokens ``seen_`` names under a Hugging Face forward of
+    ``weights`` (checkpoint format: a tied model's has no ``lm_head.weight``, which then
+    follows ``embed_tokens``): what vLLM must serve, whatever its loader does."""
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _HF:
+        _HF[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = _HF[model_dir].eval()
+    missing = model.load_state_dict(weights, strict=False).missing_keys
+    assert set(missing) <= {"lm_head.weight"} and (not missing or model.config.tie_word_embeddings)
+    ids = torch.tensor([PROMPT + seen_["tokens"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    return [float(logp[len(PROMPT) - 1 + i, t]) for i, t in enumerate(seen_["tokens"])]
 
 
 def tensor_parallel(model_dir: str, backend: str, tp: int) -> None:
@@ -93,12 +115,15 @@ def tensor_parallel(model_dir: str, backend: str, tp: int) -> None:
     )
     sender = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm))
     base = load_file(os.path.join(model_dir, "model.safetensors"))
-    report: dict = {"start": seen(llm), "updates": []}
+    start = seen(llm)
+    report: dict = {"start": {**start, "hf": hf_logprobs(model_dir, base, start)}, "updates": []}
     changed = versions(base)
     for weights in (changed[0], changed[1], base):
         stats = sender.send_weights(weights.items())
-        report["updates"].append({**seen(llm), "base": stats.base, "wire_bytes": stats.wire_bytes,
-                                  "bytes": stats.bytes})  # fmt: skip
+        now = seen(llm)
+        hf = hf_logprobs(model_dir, weights, now)
+        moved = {"base": stats.base, "wire_bytes": stats.wire_bytes, "bytes": stats.bytes}
+        report["updates"].append({**now, **moved, "hf": hf})
     sender.shutdown()
     print(f"REPORT {backend} " + json.dumps(report))
 
@@ -128,7 +153,12 @@ def one_backend(llm, base, backend: str, model_dir: str, first: int) -> dict:
 
     from rlwire.ckpt_engine.vllm import LLMClient, RlwireTrainerInitInfo
 
-    report: dict = {"start": seen(llm), "updates": [], "reference": []}
+    start = seen(llm)
+    report: dict = {
+        "start": {**start, "hf": hf_logprobs(model_dir, base, start)},
+        "updates": [],
+        "reference": [],
+    }
     info = RlwireTrainerInitInfo(
         backend=f"rlwire_{backend}",
         rank=0,
@@ -147,9 +177,11 @@ def one_backend(llm, base, backend: str, model_dir: str, first: int) -> dict:
     report["sender"] = type(sender).__name__
     for version, weights in enumerate(versions(base), first):
         stats = sender.send_weights(weights.items(), version=version)
+        now = seen(llm)
         report["updates"].append(
-            {**seen(llm), "base": stats.base, "bytes": stats.bytes, "wire_bytes": stats.wire_bytes}
-        )
+            {**now, "base": stats.base, "bytes": stats.bytes, "wire_bytes": stats.wire_bytes,
+             "hf": hf_logprobs(model_dir, weights, now)}
+        )  # fmt: skip
         # the same weights through vLLM's own reload path: what they must give
         llm.collective_rpc(
             "reload_weights",

@@ -283,6 +283,7 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         with torch.no_grad():
             self.model.load_weights(iter(weights.items()))
         finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied(self.model)
 
     def _restore(self) -> str:
         """After a failed load: what the model holds now. Before the first update its own
@@ -293,6 +294,7 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
             from vllm.model_executor.model_loader.reload import reload_weights
 
             reload_weights(self.vllm_config, self.model, None, None, True)
+            refresh_tied(self.model)
             return "the weights it started with were reloaded from the model's files"
         self.version = None  # unknown now: no delta may apply onto it
         return "the model may hold part of it: the next update is sent whole"
@@ -301,6 +303,34 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         if self.engine is not None:
             self.engine.finalize()
             self.engine = None
+
+
+def refresh_tied(model: torch.nn.Module) -> list[str]:
+    """Process again the modules that share a parameter with another (a tied ``lm_head``
+    holds ``embed_tokens``' weight); their names.
+
+    vLLM's layerwise reload processes a shared parameter once, through the module whose
+    weights the update names (``model.embed_tokens.weight``: a tied model's checkpoint has
+    no ``lm_head.weight``, and vLLM skips it), and writes the result into the shared
+    storage; a module that holds the same parameter without loading it keeps what its own
+    processing made of the old weights. On CPU that is the packed copy (oneDNN or the SGL
+    kernel) its GEMM reads, so the logits came from the old weights after every update.
+    Only unquantized methods are run again (processing there only re-packs for the GEMM;
+    a quantized one is not idempotent), so a tied quantized head stays as vLLM leaves it."""
+    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append((name, module))
+    done: list[str] = []
+    for sharing in owners.values():
+        if len(sharing) < 2:
+            continue
+        for name, module in sharing:
+            method = getattr(module, "quant_method", None)
+            if method is not None and type(method).__name__.startswith("Unquantized"):
+                method.process_weights_after_loading(module)
+                done.append(name)
+    return done
 
 
 def _check_layout(
