@@ -48,6 +48,7 @@ from ._worker import (
     RlwireUpdateInfo,
     RlwireWeightTransferEngine,
     WorkerExtension,
+    refresh_tied,
 )
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "WorkerExtension",
     "backend_of",
     "offered",
+    "refresh_tied",
     "register",
     "vllm_name",
 ]

@@ -99,6 +99,7 @@ class WeightReloadExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); ``self`` is that worker."""
 
     if TYPE_CHECKING:  # the worker's, declared for the type checker only
+        model_runner: Any
 
         def reload_weights(
             self,
@@ -108,7 +109,12 @@ class WeightReloadExtension:
         ) -> None: ...
 
     def rlwire_reload_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """vLLM's reload of ``weights``, then the modules sharing a parameter processed
+        again (a tied head: :func:`rlwire.ckpt_engine.vllm.refresh_tied`)."""
+        from rlwire.ckpt_engine.vllm import refresh_tied
+
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        refresh_tied(self.model_runner.get_model())
         return len(weights)
 
 
