@@ -366,3 +366,33 @@ def test_rlwire_train_finds_the_users_modules_in_the_working_directory(
     assert "function: mypkg_agent:solve" in capsys.readouterr().out
     assert sys.path[-1] == str(tmp_path)
     assert os.environ["PYTHONPATH"].split(os.pathsep) == ["/elsewhere", str(tmp_path)]
+
+
+def test_a_sigterm_stop_that_ray_wraps_in_a_system_error_is_still_one_line(monkeypatch, capsys):
+    """The SIGTERM handler's ``RunError`` raised while Ray's Cython checks signals inside a
+    wait comes out as the cause of a ``SystemError`` (the fault campaign: a driver SIGTERMed
+    during a push ended with that traceback): the command still stops with its one line."""
+    from rlwire.trainer import cli, driver
+    from rlwire.trainer.errors import RunError
+
+    def stopped(*_args, **_kwargs):
+        try:
+            raise RunError("stopped by SIGTERM; the last checkpoint in the run directory is intact")
+        except RunError as err:
+            raise SystemError("<cyfunction CoreWorker.wait> returned a result") from err
+
+    monkeypatch.setattr(driver, "run", stopped)
+    assert cli.main(["trainer.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        "rlwire-train: error: stopped by SIGTERM; the last checkpoint in the run directory is "
+        "intact"
+    )
+    assert "Traceback" not in err
+
+    def broken(*_args, **_kwargs):  # any other SystemError is not hidden
+        raise SystemError("something else")
+
+    monkeypatch.setattr(driver, "run", broken)
+    with pytest.raises(SystemError, match="something else"):
+        cli.main(["trainer.steps=1"])

@@ -113,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except RunError as err:
         return _fail(str(err))
+    except SystemError as err:
+        # the SIGTERM handler's RunError, raised while Ray's Cython checked signals inside
+        # a wait: Ray hands it on as the cause of a SystemError (a campaign trial's find)
+        stop = err.__cause__ or err.__context__
+        if not isinstance(stop, RunError):
+            raise
+        return _fail(str(stop))
     summary = result.summary
     if not summary["steps"]:  # the run had trained to the end: its export was still to do
         print(f"exported hf_model/ of step {result.start_step} (training had finished)")
