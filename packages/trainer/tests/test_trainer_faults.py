@@ -42,15 +42,16 @@ def test_one_step_off_accounting_flags_a_batch_trained_twice_and_one_skipped():
     assert (counted["repeated"], counted["missing_steps"], counted["extra_steps"]) == (2, 1, 1)
 
 
-def test_fully_async_accounting_counts_pending_and_dropped_groups():
+def test_fully_async_accounting_counts_pending_groups():
     trained = steps_of([[0, 2], [1, 4]])
-    # started 6: 0-2 and 4 trained, 5 pending in the checkpoint, 3 dropped for its lag
-    sound = checks.accounting(trained, steps=2, batch_size=2, pending=[5], started=6, dropped=1)
+    # started 6: 0-2 and 4 trained, 3 and 5 pending in the checkpoint (3 dropped for its
+    # lag: its position went back to be generated again, as the queue does)
+    sound = checks.accounting(trained, steps=2, batch_size=2, pending=[3, 5], started=6)
     assert sound["lost"] == 0 and sound["repeated"] == 0
-    lost = checks.accounting(trained, steps=2, batch_size=2, pending=[5], started=7, dropped=1)
-    assert lost["lost"] == 1
+    lost = checks.accounting(trained, steps=2, batch_size=2, pending=[5], started=6)
+    assert lost["lost"] == 1  # 3 neither trained nor pending
     # a pending group that was already trained would be trained twice on a resume
-    again = checks.accounting(trained, steps=2, batch_size=2, pending=[4, 5], started=6, dropped=1)
+    again = checks.accounting(trained, steps=2, batch_size=2, pending=[3, 4, 5], started=6)
     assert again["repeated"] == 1 and again["lost"] == 0
 
 
@@ -145,7 +146,7 @@ def test_the_plan_walks_every_combination_once_per_round():
     assert len(combos) == 24 == len(MODES) * len(TARGETS) * len(PHASES)
     assert plan(24, seed=3) == trials and plan(24, seed=4) != trials
     assert all(t.target in ("actor0", "actor1", "rollout0", "driver") for t in trials)
-    assert [t.signal for t in trials[:4]] == ["KILL", "TERM", "KILL", "TERM"] == [*SIGNALS] * 2
+    assert [t.signal for t in trials[:6]] == ["KILL", "TERM", "STOP"] * 2 == [*SIGNALS] * 2
     # one run seed per mode (one reference run each), the trial's own seed for its fault
     assert {(t.mode, t.run_seed) for t in trials} == {("one_step_off", 3990), ("fully_async", 3991)}
     assert len({t.seed for t in trials}) == 24
@@ -187,6 +188,10 @@ def test_failures_name_each_failed_check():
     assert failures({**sound, "same_model": None, "exact_expected": True}) == [
         "model differs from its reference's"
     ]
+    # a paused process (SIGSTOP, then SIGCONT) must not stop the run: its first run exits 0
+    paused = {**sound, "signal": "STOP"}
+    assert failures({**paused, "rc1": 0}) == []
+    assert failures({**paused, "rc1": 2}) == ["a paused process stopped the run"]
 
 
 def test_summary_table_has_a_row_per_mode_fault_and_phase():

@@ -45,7 +45,6 @@ def accounting(
     batch_size: int,
     pending: Iterable[int] = (),
     started: int | None = None,
-    dropped: int = 0,
 ) -> dict[str, int]:
     """Prompt groups lost or trained twice over a whole (resumed) run.
 
@@ -54,11 +53,14 @@ def accounting(
     One-step off-policy (``started`` None): steps ``1..steps`` must have trained positions
     ``0 .. steps x batch_size - 1`` once each. Fully async: every position the stream
     started (``started``: the final checkpoint's ``next_group``) was trained once, or is
-    ``pending`` there (to be generated again on a resume: trained once if ever), or was
-    one of the ``dropped`` groups (counted, not named: dropped for lagging).
+    ``pending`` there (to be generated again on a resume: trained once if ever). A group
+    dropped for its lag is not a loss of its own: its position goes back to be generated
+    again first (the queue's ``redo``), so it is trained later or pending (subtracting the
+    steps' ``dropped_samples`` counted such positions twice: a campaign trial whose last
+    step dropped 8 lagging groups, pending in the checkpoint, showed -8 lost).
 
-    Returns ``lost`` (positions neither trained nor pending nor dropped; for fully async
-    a count, negative when more groups are accounted for than started), ``repeated``
+    Returns ``lost`` (positions neither trained nor pending; for fully async a count,
+    negative when more groups are accounted for than started), ``repeated``
     (extra trainings of a position, and pending positions already trained), ``missing_steps``
     and ``extra_steps`` (step numbers absent, or present more than once or past ``steps``).
     """
@@ -68,7 +70,7 @@ def accounting(
     if started is None:
         lost = len(set(range(steps * batch_size)) - counts.keys())
     else:
-        lost = started - dropped - len(counts.keys() | pending)
+        lost = started - len(counts.keys() | pending)
     present = Counter(step for step, _ in trained)
     return {
         "lost": lost,

@@ -257,7 +257,6 @@ def final_checks(trial: Trial, run_dir: Path) -> dict[str, Any]:
         extra = {
             "pending": queue.get("pending", []),
             "started": queue.get("next_group", 0),
-            "dropped": sum(r["dropped_samples"] for r in records) // n,
         }
         mismatched = checks.prompt_mismatches(
             trained, prompts, lambda i: json.dumps(data(i // size)[i % size].prompt)

@@ -288,7 +288,7 @@ def failures(r: dict[str, Any]) -> list[str]:
         and r.get("exact_expected", False)
         and r.get("same_model") is not True,
         "first run did not stop with one line": not r["clean_stop"],
-        "a paused process stopped the run": r["signal"] == "STOP" and r["rc1"] != 0,
+        "a paused process stopped the run": r.get("signal") == "STOP" and r["rc1"] != 0,
         **r.get("special_failures", {}),
     }
     return [name for name, bad in failed.items() if bad]
