@@ -288,6 +288,48 @@ def test_a_dead_workers_groups_go_back_first_and_a_sync_completes_without_it():
     assert out["position"]["pending"] == [0, 1, 2, 3]
 
 
+def test_a_resent_version_is_taken_by_every_member_those_holding_it_too():
+    """A member dies after the others wrote version 1 in (the sync completed without it):
+    the push is sent again, whole, to the re-formed group (``resync``). The survivor, which
+    holds 1, is told to take it again (it receives it again, and a received update must be
+    written in before the next arrives: found by hand, a ``vllm_server`` replacement never
+    told to take the re-send refused the next push), and so is the replacement; the sync
+    completes once both did, and the next push asks each for its version once."""
+
+    async def run() -> dict:
+        queue = _queue(
+            groups_per_step=4, trigger_sync=1, staleness_threshold=0.0, max_version_lag=1,
+            num_workers=2,
+        )  # fmt: skip
+        for worker in (0, 1):
+            await queue.worker_synced(worker, {"version": 0, "digest": None})
+        await queue.request_sync(1)
+        for worker in (0, 1):
+            await queue.worker_synced(worker, {"version": 1, "digest": None})
+        before = await queue.wait_synced(1, 0.05)  # complete: both hold 1
+        await queue.worker_lost(1)
+        await queue.worker_joined(1)  # the replacement, in the re-formed group
+        await queue.resync(1)
+        told = [await queue.next_task(w, may_generate=False) for w in (0, 1)]
+        pending = await queue.wait_synced(1, 0.05)  # neither took it yet
+        await queue.worker_synced(0, {"version": 1, "digest": None})
+        half = await queue.wait_synced(1, 0.05)
+        await queue.worker_synced(1, {"version": 1, "digest": None})
+        done = await queue.wait_synced(1, 0.05)
+        await queue.request_sync(2)
+        await queue.worker_synced(0, {"version": 2, "digest": None})
+        after = await queue.next_task(0, may_generate=False, poll=0.01)
+        return {"before": before, "told": told, "pending": pending, "half": half,
+                "done": done, "after": after}  # fmt: skip
+
+    out = asyncio.run(run())
+    assert out["before"] is not None
+    assert [t["kind"] for t in out["told"]] == ["sync", "sync"]
+    assert [t["version"] for t in out["told"]] == [1, 1]
+    assert out["pending"] is None and out["half"] is None and out["done"] is not None
+    assert out["after"]["kind"] == "wait"  # worker 0 holds 2: nothing to take again
+
+
 def _lagging_queue(strategy: str) -> SampleQueue:
     return _queue(
         groups_per_step=2,

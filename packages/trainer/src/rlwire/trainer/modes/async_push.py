@@ -119,8 +119,8 @@ class Pushes:
         if restoring:  # every worker gone between two pushes: the last one again
             self.version = self.last
             self.calls = [self.queue.request_sync.remote(self.last)]
-        else:
-            self.calls = []
+        else:  # each member takes the re-send, those that wrote the version in already too
+            self.calls = [self.queue.resync.remote(self.version)]
         assert self.version is not None  # the first push precedes any generation
         self.calls += [actor.resend_push.remote(self.version) for actor in job.actors]
         self.calls += self._receives(self.version)

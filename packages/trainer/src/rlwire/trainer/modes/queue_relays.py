@@ -88,12 +88,38 @@ class FleetRelay:
     validation_lost: int | None
     sync_to: int | None
     version: int
+    retake: set[int]
+
+    def _must_sync(self, worker: int) -> bool:
+        """(lock held) Whether ``worker`` is to take the version a sync asks for at its next
+        boundary: it holds another, or it holds that one and must take it again
+        (:meth:`resync`)."""
+        return self.sync_to is not None and (
+            self.worker_versions[worker] != self.sync_to or worker in self.retake
+        )
 
     def _synced_all(self) -> bool:
-        """Every worker present holds the version a sync asked for (and one is present: with
-        every worker gone, the replacements that join take it first)."""
+        """Every worker present holds the version a sync asked for, none still to take it
+        again (and one is present: with every worker gone, the replacements that join take
+        it first)."""
         present = [v for w, v in enumerate(self.worker_versions) if w not in self.absent]
-        return bool(present) and all(v == self.sync_to for v in present)
+        again = self.retake - self.absent
+        return bool(present) and all(v == self.sync_to for v in present) and not again
+
+    async def resync(self, version: int) -> None:
+        """The push of ``version`` is sent again, whole, to the re-formed group (a member
+        died during it, or every member did): every present worker takes it at its next
+        boundary, those that hold it already too (they receive it again, and an update
+        received must be written in before the next: they write the same weights in), and
+        the sync completes once they all did."""
+        async with self.cond:
+            self.sync_to = version
+            self.retake = {
+                w
+                for w, v in enumerate(self.worker_versions)
+                if w not in self.absent and v == version
+            }
+            self.cond.notify_all()
 
     def _complete_sync(self) -> None:
         """(lock held) The sync asked for is complete once every present worker holds it."""
@@ -111,6 +137,7 @@ class FleetRelay:
             self.in_flight -= len(lost)
             self.stale -= len(lost)  # counted again when they are handed out again
             self.absent.add(worker)
+            self.retake.discard(worker)
             self.worker_versions[worker] = -1
             self.sync_info[worker] = {}
             if worker in self.validating or (self.validations and worker not in self.validated):

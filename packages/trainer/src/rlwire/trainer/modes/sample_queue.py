@@ -109,6 +109,7 @@ class SampleQueue(ValidationRelay, FleetRelay):
         self.open: set[int] = set()  # handed out, neither taken for an update nor dropped
         self.assigned: dict[int, set[int]] = {}  # worker -> handed to it, not yet put
         self.absent: set[int] = set()  # dead, or replaced and not yet in the weight group
+        self.retake: set[int] = set()  # hold sync_to, and take its re-send again (resync)
         self.taken_groups: dict[int, list[int]] = {}  # trainer version -> the groups taken
         self.sync_to: int | None = start_version  # workers start by receiving the weights
         self.worker_versions = [-1] * num_workers
@@ -167,11 +168,7 @@ class SampleQueue(ValidationRelay, FleetRelay):
                         return {"kind": "stop"}
                     absent = worker in self.absent  # a replacement not in the weight group
                     sync_to = self.sync_to
-                    if (
-                        sync_to is not None
-                        and self.worker_versions[worker] != sync_to
-                        and not absent
-                    ):
+                    if sync_to is not None and self._must_sync(worker) and not absent:
                         sync = {"kind": "sync", "version": sync_to}
                         if not may_generate or worker in self.validating:
                             return sync
@@ -234,6 +231,7 @@ class SampleQueue(ValidationRelay, FleetRelay):
         and once every worker holds the requested version the sync is complete."""
         async with self.cond:
             self.worker_versions[worker] = info["version"]
+            self.retake.discard(worker)
             self.sync_info[worker] = info
             self.sync_wait_s[worker] += info.get("wait_s", 0.0)
             self._complete_sync()
@@ -243,9 +241,7 @@ class SampleQueue(ValidationRelay, FleetRelay):
         """Partial rollouts, between two token chunks: the version ``worker`` must receive
         now, or None when no sync waits for it."""
         async with self.cond:
-            if self.sync_to is None or self.worker_versions[worker] == self.sync_to:
-                return None
-            return self.sync_to
+            return self.sync_to if self._must_sync(worker) else None
 
     # --- the trainer's side ----------------------------------------------------------------
     def _drop_lagging(self, trainer_version: int) -> int:
@@ -331,7 +327,7 @@ class SampleQueue(ValidationRelay, FleetRelay):
         restarts here: everything not yet trained was generated with older weights, and
         every group a worker starts from now on is generated with these."""
         async with self.cond:
-            self.sync_to = version
+            self.sync_to, self.retake = version, set()
             self._drop_lagging(version)
             self.taken = {v: c for v, c in self.taken.items() if v >= version}
             self.stale = len(self.queue) + self.in_flight + sum(self.taken.values())
