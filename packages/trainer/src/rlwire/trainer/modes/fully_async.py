@@ -219,6 +219,7 @@ def run_fully_async(job: Job, bar) -> None:
         # makes Ray end the process (found: a test session ended mid-run with no output).
         pushes.drop()
         watch.heal = None
+        watch.loops = []
 
 
 class _Refill:

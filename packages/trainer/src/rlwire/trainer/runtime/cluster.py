@@ -96,8 +96,18 @@ def stop_ray() -> None:
     The embedded cluster (``ray.init`` without an address) starts Ray's autoscaler
     monitor, which has nothing to scale here and takes a second to exit on SIGTERM before
     Ray kills it; killing it first saves that second of every run. Ray's own bookkeeping
-    of the process is private: if it moved, this is a plain ``ray.shutdown()``."""
+    of the process is private: if it moved, this is a plain ``ray.shutdown()``.
+
+    Reference cycles are collected first, while Ray is up: an object reference in one
+    (a closure of the run's, an exception's traceback) collected after the shutdown, by
+    Ray's own GC thread, makes Ray end the process with exit status 1 ("The core worker has
+    already been shutdown"; found by hand: a fully-async ``vllm_server`` run that healed a
+    worker trained every step, exported, and exited 1)."""
+    import gc
+
     import ray
+
+    gc.collect()
 
     node = getattr(getattr(ray, "_private", None), "worker", None)
     node = getattr(node, "_global_node", None)
