@@ -167,6 +167,8 @@ class Fleet:
         """The worker that generates each of ``shares`` (one per rollout worker, by index):
         its own, or, for a worker still joining, the workers in service in turn."""
         present = self.present
+        if not present:  # (a sync waits for the replacements first: not reached)
+            return list(range(shares))
         absent = [i for i in range(shares) if i not in present]
         return [
             i if i in present else present[absent.index(i) % len(present)] for i in range(shares)
