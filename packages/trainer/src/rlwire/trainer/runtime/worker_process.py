@@ -62,11 +62,11 @@ def _exit_on_sigterm() -> None:
     (its ``__init__``); outside a Ray actor (a test or a tool building the class itself)
     nothing is set."""
     import signal
+    import sys
     import threading
 
-    import ray
-
-    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+    ray = sys.modules.get("ray")  # an actor's process has imported it (the device check has not)
+    if ray is None or not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
         return
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
