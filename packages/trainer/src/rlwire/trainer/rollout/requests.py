@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -332,14 +333,13 @@ def _begin(future: concurrent.futures.Future) -> bool:
 
 def _settle(future: concurrent.futures.Future, outcome: Any) -> None:
     """Answer ``future`` with ``outcome`` (an error is raised to its waiter) unless
-    :meth:`EngineCore.fail` answered it already."""
-    try:
+    :meth:`EngineCore.fail` answered it already (the engine is gone: this answer, which
+    came after, is dropped)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
         if isinstance(outcome, BaseException):
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
-    except concurrent.futures.InvalidStateError:
-        pass  # failed meanwhile: the engine is gone
 
 
 def wait_all(futures: list[concurrent.futures.Future], timeout: float, what: str) -> list:
