@@ -14,6 +14,7 @@ the receivers. Scenarios:
   corrupt    checksum=True; receiver 1 flips one byte of the first bucket it gets
   delta      delta="on", five versions with sparse changes (make_delta_state); receivers
              hold their weights and pass base_version, applying what arrives
+  delta-zstd delta with compress="zstd"
   delta-missed
              delta, but receiver 2 drops update 3 (as a failed apply would): update 4
              must come dense to everyone, update 5 as a delta again
@@ -133,6 +134,8 @@ def _engine(backend: str, scenario: str, rank: int, rendezvous: str):
     }
     if scenario.startswith("delta"):
         options["delta"] = "on"
+    if scenario == "delta-zstd":
+        options["compress"] = "zstd"
     if backend == "filesystem":
         options["root"] = os.path.join(rendezvous, "weights")
     if backend == "broadcast-cpu":  # the nccl/hccl engine's code, on the CPU over gloo

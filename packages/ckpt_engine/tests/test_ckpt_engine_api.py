@@ -713,9 +713,11 @@ def test_delta_mode_is_checked_and_offered_only_by_backends_that_can():
     "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8]
 )
 @pytest.mark.parametrize(
-    ("n", "share", "fmt"), [(333, 0.01, "idx"), (4001, 0.2, "bits"), (64, 1.0, None)]
+    ("n", "share", "fmt"),
+    [(333, 0.01, "gaps1"), (70_001, 0.004, "gaps2"), (4001, 0.2, "bits"), (64, 1.0, None)],
 )
 def test_delta_encoding_is_the_smallest_form_and_round_trips(dtype, n, share, fmt):
+    from rlwire.ckpt_engine import _positions
     from rlwire.ckpt_engine._delta import _diff_cpu, _diff_torch, decode, encode
 
     g = torch.Generator().manual_seed(n)
@@ -745,13 +747,71 @@ def test_delta_encoding_is_the_smallest_form_and_round_trips(dtype, n, share, fm
         assert got_fmt is None and payload is new
         return
     size = new.element_size()
-    head = k * 4 if fmt == "idx" else -(-n // 8)
+    changed_at = torch.ne(new.view(words), base.view(words)).nonzero().view(-1).tolist()
+    gaps = [b - a - 1 for a, b in zip([-1, *changed_at], changed_at, strict=False)]
+
+    def al(x: int) -> int:
+        return -(-x // 8) * 8
+
+    # a gap that does not fit its width (>= 255, >= 65535) follows in full as uint32
+    e1, e2 = (sum(g >= limit for g in gaps) for limit in (255, 65535))
+    sizes = {"gaps1": al(k) + al(4 * e1), "gaps2": al(2 * k) + al(4 * e2)}
+    head = sizes.get(fmt, -(-n // 8))
+    if fmt is not None and fmt != "bits":  # the smaller gap width is the one chosen
+        assert sizes[fmt] == min(sizes.values())
     assert (got_fmt, payload.numel()) == (fmt, -(-head // 8) * 8 + k * size)
     target = base.clone()
     decode(got_fmt, changed, (n,), dtype, payload).apply_(target)
     assert torch.equal(target.view(words), new.view(words))
-    with pytest.raises(CheckpointEngineError, match=r"^delta for \(333,\)|^delta for \(4001,\)"):
+    if fmt == "bits":  # the bitmask, little-endian, as the accelerators' path writes it
+        weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int64)
+        bits = torch.zeros(-(-n // 8) * 8, dtype=torch.int64)
+        bits[changed_at] = 1
+        packed = (bits.view(-1, 8) * weights).sum(1).to(torch.uint8)[: -(-n // 8)]
+        assert torch.equal(payload[: -(-n // 8)], packed)
+        assert torch.equal(_positions.pack_bits(torch.tensor(changed_at), n), packed)
+    # Compressed: zstd where it is smaller, the same delta after decoding.
+    mirror = base.clone()
+    zfmt, _, frame = encode(new, mirror, compress="zstd")
+    if zfmt is not None and zfmt.endswith(".zst"):
+        assert frame.numel() < payload.numel()
+    target = base.clone()
+    decode(zfmt, changed, (n,), dtype, frame).apply_(target)
+    assert torch.equal(target.view(words), new.view(words))
+    with pytest.raises(CheckpointEngineError, match=rf"^delta for \({n},\) "):
         decode(got_fmt, changed, (n,), dtype, payload).apply_(torch.empty(n + 1, dtype=dtype))
+
+
+def test_delta_payload_that_does_not_fit_its_metadata_is_refused():
+    """A payload whose positions or size disagree with its metadata is refused with one
+    error naming the problem, before anything is applied."""
+    from rlwire.ckpt_engine._delta import decode, encode
+
+    base = torch.zeros(2000, dtype=torch.bfloat16)
+    new = base.clone()
+    new[[3, 130, 999, *range(1000, 1200, 10)]] = 1.0
+    fmt, k, payload = encode(new, base.clone())
+    assert (fmt, k) == ("gaps1", 23)
+    assert payload[:5].tolist() == [3, 126, 255, 0, 9]  # 868 does not fit a byte: escaped
+    assert payload[24:28].view(torch.int32).item() == 868  # after the 23 gaps, aligned
+    cases = {
+        "unknown delta format 'idx'": ("idx", 23, payload),
+        "but 24 gaps of 1 bytes": ("gaps1", 24, payload),
+        "outside a tensor of 1100 elements": ("gaps1", 23, payload, (1100,)),
+        "not a zstd frame": ("gaps1.zst", 23, payload),
+        "delta of 2001 changes in a tensor of 2000": ("gaps1", 2001, payload),
+        "an escaped gap that fits its width": ("gaps1", 23, _with(payload, 25, 0)),
+        "with 3 escaped take 40": ("gaps1", 23, _with(_with(payload, 4, 255), 5, 255)),
+    }
+    for message, (f, changed, data, *shape) in cases.items():
+        with pytest.raises(CheckpointEngineError, match=message):
+            decode(f, changed, shape[0] if shape else (2000,), torch.bfloat16, data)
+
+
+def _with(payload: torch.Tensor, at: int, value: int) -> torch.Tensor:
+    out = payload.clone()
+    out[at] = value
+    return out
 
 
 def test_apply_to_module_takes_deltas_atomically_through_shm_in_one_process():

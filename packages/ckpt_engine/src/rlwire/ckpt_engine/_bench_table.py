@@ -28,7 +28,8 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         versus = f"{r['speedup_vs_dense']:.2f}x" if "changed" in r else ""
         print(
             f"| {r['backend']} | {r['shapes']} | {r['bytes'] / 2**30:.2f} | {changed} "
-            f"| {r['wire_bytes'] / 1e6:.1f} | {r['seconds']:.3f} | {r['gbps']:.2f} "
+            f"| {r['wire_bytes'] / 1e6:.1f} ({100 * r['wire_bytes'] / r['bytes']:.2f}%) "
+            f"| {r['seconds']:.3f} | {r['gbps']:.2f} "
             f"| {r['copy_seconds']:.3f} | {r['ratio_to_copy']:.2f} | {versus} "
             f"| {r['overlap']:.2f} | {r['peak_extra_buckets']:.2f} "
             f"| {'yes' if r['bit_identical'] else 'NO'} |"

@@ -27,6 +27,11 @@ from ._wire import (
 __all__ = ["BucketedEngine"]
 
 
+DELTA_FLUSH = 8
+"""A delta bucket is sent once it stands for this share of a bucket of model bytes
+(its payload is far smaller), so that receivers apply while the sender compares."""
+
+
 class BucketedEngine(CheckpointEngine):
     """A backend that moves fixed-size byte buckets through two reusable slots.
 
@@ -114,11 +119,13 @@ class BucketedEngine(CheckpointEngine):
         used = 0
         slot = self._seq % 2  # bucket seq always lives in slot seq % 2, on every member
         nbytes = wire = tensors = buckets = changed = elements = 0
+        covered = 0  # model bytes a delta bucket stands for
         packing = 0.0
         await self._acquire(slot, self._seq)
 
         async def flush(last: bool) -> None:
-            nonlocal entries, used, slot, buckets
+            nonlocal entries, used, slot, buckets, covered
+            covered = 0
             buf = self.slots[slot]
             crc = checksum(buf[:used]) if self.checksum else None
             meta = BucketMeta(self._seq, version, used, last, entries, crc, base)
@@ -162,6 +169,10 @@ class BucketedEngine(CheckpointEngine):
                     info = (fmt, k, payload.numel())
                     wire += payload.numel()
                     await pack(payload, Entry(name, dname, shape, 0, 0, 0, None, info))
+                    covered += src.numel()
+                    if covered >= self.bucket_size // DELTA_FLUSH:
+                        # receivers apply this part while the rest is compared
+                        await flush(last=False)
                     continue
             elif self.delta.enabled:
                 self.delta.remember(name, tensor)

@@ -5,11 +5,15 @@ buffer on the sender's device) and compares each new tensor with it bit for
 bit (as integers of the element's width, so NaNs, signed zeros and every dtype
 compare exactly). Each tensor then travels in the smallest of three forms:
 
-- ``idx``: the changed positions (``int32``, or ``int64`` past 2**31 elements)
-  and their new values: ``k * (4 + itemsize)`` bytes for ``k`` changes;
-- ``bits``: a bitmask of the changed positions and their new values:
-  ``ceil(n / 8) + k * itemsize`` bytes (smaller above about 3% changed);
+- ``gaps1``/``gaps2``: the changed positions as gaps of 1 or 2 bytes
+  (``_positions``: about 1.3 bytes per change at 1% changed) and their new values;
+- ``bits``: a bitmask of the changed positions (``ceil(n / 8)`` bytes, smaller
+  above about 12% changed) and their new values;
 - dense: the whole tensor, when neither is smaller.
+
+The values follow the positions at an 8-byte aligned offset, so they are the
+payload's last ``k * itemsize`` bytes. With ``compress="zstd"`` a payload that
+zstd makes smaller travels compressed (its format ends in ``.zst``).
 
 A delta is computed from, and applied onto, one exact version (the *base*);
 the engine sends a delta update only when every receiver says it holds that
@@ -20,13 +24,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from types import ModuleType
 
 import torch
 
+from . import _positions
 from ._errors import CheckpointEngineError
+from ._positions import _numpy, align, check_compress
 
-__all__ = ["DELTA_MODES", "Delta", "DeltaMirror", "check_delta_mode", "decode", "encode"]
+__all__ = [
+    "DELTA_MODES",
+    "ZST",
+    "Delta",
+    "DeltaMirror",
+    "check_delta_mode",
+    "decode",
+    "encode",
+]
 
 DELTA_MODES = ("off", "auto", "on")
 AUTO_GIVE_UP = 0.5
@@ -36,8 +49,9 @@ than the last dense update (finding the changes reads the weights twice over, so
 where the link is as fast as memory, shared memory on one host, dense wins)."""
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+ZST = ".zst"
+"""The suffix of a compressed delta's format."""
 _BLOCK = 1 << 20  # elements compared per step on the CPU: the mask stays in cache
-_ALIGN = 8
 
 
 def check_delta_mode(mode: object) -> str:
@@ -47,17 +61,6 @@ def check_delta_mode(mode: object) -> str:
     if mode != "off":
         _numpy()  # needed on the CPU by every member: say so when the engine is built
     return mode
-
-
-def _numpy() -> ModuleType:
-    try:
-        import numpy
-    except ImportError as err:
-        raise ImportError(
-            "delta updates need numpy (finding changed elements on the CPU): "
-            "pip install 'rlwire-ckpt-engine[delta]'"
-        ) from err
-    return numpy
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -70,31 +73,41 @@ def _words(tensor: torch.Tensor) -> torch.Tensor | None:
     return flat.view(word)
 
 
-def _round_up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
 def _diff_cpu(cur: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Changed positions (int64) and values of ``cur`` against ``prev``; ``prev`` becomes ``cur``.
 
-    Block by block so that the mask stays in cache; numpy, because its
+    Block by block so that the masks stay in cache; numpy, because its
     ``flatnonzero`` is several times faster than torch's ``nonzero`` on the CPU.
+    Narrow elements are compared 8 bytes at a time first (a quarter of the mask
+    for bf16), then only the words that differ element by element. One thread:
+    the comparison reads the weights and the mirror, and a second thread on
+    this machine's memory made it slower, not faster.
     """
     np = _numpy()
     c, p = cur.numpy(), prev.numpy()
-    mask = np.empty(min(_BLOCK, c.size), dtype=bool)
-    positions, values = [], []
-    for start in range(0, c.size, _BLOCK):
+    per = 8 // c.itemsize
+    body = c.size - c.size % per if per > 1 else 0
+    found = []
+    if body:
+        cw, pw = c[:body].view(np.int64), p[:body].view(np.int64)
+        for start in range(0, cw.size, _BLOCK // per):
+            cb, pb = cw[start : start + _BLOCK // per], pw[start : start + _BLOCK // per]
+            words = np.flatnonzero(np.not_equal(cb, pb))
+            new = cb[words]
+            inside = np.flatnonzero(np.not_equal(new.view(c.dtype), pb[words].view(c.dtype)))
+            pb[words] = new
+            at = (words[inside // per] + start) * per + inside % per
+            found.append((at, new.view(c.dtype)[inside]))
+    for start in range(body, c.size, _BLOCK):
         cb, pb = c[start : start + _BLOCK], p[start : start + _BLOCK]
-        changed = np.flatnonzero(np.not_equal(cb, pb, out=mask[: cb.size]))
-        if changed.size:
-            v = cb[changed]
-            pb[changed] = v
-            positions.append(changed + start)
-            values.append(v)
-    if not positions:
+        changed = np.flatnonzero(np.not_equal(cb, pb))
+        new = cb[changed]
+        pb[changed] = new
+        found.append((changed + start, new))
+    if not found:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=cur.dtype)
-    return torch.from_numpy(np.concatenate(positions)), torch.from_numpy(np.concatenate(values))
+    positions = np.concatenate([f[0] for f in found])
+    return torch.from_numpy(positions), torch.from_numpy(np.concatenate([f[1] for f in found]))
 
 
 def _diff_torch(cur: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,37 +118,17 @@ def _diff_torch(cur: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, to
     return positions, values
 
 
-def _pack_bits(positions: torch.Tensor, n: int) -> torch.Tensor:
-    """A little-endian bitmask (``uint8``, ``ceil(n / 8)`` bytes) with ``positions`` set."""
-    if positions.device.type == "cpu":
-        np = _numpy()
-        mask = np.zeros(n, dtype=bool)
-        mask[positions.numpy()] = True
-        return torch.from_numpy(np.packbits(mask, bitorder="little"))
-    mask = torch.zeros(_round_up(n), dtype=torch.uint8, device=positions.device)
-    mask[positions] = 1
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
-    return (mask.view(-1, 8) * weights).sum(1, dtype=torch.uint8)[: -(-n // 8)]
-
-
-def _unpack_bits(mask: torch.Tensor, n: int) -> torch.Tensor:
-    """The positions set in a bitmask made by :func:`_pack_bits` (``int64``)."""
-    if mask.device.type == "cpu":
-        np = _numpy()
-        bits = np.unpackbits(mask.numpy(), count=n, bitorder="little")
-        return torch.from_numpy(np.flatnonzero(bits))
-    shifts = torch.arange(8, dtype=torch.uint8, device=mask.device)
-    bits = (mask.unsqueeze(1) >> shifts) & 1
-    return bits.view(-1)[:n].nonzero().view(-1)
-
-
-def encode(cur: torch.Tensor, prev: torch.Tensor) -> tuple[str | None, int, torch.Tensor]:
+def encode(
+    cur: torch.Tensor, prev: torch.Tensor, *, compress: str = "off"
+) -> tuple[str | None, int, torch.Tensor]:
     """The smallest delta form of ``cur`` against ``prev``, which is brought up to ``cur``.
 
     Args:
         cur: the tensor to send, contiguous.
         prev: the mirror's copy of what was last sent under that name (same
             shape, dtype and device); updated in place.
+        compress: ``"zstd"`` compresses the payload where that makes it smaller
+            (its format then ends in ``.zst``).
 
     Returns:
         ``(format, changed elements, payload)`` with a ``uint8`` payload; format
@@ -151,20 +144,25 @@ def encode(cur: torch.Tensor, prev: torch.Tensor) -> tuple[str | None, int, torc
     diff = _diff_cpu if cur.device.type == "cpu" else _diff_torch
     positions, values = diff(cw, pw)
     n, k, size = cw.numel(), positions.numel(), cw.element_size()
-    index = torch.int32 if n < 2**31 else torch.int64
-    idx_head = k * torch.empty(0, dtype=index).element_size()
-    bits_head = -(-n // 8)
-    dense = n * size
-    fmt, head = ("idx", idx_head) if idx_head <= bits_head else ("bits", bits_head)
-    total = _round_up(head) + k * size
-    if total >= dense:
-        return None, k, cur
-    payload = torch.empty(total, dtype=torch.uint8, device=cur.device)
-    if fmt == "idx":
-        payload[:head].view(index).copy_(positions)
+    gaps = _positions.gaps_form(positions, n)
+    bits_head = _positions.bits_nbytes(n)
+    if gaps.nbytes <= bits_head:
+        fmt, head = f"gaps{gaps.width}", gaps.nbytes
     else:
-        payload[:head].copy_(_pack_bits(positions, n))
-    payload[_round_up(head) :].view(cw.dtype).copy_(values)
+        fmt, head = "bits", bits_head
+    total = align(head) + k * size
+    if total >= n * size:
+        return None, k, cur
+    payload = torch.zeros(total, dtype=torch.uint8, device=cur.device)
+    if fmt != "bits":
+        gaps.pack(payload[:head])
+    else:
+        payload[:head].copy_(_positions.pack_bits(positions, n))
+    payload[align(head) :].view(cw.dtype).copy_(values)
+    if compress == "zstd" and k:
+        frame = _positions.compress(payload)
+        if frame.numel() < total:
+            return fmt + ZST, k, frame
     return fmt, k, payload
 
 
@@ -225,34 +223,36 @@ def decode(
     n = 1
     for s in shape:
         n *= s
+    device = payload.device
     if changed == 0 and payload.numel() == 0:  # unchanged (its empty chunk may be unaligned)
-        device = payload.device
         return Delta(
             tuple(shape),
             dtype,
             torch.empty(0, dtype=torch.int64, device=device),
             torch.empty(0, dtype=word, device=device),
         )
-    if fmt == "idx":
-        index = torch.int32 if n < 2**31 else torch.int64
-        head = changed * torch.empty(0, dtype=index).element_size()
-        positions = payload[:head].view(index).long()
-    elif fmt == "bits":
-        head = -(-n // 8)
-        positions = _unpack_bits(payload[:head], n)
-    else:
+    form = fmt.removesuffix(ZST)
+    if form not in ("gaps1", "gaps2", "bits"):
         raise CheckpointEngineError(f"unknown delta format {fmt!r} in bucket metadata")
-    values = payload[_round_up(head) : _round_up(head) + changed * itemsize].view(word)
-    if positions.numel() != changed or values.numel() != changed:
+    if not 0 <= changed <= n:
+        raise CheckpointEngineError(f"delta of {changed} changes in a tensor of {n} elements")
+    if fmt.endswith(ZST):  # at most the largest form a delta is sent in (else it went dense)
+        payload = _positions.decompress(payload, n * itemsize)
+    head = payload.numel() - changed * itemsize  # the values are the payload's tail
+    if head < 0 or (form == "bits" and head != align(_positions.bits_nbytes(n))):
         raise CheckpointEngineError(
-            f"delta payload holds {positions.numel()} positions and {values.numel()} values, "
-            f"metadata says {changed}"
+            f"delta payload of {payload.numel()} bytes cannot hold {changed} {form} changes "
+            f"of a tensor of {n} elements"
         )
-    if changed and not (int(positions[0]) >= 0 and int(positions[-1]) < n):  # ascending
-        raise CheckpointEngineError(
-            f"delta positions {int(positions[0])}..{int(positions[-1])} are outside a tensor "
-            f"of {n} elements"
-        )
+    if form != "bits":
+        positions = _positions.unpack_gaps(payload[:head], int(form[-1]), changed, n)
+    else:
+        positions = _positions.unpack_bits(payload[: _positions.bits_nbytes(n)], n)
+        if positions.numel() != changed:
+            raise CheckpointEngineError(
+                f"delta bitmask sets {positions.numel()} positions, metadata says {changed}"
+            )
+    values = payload[head:].view(word)
     return Delta(tuple(shape), dtype, positions, values)
 
 
@@ -263,8 +263,9 @@ class DeltaMirror:
     on the tensors' device, allocated on the first update.
     """
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, *, compress: str = "off") -> None:
         self.mode = check_delta_mode(mode)
+        self.compress = check_compress(compress)
         self.tensors: dict[str, torch.Tensor] = {}
         self.version: int | None = None
         self._dense_seconds: float | None = None  # the last dense update's
@@ -299,7 +300,7 @@ class DeltaMirror:
         if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
             self.remember(name, tensor)
             return None, tensor.numel(), tensor
-        return encode(tensor, kept)
+        return encode(tensor, kept, compress=self.compress)
 
     def finish(
         self, version: int, *, wire: int, dense: int, seconds: float, was_delta: bool

@@ -27,7 +27,8 @@ views, so that is its only copy) or applies the delta onto it. Per row:
 ``--delta`` adds, per ``--changed`` fraction, a row with ``delta="on"`` in which
 that fraction of every tensor's elements changes between updates (the lowest
 bit flips at random positions: a small optimizer step on bf16), with
-``dense_seconds`` from the dense row of the same run. Each row ends by
+``dense_seconds`` from the dense row of the same run; ``--compress`` adds each
+delta row again with ``compress="zstd"``. Each row ends by
 checking every receiver's destination against the sender's weights (CRC-32).
 ``--lora-rank R`` adds, after each layout, its rank-``R`` LoRA adapter on every
 linear layer (``_shapes.lora_layout``: what an adapter-only sync sends) and prints
@@ -119,11 +120,13 @@ class _PeakSampler:
 
 
 def _options(
-    args: argparse.Namespace, backend: str, delta: bool, master: bool, root: str
+    args: argparse.Namespace, row: dict[str, Any], master: bool, root: str
 ) -> dict[str, Any]:
+    backend = row["backend"]
     options = {"bucket_size": args.bucket_size, "timeout": args.timeout, "is_master": master}
-    if delta:
+    if row["delta"]:
         options["delta"] = "on"
+        options["compress"] = row.get("compress", "off")
     if backend == "filesystem":
         options["root"] = root
     return options
@@ -143,9 +146,7 @@ def _receiver(
     device = _device(row["backend"], rank)
     dest = _allocate(layout, device)  # touched (zeroed): part of the baseline
     baseline = _private_bytes()
-    engine = registry.new(
-        row["backend"], **_options(args, row["backend"], row["delta"], False, root)
-    )
+    engine = registry.new(row["backend"], **_options(args, row, False, root))
     engine.prepare()
     meta = meta_q.get(timeout=args.timeout)
     engine.init_process_group(rank=rank, world_size=args.receivers + 1, master_metadata=meta)
@@ -227,9 +228,7 @@ def _run_row(
     ]
     for p in procs:
         p.start()
-    engine = registry.new(
-        row["backend"], **_options(args, row["backend"], row["delta"], True, root)
-    )
+    engine = registry.new(row["backend"], **_options(args, row, True, root))
     meta = engine.prepare()
     for _ in procs:
         meta_q.put(meta)
@@ -326,6 +325,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--share", action="store_true", help="shm: zero-copy (share_weights)")
     parser.add_argument("--delta", action="store_true", help="add delta rows (--changed)")
     parser.add_argument("--changed", type=_floats, default=[0.01], help="changed fractions")
+    parser.add_argument(
+        "--compress", action="store_true", help="add each delta row again with compress='zstd'"
+    )
     parser.add_argument("--lora-rank", type=int, default=0, help="add the LoRA adapter's rows")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args(argv)
@@ -348,13 +350,17 @@ def main(argv: list[str] | None = None) -> None:
             plans = [dict(backend=backend, delta=False, changed=None, share=args.share)]
             if args.delta:
                 plans += [
-                    dict(backend=backend, delta=True, changed=c, share=False) for c in args.changed
+                    dict(backend=backend, delta=True, changed=c, share=False, compress=z)
+                    for c in args.changed
+                    for z in ("off", *(["zstd"] if args.compress else []))
                 ]
             dense_s = None
             for plan in plans:
                 result = _run_row(args, plan, layout, {n: t.clone() for n, t in weights.items()})
+                tag = " (zero-copy)" if plan["share"] else ""
+                tag += " +zstd" if plan.get("compress") == "zstd" else ""
                 row = {
-                    "backend": backend + (" (zero-copy)" if plan["share"] else ""),
+                    "backend": backend + tag,
                     "shapes": label,
                     "tensors": len(layout),
                     "receivers": args.receivers,
