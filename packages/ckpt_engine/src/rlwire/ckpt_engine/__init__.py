@@ -13,6 +13,7 @@ from ._apply import StagedUpdate, apply_to_module, stage_update
 from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
 from ._delta import DELTA_MODES, Delta
 from ._errors import CheckpointEngineAborted, CheckpointEngineError, CheckpointEngineTimeout
+from ._fp8 import FP8_BLOCK, dequantize_fp8_blocks, fp8_weights, quantize_fp8_blocks
 from ._registry import (
     BackendCapabilities,
     CheckpointEngineRegistry,
@@ -26,6 +27,7 @@ from ._store import bound_store
 __all__ = [
     "DEFAULT_BUCKET_SIZE",
     "DELTA_MODES",
+    "FP8_BLOCK",
     "BackendCapabilities",
     "DEFAULT_TIMEOUT_S",
     "StagedUpdate",
@@ -40,9 +42,12 @@ __all__ = [
     "apply_to_module",
     "backend_for_device",
     "bound_store",
+    "dequantize_fp8_blocks",
+    "fp8_weights",
     "parse_bucket_size",
     "registry",
     "process_running",
+    "quantize_fp8_blocks",
     "remove_segments",
     "stage_update",
 ]
