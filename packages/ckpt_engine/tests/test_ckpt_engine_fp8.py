@@ -41,7 +41,7 @@ def _reference(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
 def test_fp8_block_quantization_is_exact_against_the_receivers(dtype, shape, block):
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(shape, generator=g) * 0.02).to(dtype)
-    weight[:block[0], :block[1]] = 0  # an all-zero block keeps a finite scale
+    weight[: block[0], : block[1]] = 0  # an all-zero block keeps a finite scale
     weight[-1, -1] = 3.0  # an outlier in the last, partial block
     q, scale = quantize_fp8_blocks(weight, block)
     ref_q, ref_scale = _reference(weight, block)

@@ -25,7 +25,7 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         changed = f"{r['changed']:g}" if "changed" in r else "dense"
-        versus = f"{r['speedup_vs_dense']:.2f}x" if "changed" in r else ""
+        versus = f"{r['speedup_vs_dense']:.2f}x" if "speedup_vs_dense" in r else ""
         print(
             f"| {r['backend']} | {r['shapes']} | {r['bytes'] / 2**30:.2f} | {changed} "
             f"| {r['wire_bytes'] / 1e6:.1f} ({100 * r['wire_bytes'] / r['bytes']:.2f}%) "

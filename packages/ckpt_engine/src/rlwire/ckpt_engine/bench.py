@@ -28,7 +28,11 @@ views, so that is its only copy) or applies the delta onto it. Per row:
 that fraction of every tensor's elements changes between updates (the lowest
 bit flips at random positions: a small optimizer step on bf16), with
 ``dense_seconds`` from the dense row of the same run; ``--compress`` adds each
-delta row again with ``compress="zstd"``. Each row ends by
+delta row again with ``compress="zstd"``. ``--fp8`` adds the dense row (and with
+``--delta`` the delta rows) again with the weights quantized on the sender in every
+update (:func:`~rlwire.ckpt_engine.fp8_weights`: each linear layer's weight as
+``float8_e4m3fn`` with its 128 x 128 block scales); its bytes and ``vs dense`` are
+against the bf16 dense row, and its receivers hold the fp8 checkpoint's tensors. Each row ends by
 checking every receiver's destination against the sender's weights (CRC-32).
 ``--lora-rank R`` adds, after each layout, its rank-``R`` LoRA adapter on every
 linear layer (``_shapes.lora_layout``: what an adapter-only sync sends) and prints
@@ -55,10 +59,11 @@ import torch
 from ._base import TransferStats
 from ._bench_table import print_adapter_ratios, print_table
 from ._delta import Delta, _words
+from ._fp8 import FP8_BLOCK, fp8_weights, quantized_by_default
 from ._registry import registry
 from ._shapes import Layout, lora_layout, nbytes, scaled, shapes_by_name
 from ._sizes import parse_bucket_size
-from ._wire import as_bytes, checksum
+from ._wire import aiter_weights, as_bytes, checksum
 from .backends._shm import ShmEngine
 
 _CUDA_BACKENDS = ("cuda_ipc", "nccl")
@@ -221,7 +226,16 @@ def _run_row(
     procs = [
         ctx.Process(
             target=_receiver,
-            args=(r, args, row, layout, root, meta_q, cmd_qs[r - 1], done_q),
+            args=(
+                r,
+                args,
+                row,
+                fp8_layout(layout) if row.get("fp8") else layout,
+                root,
+                meta_q,
+                cmd_qs[r - 1],
+                done_q,
+            ),
             daemon=True,
         )
         for r in range(1, args.receivers + 1)
@@ -239,13 +253,16 @@ def _run_row(
     gen = torch.Generator().manual_seed(0)
     items = list(weights.items())
 
+    def sent() -> Any:  # fp8: quantized on the sender in every (timed) update
+        return fp8_weights(items) if row.get("fp8") else items
+
     async def update(version: int, command: str) -> tuple[float, TransferStats, list[Any]]:
         if row["delta"] and version > 0:
             _change(weights, row["changed"], gen)  # between updates, not timed
         for q in cmd_qs:
             q.put(command)
         start = time.monotonic()
-        stats = await engine.send_weights(items, version=version)
+        stats = await engine.send_weights(sent(), version=version)
         answers = [done_q.get(timeout=args.timeout) for _ in procs]
         return max(a[1] for a in answers) - start, stats, answers
 
@@ -256,7 +273,7 @@ def _run_row(
         for q in cmd_qs:
             q.put("crc")
         crcs = {done_q.get(timeout=args.timeout)[1] for _ in procs}
-        identical = crcs == {_crc(weights)}
+        identical = crcs == {_crc(dict(await _materialize(sent())))}
         transfer, _, _ = await update(args.updates + 2, "consume")
         middle = sorted(timed, key=lambda t: t[0])[len(timed) // 2]
         seconds, stats, answers = middle
@@ -285,6 +302,27 @@ def _run_row(
                 p.kill()
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+async def _materialize(items: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(name, t) async for name, t in aiter_weights(items)]
+
+
+def fp8_layout(layout: Layout) -> Layout:
+    """What the receivers of an fp8 row hold: ``layout`` as :func:`fp8_weights` sends it."""
+    meta = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, shape, dtype in layout]
+    out: Layout = []
+    for name, t in meta:
+        if quantized_by_default(name, t):
+            rows, cols = t.shape
+            blocks = (-(-rows // FP8_BLOCK[0]), -(-cols // FP8_BLOCK[1]))
+            out += [
+                (name, t.shape, torch.float8_e4m3fn),
+                (f"{name}_scale_inv", blocks, torch.float32),
+            ]
+        else:
+            out.append((name, t.shape, t.dtype))
+    return out
 
 
 def _layouts(args: argparse.Namespace) -> list[tuple[str, Layout]]:
@@ -328,6 +366,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compress", action="store_true", help="add each delta row again with compress='zstd'"
     )
+    parser.add_argument(
+        "--fp8", action="store_true", help="add rows sending fp8 (quantized on the sender)"
+    )
     parser.add_argument("--lora-rank", type=int, default=0, help="add the LoRA adapter's rows")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
     args = parser.parse_args(argv)
@@ -354,10 +395,17 @@ def main(argv: list[str] | None = None) -> None:
                     for c in args.changed
                     for z in ("off", *(["zstd"] if args.compress else []))
                 ]
+            if args.fp8:
+                plans += [dict(backend=backend, delta=False, changed=None, share=False, fp8=True)]
+                plans += [
+                    dict(backend=backend, delta=True, changed=c, share=False, fp8=True)
+                    for c in (args.changed if args.delta else [])
+                ]
             dense_s = None
             for plan in plans:
                 result = _run_row(args, plan, layout, {n: t.clone() for n, t in weights.items()})
                 tag = " (zero-copy)" if plan["share"] else ""
+                tag += " fp8" if plan.get("fp8") else ""
                 tag += " +zstd" if plan.get("compress") == "zstd" else ""
                 row = {
                     "backend": backend + tag,
@@ -373,11 +421,9 @@ def main(argv: list[str] | None = None) -> None:
                     "peak_extra_buckets": result["peak_extra"] / bucket,
                 }
                 if plan["delta"]:
-                    row.update(
-                        changed=plan["changed"],
-                        dense_seconds=dense_s,
-                        speedup_vs_dense=dense_s / result["seconds"],
-                    )
+                    row["changed"] = plan["changed"]
+                if plan["delta"] or plan.get("fp8"):  # against the bf16 dense row
+                    row.update(dense_seconds=dense_s, speedup_vs_dense=dense_s / result["seconds"])
                 else:
                     dense_s = result["seconds"]
                 rows.append(row)
