@@ -248,6 +248,12 @@ def test_three_versions_reach_vllm_LLM_bit_exact(transfers, backend):
     else:  # 2% of the elements changed: a delta onto the version vLLM holds
         assert [u["base"] for u in updates[1:]] == [first, first + 1]
         assert all(u["wire_bytes"] < dense / 10 for u in updates[1:])
+        # every layer rewritten when every tensor changed; only the changed layers (whole:
+        # the fused qkv_proj takes k and v again) when one MLP and the query bias did
+        names = updates[0]["written"][0][1]
+        assert [u["written"][0] for u in updates[:2]] == [[names, names]] * 2
+        part = 3 + 6  # layer 1's gate, up, down; layer 0's q, k, v weights and biases
+        assert updates[2]["written"][0] == [part, names], updates[2]["written"]
     # an update cut off half-way: refused, named, and vLLM keeps serving the last version
     assert "the trainer died half-way" in report["cut_off"]
     assert f"vLLM keeps version {first + 2}" in report["cut_off"]

@@ -27,13 +27,22 @@ from safetensors.torch import load_file  # noqa: E402
 PROMPT = [1, 5, 9, 17, 33, 2, 8]
 
 
+PART = ("layers.1.mlp.", "model.layers.0.self_attn.q_proj.bias")
+"""What the third version changes: one layer's MLP and the query bias (of a fused
+``qkv_proj``), so that a delta rewrites those layers only."""
+
+
 def versions(base: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Three versions: all of it changed, then a few elements of every tensor twice."""
+    """Three versions: all of it changed, then a few elements of every tensor, then a few
+    elements of the :data:`PART` tensors only."""
     out = [{name: t * 1.05 for name, t in base.items()}]
     for step in (1, 2):
         g = torch.Generator().manual_seed(step)
         nxt = {}
         for name, t in out[-1].items():
+            if step == 2 and not any(p in name for p in PART):
+                nxt[name] = t
+                continue
             t = t.clone()
             flat = t.view(-1)
             idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
@@ -74,7 +83,14 @@ def seen(llm) -> dict:
         "logprobs": [step[t].logprob for t, step in zip(out.token_ids, out.logprobs, strict=True)],
         "checksums": sums,
         "version": llm.get_weight_version(),
+        "written": llm.collective_rpc(_written),
     }
+
+
+def _written(worker) -> list[int]:
+    """Checkpoint tensors the worker's rlwire engine wrote in at the last update, of those held."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return list(getattr(engine, "written", (0, 0)))
 
 
 _HF: dict = {}

@@ -253,7 +253,13 @@ def test_a_checkpoint_from_before_this_format_is_refused_with_the_reason(tmp_pat
 def untimed(record: dict) -> dict:
     """A metrics line without what depends on the clock, or on how many syncs the process
     made before (the engine's delta density: the first delta after start-up is dense)."""
-    clocked = ("time_", "wait_for_samples_s", "rollout_paused_s", "weight_sync_delta_density")
+    clocked = (
+        "time_",
+        "wait_for_samples_s",
+        "rollout_paused_s",
+        "rollout_commit_s",
+        "weight_sync_delta_density",
+    )
     return {
         k: v
         for k, v in record.items()

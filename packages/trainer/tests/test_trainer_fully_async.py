@@ -507,12 +507,15 @@ def test_partial_rollouts_two_workers_weights_reach_every_worker(ray_cluster, tm
     bound = 2 * (1 + 1) - 1  # T x (1 + ceil(S)) - 1
     versions = [r["weight_version"] for r in records]
     assert versions == [0, 2, 2, 4, 4, 4]  # synced after every 2nd update (not after the last)
+    assert sum(r["rollout_commit_s"] for r in records) > 0  # each commit stopped generation
     digests = []
     for r in records:
         # a sample's lag is its oldest token's: every token is within the bound
         assert 0 <= r["version_lag_max"] <= bound and r["version_lag_mean"] <= r["version_lag_max"]
         assert r["dropped_samples"] == 0 and r["wait_for_samples_s"] >= 0
         assert r["rollout_paused_s"] >= 0 and 0.0 <= r["reward_mean"] <= 1.0
+        # generation stopped only for the commits, part of the time a sync was waited for
+        assert 0 <= r["rollout_commit_s"] <= r["rollout_sync_wait_s"]
         assert r["optimizer_steps"] == 1 and r["rollout_is_mean"] > 0
         assert r["version_span_max"] in (0, 2)  # a sync moves the weights 2 versions on
         if r["step"] in (2, 4):  # a sync step: the members hold exactly what the actor sent

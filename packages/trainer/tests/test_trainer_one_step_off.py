@@ -7,7 +7,7 @@ from trainer_cli import train_cli
 
 from rlwire.trainer.config.root import load_config
 
-_TIMING = ("time_", "_per_s", "_gbps", "rollout_paused_s", "wait_for_samples_s")
+_TIMING = ("time_", "_per_s", "_gbps", "rollout_paused_s", "rollout_commit_s", "wait_for_samples_s")
 
 
 def test_verls_recipe_name_is_accepted_and_hybrid_engine_refused():

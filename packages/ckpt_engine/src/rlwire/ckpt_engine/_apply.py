@@ -131,6 +131,12 @@ class StagedUpdate:
         self._staging, self._swap = staging, swap
         self._committed = False
 
+    @property
+    def changed(self) -> set[str]:
+        """Names whose tensor the update changes: received whole, or as a delta of at least
+        one element (an unchanged tensor travels as an empty delta)."""
+        return {n for n in self._received if n not in self._deltas or self._deltas[n].changed}
+
     def commit(self) -> int:
         """Write the staged update into the module (deltas applied onto the weights it
         holds, which must be the ``version`` given to :func:`stage_update`); its version.

@@ -41,6 +41,7 @@ except ImportError as err:  # pragma: no cover - the module's whole point
 
 from .._admission import TokenGuard
 from .._registry import registry
+from ._layers import layer_of, refresh_tied
 from ._names import ANY, BACKENDS, backend_of, vllm_name
 from ._trainer import LLMClient, RlwireTrainerEngine, RlwireTrainerInitInfo
 from ._worker import (
@@ -48,7 +49,6 @@ from ._worker import (
     RlwireUpdateInfo,
     RlwireWeightTransferEngine,
     WorkerExtension,
-    refresh_tied,
 )
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "TokenGuard",
     "WorkerExtension",
     "backend_of",
+    "layer_of",
     "offered",
     "refresh_tied",
     "register",

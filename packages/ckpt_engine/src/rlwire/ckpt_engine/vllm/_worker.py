@@ -6,7 +6,8 @@ pipeline-parallel ranks, data-parallel replicas) when it starts with
 group as one receiver; an update is received whole beside the model (nothing is written
 into it before the whole update arrived, matched and, with ``checksum``, verified), then
 written through vLLM's own checkpoint-format path (layerwise reload around
-``model.load_weights``, which takes each rank's shard and fuses what vLLM fuses).
+``model.load_weights``, which takes each rank's shard and fuses what vLLM fuses). A
+delta update rewrites only the layers whose tensors changed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .._apply import StagedUpdate, stage_update
 from .._base import DEFAULT_TIMEOUT_S, CheckpointEngine
 from .._errors import CheckpointEngineError
 from .._registry import registry
+from ._layers import layer_of, quiet_layerwise, refresh_tied
 from ._names import ANY, backend_of
 
 __all__ = [
@@ -133,6 +135,9 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         """Names, shapes and dtypes of the last update written (a dense one must match)."""
         self._staged: StagedUpdate | dict[str, torch.Tensor] | None = None
         self._staged_version: int | None = None
+        self._layers: tuple[Any, dict[str, str | None]] | None = None
+        self.written: tuple[int, int] = (0, 0)
+        """Checkpoint tensors the last update wrote through vLLM's loader, of those held."""
 
     @property
     def staged_version(self) -> int | None:
@@ -256,13 +261,15 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
                 f"rlwire_{self.backend}: finish_weight_update without a received update; vLLM "
                 f"keeps version {self.version}"
             )
+        only: set[str] | None = None  # every tensor
         if isinstance(staged, StagedUpdate):
+            only = staged.changed  # a delta onto what vLLM holds: the rest is written in
             staged.commit()  # the deltas onto the mirror: it now holds the new version
             weights = self.mirror
         else:
             weights = staged
         try:
-            self._load(weights)
+            self._load(weights, only)
         except Exception as err:
             raise CheckpointEngineError(
                 f"rlwire_{self.backend}: vLLM's loader failed on version {version} ({err}); "
@@ -273,17 +280,35 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
             self.mirror, self.spare = weights, {}
         self.version = version
 
-    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+    def _load(self, weights: dict[str, torch.Tensor], only: set[str] | None = None) -> None:
+        """Write ``weights`` in through vLLM's layerwise reload; with ``only`` (the names a
+        delta changed) just the layers those feed, each whole (every checkpoint tensor of
+        a fused ``qkv_proj`` or ``gate_up_proj``, from the mirror): the other layers keep
+        what they hold, which is what the mirror holds for them."""
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
+        names = list(weights) if only is None else self._layer_names(weights, only)
         initialize_layerwise_reload(self.model)
-        with torch.no_grad():
-            self.model.load_weights(iter(weights.items()))
-        finalize_layerwise_reload(self.model, self.model_config)
+        with torch.no_grad(), quiet_layerwise(partial=len(names) < len(weights)):
+            self.model.load_weights((name, weights[name]) for name in names)
+            finalize_layerwise_reload(self.model, self.model_config)
         refresh_tied(self.model)
+        self.written = (len(names), len(weights))
+
+    def _layer_names(self, weights: dict[str, torch.Tensor], changed: set[str]) -> list[str]:
+        """The checkpoint names that feed a layer one of ``changed`` feeds (all of them
+        when a name's layer is not found: a layout this mapping does not know)."""
+        if self._layers is None or self._layers[0] != weights.keys():
+            layers = {name: layer_of(self.model, name) for name in weights}
+            self._layers = (weights.keys(), layers)
+        layers = self._layers[1]
+        touched = {layers[name] for name in changed}
+        if None in touched:
+            return list(weights)
+        return [name for name in weights if layers[name] in touched]
 
     def _restore(self) -> str:
         """After a failed load: what the model holds now. Before the first update its own
@@ -303,34 +328,6 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
         if self.engine is not None:
             self.engine.finalize()
             self.engine = None
-
-
-def refresh_tied(model: torch.nn.Module) -> list[str]:
-    """Process again the modules that share a parameter with another (a tied ``lm_head``
-    holds ``embed_tokens``' weight); their names.
-
-    vLLM's layerwise reload processes a shared parameter once, through the module whose
-    weights the update names (``model.embed_tokens.weight``: a tied model's checkpoint has
-    no ``lm_head.weight``, and vLLM skips it), and writes the result into the shared
-    storage; a module that holds the same parameter without loading it keeps what its own
-    processing made of the old weights. On CPU that is the packed copy (oneDNN or the SGL
-    kernel) its GEMM reads, so the logits came from the old weights after every update.
-    Only unquantized methods are run again (processing there only re-packs for the GEMM;
-    a quantized one is not idempotent), so a tied quantized head stays as vLLM leaves it."""
-    owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
-    for name, module in model.named_modules():
-        for param in module.parameters(recurse=False):
-            owners.setdefault(id(param), []).append((name, module))
-    done: list[str] = []
-    for sharing in owners.values():
-        if len(sharing) < 2:
-            continue
-        for name, module in sharing:
-            method = getattr(module, "quant_method", None)
-            if method is not None and type(method).__name__.startswith("Unquantized"):
-                method.process_weights_after_loading(module)
-                done.append(name)
-    return done
 
 
 def _check_layout(

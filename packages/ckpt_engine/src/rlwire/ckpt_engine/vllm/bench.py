@@ -10,7 +10,10 @@ vLLM's trainer-side API (:class:`~rlwire.ckpt_engine.vllm.RlwireTrainerInitInfo`
 
 - ``dense``: every element changed; the whole model crosses and is written in.
 - ``delta``: ``--changed`` of the elements of every tensor changed; only they cross, applied
-  onto the receiver's copy of the version it holds, then written in.
+  onto the receiver's copy of the version it holds, then written in (every layer: each
+  has a changed tensor).
+- ``delta, one layer``: the same share of the elements of the first decoder layer's
+  tensors only: vLLM's loader rewrites that layer alone.
 - ``vLLM reload``: the same weights handed to vLLM's own ``reload_weights`` in the same
   process (no transport at all: the floor any transfer adds to; vLLM's own NCCL and IPC
   engines do not run on a CPU host).
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
     import torch
 
 PREFIX = "ROW "
+ONE_LAYER = "model.layers.0."
 
 
 def build_model(directory: Path, *, layers: int, hidden: int, vocab: int) -> Path:
@@ -60,12 +64,18 @@ def build_model(directory: Path, *, layers: int, hidden: int, vocab: int) -> Pat
     return directory
 
 
-def _sparse(weights: dict[str, torch.Tensor], changed: float, seed: int) -> dict[str, torch.Tensor]:
+def _sparse(
+    weights: dict[str, torch.Tensor], changed: float, seed: int, only: str = ""
+) -> dict[str, torch.Tensor]:
+    """``changed`` of the elements of each tensor whose name holds ``only`` move a little."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
+        if only not in name:
+            out[name] = t
+            continue
         t = t.clone()
         flat = t.view(-1)
         k = max(1, int(flat.numel() * changed))
@@ -103,6 +113,7 @@ def child(model_dir: str, backend: str, changed: float, updates: int) -> None:
     rows: dict[str, list[tuple[float, float, float]]] = {
         "dense": [],
         "delta": [],
+        "delta, one layer": [],
         "vLLM reload": [],
         "copy": [],
     }
@@ -116,6 +127,13 @@ def child(model_dir: str, backend: str, changed: float, updates: int) -> None:
         stats = sender.send_weights(sparse.items())
         assert stats.base is not None, "the sparse update was not sent as a delta"
         rows["delta"].append((time.perf_counter() - start, stats.wire_bytes, stats.seconds))
+        one = _sparse(sparse, changed, seed=i, only=ONE_LAYER)
+        start = time.perf_counter()
+        stats = sender.send_weights(one.items())
+        assert stats.base is not None, "the one-layer update was not sent as a delta"
+        rows["delta, one layer"].append(
+            (time.perf_counter() - start, stats.wire_bytes, stats.seconds)
+        )
         items = list(sparse.items())
         start = time.perf_counter()
         llm.collective_rpc(
@@ -179,9 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for backend in args.backends.split(","):
         mine = {r["what"]: r for r in rows if r["backend"] == backend}
-        for what in ("dense", "delta", "vLLM reload", "copy"):
+        for what in ("dense", "delta", "delta, one layer", "vLLM reload", "copy"):
             r = mine[what]
-            sent = what in ("dense", "delta")
+            sent = what.startswith(("dense", "delta"))
             wire = f"{r['wire_bytes'] / 1e6:.1f}" if sent else ""
             transfer = f"{r['transfer']:.3f}" if sent else ""
             vs = f"{r['transfer'] / mine['dense']['transfer']:.2f}x" if sent else ""

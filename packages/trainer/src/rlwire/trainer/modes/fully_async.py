@@ -137,7 +137,7 @@ def run_fully_async(job: Job, bar) -> None:
         if validation_due(config, job.start_step, before=True):
             validate(job.start_step)
         held = job.start_step  # the version the rollout workers hold
-        seconds_before = {"paused_s": 0.0, "sync_wait_s": 0.0}
+        seconds_before = {"paused_s": 0.0, "sync_wait_s": 0.0, "commit_s": 0.0}
         ahead = take(job.start_step)
         for step in range(job.start_step, config.trainer.steps):
             t0 = time.perf_counter()
@@ -191,6 +191,7 @@ def run_fully_async(job: Job, bar) -> None:
                 "wait_for_samples_s": got["wait_s"],
                 "rollout_paused_s": seconds["paused_s"],
                 "rollout_sync_wait_s": seconds["sync_wait_s"],
+                "rollout_commit_s": seconds["commit_s"],
             }
             due = job.save_due(step + 1)
             if not started:

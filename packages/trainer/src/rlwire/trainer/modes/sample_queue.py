@@ -121,6 +121,7 @@ class SampleQueue(ValidationRelay, FleetRelay):
         self.taken: dict[int, int] = {}  # trainer version -> groups taken for that update
         self.paused_s = [0.0] * num_workers
         self.sync_wait_s = [0.0] * num_workers  # at a boundary, until the weights were in
+        self.commit_s = [0.0] * num_workers  # generation stopped to write the weights in
         ValidationRelay.__init__(self)
 
     # --- the rollout workers' side -------------------------------------------------------
@@ -234,6 +235,7 @@ class SampleQueue(ValidationRelay, FleetRelay):
             self.retake.discard(worker)
             self.sync_info[worker] = info
             self.sync_wait_s[worker] += info.get("wait_s", 0.0)
+            self.commit_s[worker] += info.get("commit_s", 0.0)
             self._complete_sync()
             self.cond.notify_all()
 
@@ -302,8 +304,13 @@ class SampleQueue(ValidationRelay, FleetRelay):
 
     def worker_seconds(self) -> dict[str, float]:
         """The workers' seconds so far, summed over them: ``paused_s`` (held by the bound)
-        and ``sync_wait_s`` (at a boundary until new weights were in)."""
-        return {"paused_s": sum(self.paused_s), "sync_wait_s": sum(self.sync_wait_s)}
+        ``sync_wait_s`` (at a boundary until new weights were in) and ``commit_s`` (generation
+        stopped while they were written in)."""
+        return {
+            "paused_s": sum(self.paused_s),
+            "sync_wait_s": sum(self.sync_wait_s),
+            "commit_s": sum(self.commit_s),
+        }
 
     async def release(self, count: int, trainer_version: int) -> None:
         """``count`` groups taken for the update of ``trainer_version`` were dropped by the

@@ -125,6 +125,11 @@ class StepMetrics(UpdateMetrics):
     weights were written in (waiting for the transfer, and without partial rollouts for
     its groups in flight to end; summed over the workers, since the previous step's
     line). Its requests in flight go on meanwhile; it starts no new group."""
+    rollout_commit_s: float | None = None
+    """Fully async only: rollout worker time with generation stopped to write new weights
+    in (the commit, between two decoding steps: the only pause a sync costs an engine that
+    receives beside the weights in use); summed over the workers, since the previous
+    step's line. Against ``time_weight_sync_s``: the share of a sync the engines stop."""
     time_generate_s: float | None = None
     """The rollout engines' own seconds on the generation calls behind this step's samples,
     summed over the engines (in parallel on several workers, so the wall time is less);

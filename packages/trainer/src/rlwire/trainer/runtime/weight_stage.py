@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -73,7 +74,8 @@ class WeightStage:
         the whole (a large model's takes longer), so this fails only after
         :func:`~.background.idle_budget` seconds without progress (the receiver handle's
         ``progressed_at``: each item received; a handle without it: that long in all).
-        Its version and digest."""
+        Its version, digest and ``commit_s``: the seconds generation stopped for the
+        commit (the weights written in between two decoding steps)."""
         from rlwire.ckpt_engine import CheckpointEngineError
 
         idle = idle_budget(timeout)
@@ -103,10 +105,19 @@ class WeightStage:
         if isinstance(staged, BaseException):
             raise staged
         expected, commit = staged
-        self.version = self._loaded().between_steps(commit)
+        paused: list[float] = []
+
+        def timed() -> int:  # in the core's thread: generation stops for this only
+            began = time.perf_counter()
+            try:
+                return commit()
+            finally:
+                paused.append(time.perf_counter() - began)
+
+        self.version = self._loaded().between_steps(timed)
         if self.version != expected:
             raise RuntimeError(
                 f"rollout worker {self.index}: received version {self.version}, expected {expected}"
             )
         digest = self._loaded().digest() if self.config.ckpt_engine.digest else None
-        return {"version": self.version, "digest": digest}
+        return {"version": self.version, "digest": digest, "commit_s": sum(paused)}
