@@ -84,6 +84,10 @@ def test_unknown_key_lists_valid_keys_and_closest_match():
             "ckpt_engine.delta=sometimes",
             "ckpt_engine.delta: 'sometimes' is not allowed; use 'off', 'auto' or 'on'",
         ),
+        (
+            "ckpt_engine.compress=lz4",
+            "ckpt_engine.compress: 'lz4' is not allowed; use 'off' or 'zstd'",
+        ),
         (  # a bare YAML on/off is a boolean: it arrives as the word
             "ckpt_engine.delta=yes",
             "ckpt_engine.delta: 'on' is not allowed; ckpt_engine.backend 'naive' sends whole "

@@ -14,6 +14,7 @@ from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
 from ._delta import DELTA_MODES, Delta
 from ._errors import CheckpointEngineAborted, CheckpointEngineError, CheckpointEngineTimeout
 from ._fp8 import FP8_BLOCK, dequantize_fp8_blocks, fp8_weights, quantize_fp8_blocks
+from ._positions import COMPRESS_MODES
 from ._registry import (
     BackendCapabilities,
     CheckpointEngineRegistry,
@@ -25,6 +26,7 @@ from ._sizes import DEFAULT_BUCKET_SIZE, parse_bucket_size
 from ._store import bound_store
 
 __all__ = [
+    "COMPRESS_MODES",
     "DEFAULT_BUCKET_SIZE",
     "DELTA_MODES",
     "FP8_BLOCK",

@@ -52,6 +52,11 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 ZST = ".zst"
 """The suffix of a compressed delta's format."""
 _BLOCK = 1 << 20  # elements compared per step on the CPU: the mask stays in cache
+MOSTLY_CHANGED = 0.5
+"""A tensor whose first block (2**20 elements, or all of a smaller one) has more than this
+share changed is sent whole and counted as changed everywhere, without finding each
+change: an update that changed everything (fp32 weights under Adam) costs one copy into
+the mirror, not a comparison that gathers and scatters every element."""
 
 
 def check_delta_mode(mode: object) -> str:
@@ -73,7 +78,7 @@ def _words(tensor: torch.Tensor) -> torch.Tensor | None:
     return flat.view(word)
 
 
-def _diff_cpu(cur: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _diff_cpu(cur: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Changed positions (int64) and values of ``cur`` against ``prev``; ``prev`` becomes ``cur``.
 
     Block by block so that the masks stay in cache; numpy, because its
@@ -82,6 +87,10 @@ def _diff_cpu(cur: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torc
     for bf16), then only the words that differ element by element. One thread:
     the comparison reads the weights and the mirror, and a second thread on
     this machine's memory made it slower, not faster.
+
+    None when the first block finds more than :data:`MOSTLY_CHANGED` of its elements
+    changed (a delta could not be smaller than the tensor): ``prev`` is then brought up
+    to ``cur`` by one copy instead of a comparison that scatters every element.
     """
     np = _numpy()
     c, p = cur.numpy(), prev.numpy()
@@ -93,6 +102,10 @@ def _diff_cpu(cur: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torc
         for start in range(0, cw.size, _BLOCK // per):
             cb, pb = cw[start : start + _BLOCK // per], pw[start : start + _BLOCK // per]
             words = np.flatnonzero(np.not_equal(cb, pb))
+            # (a word holds `per` elements: changed words at half the elements changed)
+            if start == 0 and words.size > (1 - (1 - MOSTLY_CHANGED) ** per) * cb.size:
+                prev.copy_(cur)
+                return None
             new = cb[words]
             inside = np.flatnonzero(np.not_equal(new.view(c.dtype), pb[words].view(c.dtype)))
             pb[words] = new
@@ -101,6 +114,9 @@ def _diff_cpu(cur: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torc
     for start in range(body, c.size, _BLOCK):
         cb, pb = c[start : start + _BLOCK], p[start : start + _BLOCK]
         changed = np.flatnonzero(np.not_equal(cb, pb))
+        if start == 0 and changed.size > MOSTLY_CHANGED * cb.size:
+            prev.copy_(cur)
+            return None
         new = cb[changed]
         pb[changed] = new
         found.append((changed + start, new))
@@ -142,7 +158,10 @@ def encode(
     if cw.numel() == 0:
         return None, 0, cur
     diff = _diff_cpu if cur.device.type == "cpu" else _diff_torch
-    positions, values = diff(cw, pw)
+    found = diff(cw, pw)
+    if found is None:  # mostly changed: whole
+        return None, cur.numel(), cur
+    positions, values = found
     n, k, size = cw.numel(), positions.numel(), cw.element_size()
     gaps = _positions.gaps_form(positions, n)
     bits_head = _positions.bits_nbytes(n)

@@ -12,7 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, DELTA_MODES, parse_bucket_size
+from rlwire.ckpt_engine import (
+    COMPRESS_MODES,
+    DEFAULT_TIMEOUT_S,
+    DELTA_MODES,
+    parse_bucket_size,
+)
 
 from ..actor.config import ActorConfig, MegatronSection, OptimConfig
 from ..algorithms.advantages import AlgorithmConfig
@@ -137,6 +142,12 @@ class CheckpointEngineConfig:
     one copy of the full weights. Bucketed backends only (``gloo``, ``shm``, ``nccl``,
     ``cuda_ipc``); with another backend, or a rollout backend that takes whole weights
     only, ``auto`` means ``off`` and ``on`` is refused."""
+    compress: str = "off"
+    """``zstd`` compresses each delta tensor's payload where that makes it smaller
+    (``rlwire.ckpt_engine``'s ``compress``; the ``zstandard`` package on every member):
+    for a ``gloo`` link between hosts slower than compressing (about 0.3-0.5 GB/s per
+    core), not for one host (loopback, ``shm``), where it costs more than it saves.
+    ``off`` (default). Needs ``delta`` not ``off``."""
     digest: bool = False
     """After every sync, hash the weights on the sending and on each receiving side
     (SHA-256 of the fp32 bytes; ``hf`` backend) and record both in the metrics. Costs
@@ -149,6 +160,13 @@ class CheckpointEngineConfig:
             raise ConfigError(f"ckpt_engine.{err}") from None
         check(self.timeout > 0, "ckpt_engine.timeout", self.timeout, "use seconds > 0")
         check_choice(self.delta, "ckpt_engine.delta", DELTA_MODES)
+        check_choice(self.compress, "ckpt_engine.compress", COMPRESS_MODES)
+        check(
+            self.compress == "off" or self.delta != "off",
+            "ckpt_engine.compress",
+            self.compress,
+            "compress compresses delta updates: set ckpt_engine.delta to on or auto too",
+        )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -60,6 +60,7 @@ class WeightPush:
         takes = rollout_engine_class(self.config.rollout.backend).takes_deltas
         if delta == "auto" and not (capabilities.delta and takes):
             delta = "off"  # no mirror to keep when no delta can be sent
+        compress = self.config.ckpt_engine.compress if delta != "off" else "off"
         self._leave_group()  # a group re-formed (a rollout worker replaced): a new master
         self.engine = engine = registry.new(
             backend,
@@ -67,6 +68,7 @@ class WeightPush:
             bucket_size=self.config.ckpt_engine.bucket_size,
             timeout=self.config.ckpt_engine.timeout,
             delta=delta,
+            compress=compress,
             **where,
         )
         return engine.prepare()
