@@ -868,3 +868,90 @@ def test_apply_to_module_takes_deltas_atomically_through_shm_in_one_process():
     assert [s.base for s in stats] == [None, 1, 2, 3]
     assert stats[0].wire_bytes == nbytes and all(s.wire_bytes < nbytes // 4 for s in stats[1:])
     assert tx.delta.nbytes == nbytes
+
+
+def test_changes_found_per_shard_are_sent_as_the_engine_would_and_keep_no_mirror():
+    """Each of two "ranks" diffs its half of every tensor against its own copy (verl's
+    delta_sharded); the halves' changes, moved to where they sit, go to ``send_weights(
+    changes=)``: the receiver ends bit-identical after every update, each update sends the
+    same bytes as the engine's own comparison, and the sender keeps no mirror."""
+    from rlwire.ckpt_engine import Delta, apply_to_module, diff
+    from rlwire.ckpt_engine._delta import encode
+
+    torch.manual_seed(0)
+    weights = {"a": torch.randn(64, 48).bfloat16(), "b": torch.randn(31, 7), "c": torch.zeros(5)}
+    halves = {n: (0, len(t) // 2, len(t)) for n, t in weights.items()}
+    shards = {n: [t[: halves[n][1]].clone(), t[halves[n][1] :].clone()] for n, t in weights.items()}
+    whole = {n: t.clone() for n, t in weights.items()}  # what the engine's mirror would hold
+    held = {n: torch.zeros_like(t) for n, t in weights.items()}
+    tx = registry.new("shm", is_master=True, delta="on", bucket_size=4096, timeout=20)
+    rx = registry.new("shm", bucket_size=4096, timeout=20)
+    meta = tx.prepare()
+
+    def sharded_changes() -> dict[str, Delta | None]:
+        changes: dict[str, Delta | None] = {}
+        for name, t in weights.items():
+            start, mid, end = halves[name]
+            row = t[0].numel() if t.dim() > 1 else 1
+            found = [
+                diff(shards[name][0], t[start:mid].contiguous()),
+                diff(shards[name][1], t[mid:end].contiguous()),
+            ]
+            if any(f is None for f in found):  # a half mostly changed: whole
+                changes[name] = None
+                continue
+            positions = torch.cat([found[0].positions, found[1].positions + mid * row])
+            values = torch.cat([f.values for f in found])
+            changes[name] = Delta(tuple(t.shape), t.dtype, positions, values)
+        return changes
+
+    def engine_would_send() -> int:
+        total = 0
+        for name, t in weights.items():
+            fmt, _, payload = encode(t, whole[name])
+            total += payload.numel() if fmt else t.numel() * t.element_size()
+        return total
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            loop.run_in_executor(
+                None, lambda: tx.init_process_group(rank=0, world_size=2, master_metadata=meta)
+            ),
+            loop.run_in_executor(
+                None, lambda: rx.init_process_group(rank=1, world_size=2, master_metadata=meta)
+            ),
+        )
+        version, sent = None, []
+        for v in range(1, 5):
+            if v > 1:
+                with torch.no_grad():
+                    weights["a"].view(torch.int16)[torch.rand(64, 48) < 0.02] ^= 1
+                    weights["b"][torch.rand(31, 7) < 0.5] += 1  # mostly changed: whole
+            changes, expected = sharded_changes(), engine_would_send()
+            s, version = await asyncio.gather(
+                tx.send_weights(list(weights.items()), version=v, changes=changes),
+                apply_to_module(held, rx, version=version),
+            )
+            for name, t in weights.items():
+                assert torch.equal(held[name].view(torch.uint8), t.view(torch.uint8)), (v, name)
+            assert v == 1 or s.wire_bytes == expected, (v, s.wire_bytes, expected)
+            sent.append(s)
+        return sent
+
+    try:
+        sent = asyncio.run(run())
+    finally:
+        tx.finalize()
+        rx.finalize()
+    assert tx.delta.nbytes == 0  # no mirror on the sender: the shards' copies stand for it
+    assert [s.base for s in sent] == [None, 1, 2, 3]
+    assert all(0 < s.wire_bytes < s.bytes / 2 for s in sent[1:])
+    off = registry.new("shm", is_master=True)
+    off.prepare()
+    try:
+        off.init_process_group(rank=0, world_size=1, master_metadata={})
+        with pytest.raises(CheckpointEngineError, match=r"changes=\.\.\.\): this shm engine"):
+            asyncio.run(off.send_weights([], version=1, changes={}))
+    finally:
+        off.finalize()

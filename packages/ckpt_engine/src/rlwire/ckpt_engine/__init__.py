@@ -11,7 +11,7 @@ from __future__ import annotations
 from ._admission import TOKEN_ENV as WEIGHT_TRANSFER_TOKEN_ENV
 from ._apply import StagedUpdate, apply_to_module, stage_update
 from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
-from ._delta import DELTA_MODES, Delta
+from ._delta import DELTA_MODES, Delta, diff
 from ._errors import CheckpointEngineAborted, CheckpointEngineError, CheckpointEngineTimeout
 from ._fp8 import FP8_BLOCK, dequantize_fp8_blocks, fp8_weights, quantize_fp8_blocks
 from ._positions import COMPRESS_MODES
@@ -45,6 +45,7 @@ __all__ = [
     "backend_for_device",
     "bound_store",
     "dequantize_fp8_blocks",
+    "diff",
     "fp8_weights",
     "parse_bucket_size",
     "registry",

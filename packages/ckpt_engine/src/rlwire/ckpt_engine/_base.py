@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from typing import Any, ClassVar, TypeVar, overload
 
 import torch
@@ -149,6 +149,7 @@ class CheckpointEngine(abc.ABC):
         self.last_version: int | None = None
         self.aborted: str | None = None
         """Why :meth:`abort` ended this engine's updates (None: it did not)."""
+        self._changes: Mapping[str, Delta | None] | None = None  # send_weights' changes
         self.progressed_at = time.monotonic()
         """When a transfer of this engine last moved (``time.monotonic()``): an item taken to
         send or yielded to the receiver, or an update begun or sent. A caller that waits for a
@@ -243,10 +244,22 @@ class CheckpointEngine(abc.ABC):
             raise CheckpointEngineError(f"{what} before init_process_group()")
 
     # --- updates -------------------------------------------------------------------
-    async def send_weights(self, weights: Weights, *, version: int) -> TransferStats:
+    async def send_weights(
+        self, weights: Weights, *, version: int, changes: Mapping[str, Delta | None] | None = None
+    ) -> TransferStats:
         """Send one update: every ``(name, tensor)`` of ``weights``, any dtype/shape/device.
 
         Returns when every receiver has consumed the whole update.
+
+        ``changes`` (``delta`` on): what the caller already knows changed since the update
+        it sent last (the one the receivers hold), per name: a
+        :class:`~rlwire.ckpt_engine.Delta` (flat positions in the whole tensor, values as
+        integers of the element's width, e.g. from :func:`rlwire.ckpt_engine.diff`), or
+        None for a tensor that changed too much to be worth it. For those names the engine
+        keeps no mirror and compares nothing: a delta update sends the change given (the
+        caller answers for it being exactly the difference), a dense one sends the tensor.
+        This is how a sharded trainer has each rank diff its own shard before any gather
+        (verl's ``delta_sharded``). Other names are compared with the mirror as usual.
 
         Raises:
             CheckpointEngineError: not the master, a version lower than the
@@ -269,9 +282,18 @@ class CheckpointEngine(abc.ABC):
             raise CheckpointEngineError(
                 f"version {version} is lower than the last one sent ({self.last_version})"
             )
+        if changes is not None and not self.delta.enabled:
+            raise CheckpointEngineError(
+                f"send_weights(changes=...): this {self.name} engine sends no deltas "
+                "(delta='off')"
+            )
         start = time.perf_counter()
         self.progressed_at = time.monotonic()
-        stats = await self._send(self._ticked(aiter_weights(weights)), version)
+        self._changes = changes
+        try:
+            stats = await self._send(self._ticked(aiter_weights(weights)), version)
+        finally:
+            self._changes = None
         self.last_version, self.progressed_at = version, time.monotonic()
         return dataclasses.replace(stats, seconds=time.perf_counter() - start)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._base import CheckpointEngine, TransferStats, Weights
-from ._delta import Delta
+from ._delta import Delta, pack
 from ._errors import CheckpointEngineError
 from ._wire import (
     BucketMeta,
@@ -161,8 +161,13 @@ class BucketedEngine(CheckpointEngine):
             tensors += 1
             elements += tensor.numel()
             start = time.perf_counter()
+            given = self._changes is not None and name in self._changes
             if base is not None:
-                fmt, k, payload = self.delta.encode(name, tensor)
+                if given:  # the caller found the changes: no comparison, no mirror
+                    assert self._changes is not None
+                    fmt, k, payload = self._given(name, tensor, self._changes[name])
+                else:
+                    fmt, k, payload = self.delta.encode(name, tensor)
                 packing += time.perf_counter() - start
                 changed += k
                 if fmt is not None:
@@ -174,7 +179,7 @@ class BucketedEngine(CheckpointEngine):
                         # receivers apply this part while the rest is compared
                         await flush(last=False)
                     continue
-            elif self.delta.enabled:
+            elif self.delta.enabled and not given:
                 self.delta.remember(name, tensor)
                 packing += time.perf_counter() - start
             wire += src.numel()
@@ -186,6 +191,19 @@ class BucketedEngine(CheckpointEngine):
         await flush(last=True)
         await self._drain(self._seq - 1)
         return TransferStats(nbytes, tensors, buckets, 0.0, wire, base, changed, elements, packing)
+
+    def _given(
+        self, name: str, tensor: torch.Tensor, change: Delta | None
+    ) -> tuple[str | None, int, torch.Tensor]:
+        """:func:`~._delta.pack` a change the caller gave (``send_weights(changes=)``)."""
+        if change is None:
+            return None, tensor.numel(), tensor
+        if change.shape != tuple(tensor.shape) or change.dtype != tensor.dtype:
+            raise CheckpointEngineError(
+                f"send_weights(changes=): {name!r} is {tuple(tensor.shape)} {tensor.dtype} but "
+                f"its change is for {change.shape} {change.dtype}"
+            )
+        return pack(tensor, change.positions, change.values, compress=self.delta.compress)
 
     async def _receive(
         self, copy: bool, base_version: int | None

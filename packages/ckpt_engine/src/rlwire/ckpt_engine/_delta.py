@@ -38,7 +38,9 @@ __all__ = [
     "DeltaMirror",
     "check_delta_mode",
     "decode",
+    "diff",
     "encode",
+    "pack",
 ]
 
 DELTA_MODES = ("off", "auto", "on")
@@ -161,7 +163,17 @@ def encode(
     found = diff(cw, pw)
     if found is None:  # mostly changed: whole
         return None, cur.numel(), cur
-    positions, values = found
+    return pack(cur, *found, compress=compress)
+
+
+def pack(
+    cur: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, *, compress: str = "off"
+) -> tuple[str | None, int, torch.Tensor]:
+    """The smallest form of the changes ``positions`` (sorted flat indices, ``int64``) and
+    ``values`` (the new elements as integers of their width) that made ``cur``: as
+    :func:`encode` returns it (``cur`` itself when whole is no larger)."""
+    cw = _words(cur)
+    assert cw is not None  # a width we compare (the caller found the changes)
     n, k, size = cw.numel(), positions.numel(), cw.element_size()
     gaps = _positions.gaps_form(positions, n)
     bits_head = _positions.bits_nbytes(n)
@@ -183,6 +195,27 @@ def encode(
         if frame.numel() < total:
             return fmt + ZST, k, frame
     return fmt, k, payload
+
+
+def diff(prev: torch.Tensor, cur: torch.Tensor) -> Delta | None:
+    """The changes that make ``prev`` into ``cur`` (same shape and dtype, contiguous),
+    compared bit for bit; ``prev`` is brought up to ``cur``. None when they cannot be
+    smaller than ``cur`` (more than half of its first block changed, or a width not
+    compared): send it whole. What a caller gives ``send_weights(changes=...)``; positions
+    are flat indices of ``cur``, so a shard's must be moved to where it sits in the whole
+    tensor (add its first element's flat index)."""
+    if prev.shape != cur.shape or prev.dtype != cur.dtype:
+        raise ValueError(
+            f"diff: {tuple(prev.shape)} {prev.dtype} against {tuple(cur.shape)} {cur.dtype}"
+        )
+    cw, pw = _words(cur), _words(prev)
+    if cw is None or pw is None:
+        prev.copy_(cur)
+        return None
+    found = (_diff_cpu if cur.device.type == "cpu" else _diff_torch)(cw, pw)
+    if found is None:
+        return None
+    return Delta(tuple(cur.shape), cur.dtype, *found)
 
 
 @dataclasses.dataclass(slots=True)
