@@ -102,6 +102,13 @@ class ActorEngine(abc.ABC):
         A collective, like it."""
         return self.named_weights()
 
+    def local_shards(self) -> Iterator[tuple[str, torch.Tensor, int]] | None:
+        """``(name, this rank's part, flat offset of its first element in the whole
+        tensor)`` for every tensor :meth:`named_sync_weights` yields, in its order and
+        without any communication (the part may be empty); None when this engine cannot
+        say (a sync then compares whole tensors: ``ckpt_engine.delta_sharded``)."""
+        return None
+
     # --- between phases -----------------------------------------------------------------
     @abc.abstractmethod
     def offload(self) -> None:

@@ -171,6 +171,38 @@ class FSDP2Engine(_FSDPEngine):
         return model
 
 
+    def local_shards(self) -> Iterator[tuple[str, torch.Tensor, int]] | None:
+        """Each parameter's and buffer's local shard: FSDP2 splits dim 0 as ``torch.chunk``
+        does (rank ``r`` holds rows ``r * ceil(n / world)`` on, maybe none); a tensor that is
+        not sharded is rank 0's whole. Not with LoRA (a sync sends adapters)."""
+        if self.lora is not None:
+            return None
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return _local_shards(self.model.state_dict(), rank, world)
+
+
+def _local_shards(
+    state: dict[str, Any], rank: int, world: int
+) -> Iterator[tuple[str, torch.Tensor, int]]:
+    for name, value in state.items():
+        name = name.removeprefix("_fsdp_wrapped_module.")
+        if hasattr(value, "to_local"):  # a DTensor, Shard(0) over the actor's ranks
+            placements = value.placements
+            if len(placements) != 1 or getattr(placements[0], "dim", None) != 0:
+                raise RuntimeError(f"{name}: sharded as {placements}, not Shard(0)")
+            rows = value.shape[0] if value.dim() else 1
+            per_row = value.numel() // rows if rows else 0
+            start = min(rank * -(-rows // world), rows)
+            yield name, value.to_local().detach(), start * per_row
+        elif rank == 0:
+            yield name, value.detach(), 0
+        else:
+            yield name, value.detach().reshape(-1)[:0], 0
+
+
 class FSDP1Engine(_FSDPEngine):
     """``actor.strategy=fsdp``: ``FullyShardedDataParallel`` with original parameters."""
 

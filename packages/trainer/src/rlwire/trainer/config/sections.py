@@ -142,6 +142,14 @@ class CheckpointEngineConfig:
     one copy of the full weights. Bucketed backends only (``gloo``, ``shm``, ``nccl``,
     ``cuda_ipc``); with another backend, or a rollout backend that takes whole weights
     only, ``auto`` means ``off`` and ``on`` is refused."""
+    delta_sharded: bool = False
+    """Each actor rank diffs its own shard against its copy of what the last sync sent,
+    before anything is gathered (verl's ``delta_sharded``): a sync gathers only the changed
+    elements to rank 0 (not the whole model) and the comparison is split over the ranks;
+    rank 0's engine keeps no mirror (its copy of the whole weights, kept up to date with
+    the changes, stands for it). Costs each rank one copy of its shards. Needs
+    ``delta=on`` and an actor that knows its shards (``fsdp2`` without LoRA, or one rank);
+    another falls back to comparing whole tensors on rank 0. Off by default while it is new."""
     compress: str = "off"
     """``zstd`` compresses each delta tensor's payload where that makes it smaller
     (``rlwire.ckpt_engine``'s ``compress``; the ``zstandard`` package on every member):
@@ -161,6 +169,12 @@ class CheckpointEngineConfig:
         check(self.timeout > 0, "ckpt_engine.timeout", self.timeout, "use seconds > 0")
         check_choice(self.delta, "ckpt_engine.delta", DELTA_MODES)
         check_choice(self.compress, "ckpt_engine.compress", COMPRESS_MODES)
+        check(
+            not self.delta_sharded or self.delta == "on",
+            "ckpt_engine.delta",
+            self.delta,
+            "ckpt_engine.delta_sharded needs ckpt_engine.delta=on",
+        )
         check(
             self.compress == "off" or self.delta != "off",
             "ckpt_engine.compress",

@@ -16,6 +16,7 @@ import torch
 from ..config.root import TrainerConfig
 from ..rollout import WeightsDigest, rollout_engine_class
 from .background import Background, idle_budget
+from .shard_deltas import ShardDeltas
 from .worker_process import host
 
 if TYPE_CHECKING:
@@ -39,6 +40,10 @@ class WeightPush:
     _sending: Background
     _snapshot: tuple[int, list[tuple[str, torch.Tensor]], float, WeightsDigest | None] | None
     """Rank 0, fully async: the last push's (version, weights, gathering seconds, digest)."""
+    _changes: dict[str, Any] | None = None
+    """Rank 0, fully async: the changes of the snapshot's first send (None after it)."""
+    _shards: ShardDeltas | None = None
+    """``ckpt_engine.delta_sharded``: this rank's copies of what the last sync sent."""
 
     if TYPE_CHECKING:  # ActorWorker's, declared for the type checker only
 
@@ -136,10 +141,8 @@ class WeightPush:
         async def send() -> dict[str, Any]:
             start = time.perf_counter()
             with self._resident(optimizer=False):
-                items = self._gathered(digest)
-                if self._zero_copy():
-                    items = self._into_arena(items)
-                stats = await engine.send_weights(items, version=version)
+                items, changes = self._sync_items(digest)
+                stats = await engine.send_weights(items, version=version, changes=changes)
             # gathering the full weights (and copying them into the arena) beyond the engine
             return _report(stats, time.perf_counter() - start - stats.seconds, digest)
 
@@ -159,12 +162,9 @@ class WeightPush:
         digest = self._digest()
         start = time.perf_counter()
         with self._resident(optimizer=False):
-            items = self._gathered(digest)
-            if self._zero_copy():
-                snapshot = self._into_arena(items)
-            else:
-                snapshot = [(name, value.detach().clone()) for name, value in items]
-        self._snapshot = (version, snapshot, time.perf_counter() - start, digest)
+            items, changes = self._sync_items(digest, snapshot=True)
+        self._snapshot = (version, list(items), time.perf_counter() - start, digest)
+        self._changes = changes
         self._send_snapshot()
 
     def resend_push(self, version: int) -> None:
@@ -190,8 +190,12 @@ class WeightPush:
         version, snapshot, gathered_s, digest = self._snapshot
         engine = self._engine()
 
+        changes, self._changes = self._changes, None  # a re-send: sent whole (below)
+        if changes is None and self._shards is not None:  # no mirror kept for these
+            changes = dict.fromkeys((name for name, _ in snapshot), None)
+
         async def send() -> dict[str, Any]:
-            stats = await engine.send_weights(snapshot, version=version)
+            stats = await engine.send_weights(snapshot, version=version, changes=changes)
             return _report(stats, gathered_s, digest)
 
         self._sending.start(send, timeout=0)  # none in flight: finished before
@@ -212,6 +216,37 @@ class WeightPush:
             )
             or {}
         )
+
+    def _sync_items(self, digest: WeightsDigest | None, snapshot: bool = False):
+        """This sync's ``(weights, changes)`` (rank 0; the others take part in the
+        collectives): the whole weights gathered, or with ``ckpt_engine.delta_sharded`` the
+        changes each rank found in its own shard, gathered and written into rank 0's copy
+        (:class:`~.shard_deltas.ShardDeltas`). ``snapshot``: weights that outlive the call
+        (fully async sends them from a thread while the next update runs)."""
+        shards = self.actor.local_shards() if self.config.ckpt_engine.delta_sharded else None
+        if shards is None:
+            items = self._gathered(digest)
+            if self._zero_copy():
+                return self._into_arena(items), None
+            if snapshot:
+                return [(name, value.detach().clone()) for name, value in items], None
+            return items, None
+        if self._shards is None:
+            self._shards = ShardDeltas(self.rank)
+
+        def keep(whole) -> dict[str, torch.Tensor]:
+            if self._zero_copy():
+                return dict(self._into_arena(whole))
+            return {name: value.detach().clone() for name, value in whole}
+
+        items, changes = self._shards.collect(shards, self._full_weights, keep)
+        if digest is not None:
+            for name, value in items:
+                digest.add(name, value)
+        engine = self.engine
+        if changes is not None and (engine is None or not engine.delta.enabled):
+            changes = None  # delta="auto" gave up: whole weights from here on
+        return items, changes
 
     def _digest(self) -> WeightsDigest | None:
         """A digest to fill while gathering, with ``ckpt_engine.digest`` (rank 0 reports)."""
