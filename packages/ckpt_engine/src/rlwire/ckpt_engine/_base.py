@@ -284,8 +284,7 @@ class CheckpointEngine(abc.ABC):
             )
         if changes is not None and not self.delta.enabled:
             raise CheckpointEngineError(
-                f"send_weights(changes=...): this {self.name} engine sends no deltas "
-                "(delta='off')"
+                f"send_weights(changes=...): this {self.name} engine sends no deltas (delta='off')"
             )
         start = time.perf_counter()
         self.progressed_at = time.monotonic()

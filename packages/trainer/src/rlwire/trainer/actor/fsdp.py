@@ -170,7 +170,6 @@ class FSDP2Engine(_FSDPEngine):
         fully_shard(model, mp_policy=mp)  # in place: its class is now also an FSDPModule
         return model
 
-
     def local_shards(self) -> Iterator[tuple[str, torch.Tensor, int]] | None:
         """Each parameter's and buffer's local shard: FSDP2 splits dim 0 as ``torch.chunk``
         does (rank ``r`` holds rows ``r * ceil(n / world)`` on, maybe none); a tensor that is
