@@ -1,18 +1,19 @@
-"""How a delta's changed positions travel: gaps as varints, or a bitmask; then zstd if asked.
+"""How a delta's changed positions travel: gaps of 1 or 2 bytes, or a bitmask; then zstd if asked.
 
 A delta's positions are sorted flat element indices. Two forms, chosen per tensor
 by size (so by density):
 
 - ``gaps``: the run of unchanged elements before each change (the first position,
   then ``p[i] - p[i-1] - 1``), each in 1 or 2 bytes (the smaller form); a gap that
-  does not fit is marked by the largest value and listed in full (``int64``) after
-  them. At 1% changed the gaps average 99 and 8% do not fit a byte: about 1.6 bytes
-  per change, against 4 for an ``int32`` index; at 0.1%, 2-byte gaps, 2.0 bytes.
+  does not fit is marked by the largest value and listed in full after them
+  (``uint32``; ``int64`` in a tensor of more than 2**32 elements). At 1% changed the
+  gaps average 99 and 8% do not fit a byte: about 1.3 bytes per change, against 4
+  for an ``int32`` index; at 0.1%, 2-byte gaps, about 2 bytes.
 - ``bits``: a little-endian bitmask, ``ceil(n / 8)`` bytes, smaller above about
   12% changed.
 
-Both run with torch ops on the tensor's device (numpy on the CPU, where its
-``packbits`` and ``flatnonzero`` are faster). zstd (the ``zstandard`` package)
+Both run with torch ops on the tensor's device (the bitmask with numpy on the CPU,
+where its ``packbits`` is faster). zstd (the ``zstandard`` package)
 then compresses a whole payload where the link is slower than compressing:
 between hosts, not over loopback or shared memory (``compress="zstd"``).
 """
