@@ -955,3 +955,71 @@ def test_changes_found_per_shard_are_sent_as_the_engine_would_and_keep_no_mirror
             asyncio.run(off.send_weights([], version=1, changes={}))
     finally:
         off.finalize()
+
+
+def test_weights_used_in_place_change_only_at_the_receivers_commit():
+    """``share_weights(buffers=2)``: the receiver's parameters become the sender's arena
+    tensors (no copy of its own); the sender writes the next version into the other arena
+    while the receiver's parameters keep the one they hold, bit for bit, until it commits;
+    the sender writes an arena again only after every receiver said it left it."""
+    torch.manual_seed(0)
+    sent = {"w": torch.randn(300, 17).bfloat16(), "b": torch.randn(33)}
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(300, 17, dtype=torch.bfloat16), requires_grad=False)
+    model.b = torch.nn.Parameter(torch.zeros(33), requires_grad=False)
+    tx = registry.new("shm", is_master=True, bucket_size=4096, timeout=3)
+    rx = registry.new("shm", bucket_size=4096, timeout=3)
+    meta = tx.prepare()
+
+    async def run() -> list[float]:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(
+            loop.run_in_executor(
+                None, lambda: tx.init_process_group(rank=0, world_size=2, master_metadata=meta)
+            ),
+            loop.run_in_executor(
+                None, lambda: rx.init_process_group(rank=1, world_size=2, master_metadata=meta)
+            ),
+        )
+        # two arenas, each tensor 256-byte aligned: two copies of the weights per host
+        assert tx.share_weights(sent.items(), buffers=2) == 2 * (10240 + 256)
+        committed = {}
+        for v in range(1, 5):
+            with torch.no_grad():
+                for t in sent.values():
+                    t += 1
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            stats, (got, version) = await asyncio.gather(
+                tx.send_weights(list(sent.items()), version=v), rx.receive_in_place()
+            )
+            assert version == v and stats.wire_bytes == stats.bytes
+            # received, not committed: what the model reads has not moved
+            for name, p in model.named_parameters():
+                assert torch.equal(p.view(torch.uint8), before[name].view(torch.uint8)), (v, name)
+                assert torch.equal(got[name].view(torch.uint8), sent[name].view(torch.uint8))
+                assert got[name].data_ptr() != p.data_ptr()
+            if v == 4:  # this receiver never commits version 4: it reads version 3's arena
+                break
+            for name, p in model.named_parameters():  # the commit: a pointer swap each
+                p.data = got[name]
+            rx.released(v)  # it reads no arena older than version v
+            committed = {n: p.detach().clone() for n, p in model.named_parameters()}
+            for name, p in model.named_parameters():
+                assert rx._arena_of(p) is not None  # in the sender's arena: no copy
+                assert torch.equal(p.view(torch.uint8), sent[name].view(torch.uint8))
+        # so version 5 may not be written over version 3, which the model still reads
+        with torch.no_grad():
+            sent["b"] += 1
+        start = time.perf_counter()
+        with pytest.raises(CheckpointEngineTimeout, match="to commit version 4 .weights used"):
+            await tx.send_weights(list(sent.items()), version=5)
+        for name, p in model.named_parameters():
+            assert torch.equal(p.view(torch.uint8), committed[name].view(torch.uint8))
+        return [time.perf_counter() - start]
+
+    try:
+        waited = asyncio.run(run())
+    finally:
+        tx.finalize()
+        rx.finalize()
+    assert waited[0] < 10

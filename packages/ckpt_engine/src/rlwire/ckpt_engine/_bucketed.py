@@ -211,6 +211,7 @@ class BucketedEngine(CheckpointEngine):
         if self._exchange:
             await self._exchange_held(base_version)
         unpacker = Unpacker()
+        arenas_read = False
         while True:
             meta, buf = await self._next(self._seq)
             self._seq += 1
@@ -219,11 +220,13 @@ class BucketedEngine(CheckpointEngine):
                     f"bucket {meta.index} is a delta from version {meta.base}, but this "
                     f"receiver holds {base_version}"
                 )
+            arenas_read = arenas_read or any(e.arena is not None for e in meta.entries)
             for name, item, is_view in unpacker.unpack(
                 meta, buf, copy=copy, verify=self.checksum, arenas=self._arena
             ):
                 yield name, item
-                if is_view:  # a retained view becomes empty, never silently stale
+                if is_view and not (isinstance(item, torch.Tensor) and self._keeps(item)):
+                    # a retained view becomes empty, never silently stale
                     if isinstance(item, Delta):
                         item._release()
                     else:
@@ -233,3 +236,13 @@ class BucketedEngine(CheckpointEngine):
                 break
         unpacker.check_complete()
         self.last_version = meta.version
+        self._after_receive(meta.version, arenas_read)
+
+    def _keeps(self, item: torch.Tensor) -> bool:
+        """Receiver: whether a view ``receive_weights`` yielded stays valid after the next
+        item (weights used in place: ``ShmEngine.receive_in_place``)."""
+        return False
+
+    def _after_receive(self, version: int, arenas_read: bool) -> None:
+        """Receiver: a whole update consumed (``arenas_read``: some of it in the sender's
+        shared arenas)."""

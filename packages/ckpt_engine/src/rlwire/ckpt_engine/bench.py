@@ -37,6 +37,11 @@ checking every receiver's destination against the sender's weights (CRC-32).
 ``--lora-rank R`` adds, after each layout, its rank-``R`` LoRA adapter on every
 linear layer (``_shapes.lora_layout``: what an adapter-only sync sends) and prints
 the adapter's bytes and seconds against the dense rows of the same run.
+``--in-place`` adds, for ``shm``, a row with weights used in place
+(``share_weights(buffers=2)``): the sender copies each update into the arena the
+receivers do not read, and each receiver takes the arena's tensors as its own
+(:meth:`~rlwire.ckpt_engine.backends._shm.ShmEngine.receive_in_place`, a swap per
+tensor) and says it left the older arena.
 ``--json`` prints one JSON object per row instead of the table.
 """
 
@@ -159,6 +164,12 @@ def _receiver(
 
     async def update(write: bool) -> float:
         nonlocal held
+        if row.get("in_place"):  # the arena's tensors become the weights: a swap each
+            got, version = await engine.receive_in_place()  # type: ignore[attr-defined]
+            start = time.perf_counter()
+            dest.update(got)
+            engine.released(version)  # type: ignore[attr-defined]
+            return time.perf_counter() - start
         spent = 0.0
         base = held if row["delta"] else None
         async for name, item in engine.receive_weights(copy=False, base_version=base):
@@ -250,6 +261,9 @@ def _run_row(
     if row["share"]:
         assert isinstance(engine, ShmEngine), "--share: shm's zero-copy (share_weights)"
         engine.share_weights(weights.items())  # once, before the timed updates
+    if row.get("in_place"):
+        assert isinstance(engine, ShmEngine), "--in-place: shm's share_weights(buffers=2)"
+        engine.share_weights(weights.items(), buffers=2)
     gen = torch.Generator().manual_seed(0)
     items = list(weights.items())
 
@@ -361,6 +375,11 @@ def main(argv: list[str] | None = None) -> None:
         help="torch threads of the sender (packing, delta encoding; default --threads)",
     )
     parser.add_argument("--share", action="store_true", help="shm: zero-copy (share_weights)")
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="shm: add a row with weights used in place (share_weights(buffers=2))",
+    )
     parser.add_argument("--delta", action="store_true", help="add delta rows (--changed)")
     parser.add_argument("--changed", type=_floats, default=[0.01], help="changed fractions")
     parser.add_argument(
@@ -389,6 +408,10 @@ def main(argv: list[str] | None = None) -> None:
         copy_s = _plain_copy_seconds(weights, device)
         for backend in backends:
             plans = [dict(backend=backend, delta=False, changed=None, share=args.share)]
+            if args.in_place and backend == "shm":
+                plans += [
+                    dict(backend=backend, delta=False, changed=None, share=False, in_place=True)
+                ]
             if args.delta:
                 plans += [
                     dict(backend=backend, delta=True, changed=c, share=False, compress=z)
@@ -405,6 +428,7 @@ def main(argv: list[str] | None = None) -> None:
             for plan in plans:
                 result = _run_row(args, plan, layout, {n: t.clone() for n, t in weights.items()})
                 tag = " (zero-copy)" if plan["share"] else ""
+                tag += " (in place)" if plan.get("in_place") else ""
                 tag += " fp8" if plan.get("fp8") else ""
                 tag += " +zstd" if plan.get("compress") == "zstd" else ""
                 row = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import mmap
 import os
@@ -18,6 +19,7 @@ import torch
 from .._control import StoreControlledEngine
 from .._errors import CheckpointEngineError
 from .._segments import SHM_DIR, SHM_PREFIX
+from .._store import blocking
 from .._wire import ALIGN
 
 __all__ = ["SHM_PREFIX", "ShmEngine", "attach_segment"]
@@ -126,6 +128,9 @@ class ShmEngine(StoreControlledEngine):
         # master: [arena tensor, file path or "" once unlinked]; receivers: mapped arenas
         self._arenas: list[list[Any]] = []
         self._mapped: dict[int, torch.Tensor] = {}
+        self._double: _Double | None = None  # master: share_weights(buffers=2)
+        self._double_mapped = False  # receiver: it mapped such an arena
+        self._keep_views = False  # receiver: inside receive_in_place
 
     def _create_slots(self) -> dict[str, Any]:
         self._token = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
@@ -159,12 +164,24 @@ class ShmEngine(StoreControlledEngine):
             if entry[1]:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry[1])
-        self._arenas, self._mapped = [], {}
+        self._arenas, self._mapped, self._double = [], {}, None
         super()._release_slots()
 
     # --- zero-copy sender: tensors living in a shared arena ------------------------------
-    def share_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def share_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, buffers: int = 1
+    ) -> int:
         """Move the master's CPU tensors into shared memory once, so updates copy them once.
+
+        ``buffers=2``: weights used in place on one host. Two arenas with the weights'
+        layout are laid out and the caller's tensors stay theirs; each ``send_weights``
+        copies the weights into the arena the receivers do not read (waiting, within
+        ``timeout``, until every receiver committed the version before), so a receiver
+        may keep the arena's tensors as its own parameters
+        (:meth:`receive_in_place`): no copy per receiver, and nothing it reads changes
+        until it commits the next version and says so (:meth:`released`). Memory: two
+        copies of the weights in ``/dev/shm`` per host, whatever the receivers' number.
+        Dense updates only (a delta would apply onto the arena's older version).
 
         Each tensor's data moves into a new shared arena (``tensor.data`` is
         swapped: parameter objects keep their identity, optimizers and hooks
@@ -182,6 +199,10 @@ class ShmEngine(StoreControlledEngine):
         """
         if not self.is_master or self._store is None:
             raise CheckpointEngineError("share_weights: only the master, after prepare()")
+        if buffers not in (1, 2):
+            raise ValueError(f"buffers: {buffers!r} is not allowed; use 1 or 2")
+        if buffers == 2:
+            return self._lay_out_double(weights)
         tensors: dict[int, torch.Tensor] = {}
         for name, tensor in weights:
             if tensor.device.type != "cpu" or hasattr(tensor, "_local_tensor"):
@@ -193,19 +214,115 @@ class ShmEngine(StoreControlledEngine):
         for t in tensors.values():
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        size = max(total, 1)
+        _, arena = self._new_arena(max(total, 1), double=False)
+        for t, off in zip(tensors.values(), offsets, strict=True):
+            view = arena[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            t.data = view
+        return total
+
+    def _new_arena(self, size: int, double: bool) -> tuple[int, torch.Tensor]:
         _check_room(size, "share_weights")
         index = len(self._arenas)
         path = os.path.join(SHM_DIR, f"{self._token}-arena{index}")
         _create(path, size)
         arena = _map(path, size)
-        for t, off in zip(tensors.values(), offsets, strict=True):
-            view = arena[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            t.data = view
         self._arenas.append([arena, path])
-        self._store.set(f"arena/{index}", json.dumps([path, size]))
-        return total
+        assert self._store is not None
+        self._store.set(f"arena/{index}", json.dumps([path, size, double]))
+        return index, arena
+
+    def _lay_out_double(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if self.delta.enabled:
+            raise CheckpointEngineError(
+                "share_weights(buffers=2) sends dense updates only (a delta would apply onto "
+                "the older version the other arena holds); build the engine with delta='off'"
+            )
+        layout, total = [], 0
+        for name, tensor in weights:
+            if tensor.device.type != "cpu" or hasattr(tensor, "_local_tensor"):
+                raise CheckpointEngineError(
+                    f"share_weights: {name!r} is not a plain CPU tensor ({tensor.device})"
+                )
+            layout.append((name, total, tuple(tensor.shape), tensor.dtype))
+            total += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        views = []
+        for _ in range(2):
+            _, arena = self._new_arena(max(total, 1), double=True)
+            views.append(
+                {
+                    name: arena[off : off + _nbytes(shape, dtype)].view(dtype).view(shape)
+                    for name, off, shape, dtype in layout
+                }
+            )
+        self._double = _Double(views)
+        return 2 * total
+
+    async def _send(self, weights: Any, version: int) -> Any:
+        double = getattr(self, "_double", None)
+        if double is None:
+            return await super()._send(weights, version)
+        target = double.next()
+        if double.versions[double.turn] is not None:
+            # receivers may read `target` until they commit the version in the other arena
+            previous = double.versions[1 - double.turn]
+            assert previous is not None  # sent after the one in `target`
+            await self._wait_released(previous)
+        double.versions[double.turn] = version
+        stats = await super()._send(double.fill(target, weights), version)
+        double.turn = 1 - double.turn
+        return stats
+
+    async def _wait_released(self, version: int) -> None:
+        keys = [f"released/{version}/{r}" for r in self._receivers]
+        timeout = datetime.timedelta(seconds=self.timeout)
+        await blocking(
+            lambda: self._joined_store.wait_get(keys, timeout),
+            f"{self.name}: waiting for every receiver to commit version {version} (weights "
+            "used in place: the arena it replaces is written next)",
+            self.timeout,
+        )
+        for key in keys:
+            self._joined_store.delete_key(key)
+
+    # --- receivers of weights used in place ----------------------------------------------
+    async def receive_in_place(self) -> tuple[dict[str, torch.Tensor], int]:
+        """Receive one update from a sender with ``share_weights(buffers=2)``:
+        ``({name: tensor in the sender's arena}, version)``. The tensors stay valid and
+        unchanged until this receiver calls :meth:`released` with a later version (the
+        sender writes that arena again only then): make them the model's parameters at a
+        boundary (``param.data = tensor``), then call ``released(version)``."""
+        self._keep_views = True
+        try:
+            got = {name: t async for name, t in self.receive_weights(copy=False)}
+        finally:
+            self._keep_views = False
+        for name, tensor in got.items():
+            if not isinstance(tensor, torch.Tensor) or self._arena_of(tensor) is None:
+                raise CheckpointEngineError(
+                    f"receive_in_place: {name!r} did not come from a double-buffered arena "
+                    "(the sender needs share_weights(buffers=2))"
+                )
+        assert self.last_version is not None
+        return got, self.last_version
+
+    def released(self, version: int) -> None:
+        """This receiver now holds ``version`` and reads no arena of an older one."""
+        self._joined_store.set(f"released/{version}/{self.rank}", b"1")
+
+    def _keeps(self, item: torch.Tensor) -> bool:
+        return getattr(self, "_keep_views", False) and self._arena_of(item) is not None
+
+    def _after_receive(self, version: int, arenas_read: bool) -> None:
+        if arenas_read and not getattr(self, "_keep_views", False) and self._double_mapped:
+            self.released(version)  # copied out: this receiver reads the arena no more
+
+    def _arena_of(self, tensor: torch.Tensor) -> int | None:
+        ptr = tensor.data_ptr()
+        for index, arena in self._mapped.items():
+            if arena.data_ptr() <= ptr < arena.data_ptr() + arena.numel():
+                return index
+        return None
 
     def _in_arena(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         if not self._arenas or tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -219,8 +336,9 @@ class ShmEngine(StoreControlledEngine):
 
     def _arena(self, arena: int) -> torch.Tensor:
         if arena not in self._mapped:
-            path, size = json.loads(self._joined_store.get(f"arena/{arena}"))
+            path, size, double = json.loads(self._joined_store.get(f"arena/{arena}"))
             self._mapped[arena] = attach_segment(path, size, "shared arena")
+            self._double_mapped = self._double_mapped or bool(double)
             self._joined_store.set(f"arena/{arena}/mapped/{self.rank}", b"1")
         return self._mapped[arena]
 
@@ -235,3 +353,35 @@ class ShmEngine(StoreControlledEngine):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry[1])
                 entry[1] = ""
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+class _Double:
+    """The master's two arenas of weights used in place: which one the next update is
+    written into (``turn``) and the version each holds."""
+
+    def __init__(self, views: list[dict[str, torch.Tensor]]) -> None:
+        self.views = views
+        self.versions: list[int | None] = [None, None]
+        self.turn = 0
+
+    def next(self) -> dict[str, torch.Tensor]:
+        return self.views[self.turn]
+
+    async def fill(self, target: dict[str, torch.Tensor], weights: Any) -> Any:
+        """Copy each of ``weights`` into its place in ``target`` and yield that place."""
+        async for name, tensor in weights:
+            view = target.get(name)
+            if view is None or view.shape != tensor.shape or view.dtype != tensor.dtype:
+                raise CheckpointEngineError(
+                    f"share_weights(buffers=2): {name!r} ({tuple(tensor.shape)} "
+                    f"{tensor.dtype}) is not in the layout the arenas were made for"
+                )
+            view.copy_(tensor)
+            yield name, view
