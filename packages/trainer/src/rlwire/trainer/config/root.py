@@ -160,6 +160,22 @@ class TrainerConfig:
                 True,
                 f"it cannot be on with {'; '.join(obstacles)}; set it to false or null",
             )
+        if self.ckpt_engine.in_place:
+            check(
+                self.rollout.backend == "hf" and not self.actor.lora.enabled,
+                "ckpt_engine.in_place",
+                True,
+                f"the weights used in place are the hf rollout engine's whole parameters; "
+                f"rollout.backend is {self.rollout.backend!r}"
+                + (" with LoRA" if self.actor.lora.enabled else "")
+                + ": set it to false",
+            )
+            check(
+                self.ckpt_engine.backend in ("auto", "shm"),
+                "ckpt_engine.in_place",
+                True,
+                f"it needs ckpt_engine.backend shm (one host), not {self.ckpt_engine.backend!r}",
+            )
         if self.ckpt_engine.delta == "on":
             check(
                 rollout_engine_class(self.rollout.backend).takes_deltas,
@@ -214,6 +230,9 @@ class TrainerConfig:
             "'naive')": self.ckpt_engine.backend not in ("auto", "naive"),
             "ckpt_engine.delta='on' (the in-process hand-over sends whole tensors)": (
                 self.ckpt_engine.delta == "on"
+            ),
+            "ckpt_engine.in_place (engines in their own processes, on shm)": (
+                self.ckpt_engine.in_place
             ),
         }
         return [what for what, blocks in obstacles.items() if blocks]

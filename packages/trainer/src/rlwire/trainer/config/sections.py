@@ -150,6 +150,16 @@ class CheckpointEngineConfig:
     the changes, stands for it). Costs each rank one copy of its shards. Needs
     ``delta=on`` and an actor that knows its shards (``fsdp2`` without LoRA, or one rank);
     another falls back to comparing whole tensors on rank 0. Off by default while it is new."""
+    in_place: bool = False
+    """Weights used in place on one host: actor rank 0 keeps two ``shm`` arenas with the
+    weights' layout and writes each sync into the one no rollout worker reads; each ``hf``
+    rollout engine takes that arena's tensors as its parameters at its commit (a pointer
+    swap, no copy of its own) and says it left the older arena, which the next sync then
+    reuses. Memory: two copies of the weights in ``/dev/shm`` per host instead of one per
+    rollout engine (worth it from two engines on a host; the wrong choice with one, or
+    where ``/dev/shm`` is small). Needs ``backend`` ``shm`` (or ``auto`` resolving to it),
+    ``rollout.backend=hf`` without LoRA, and sends dense updates (``delta`` is off: a
+    delta would apply onto the older version the other arena holds)."""
     compress: str = "off"
     """``zstd`` compresses each delta tensor's payload where that makes it smaller
     (``rlwire.ckpt_engine``'s ``compress``; the ``zstandard`` package on every member):
@@ -169,6 +179,12 @@ class CheckpointEngineConfig:
         check(self.timeout > 0, "ckpt_engine.timeout", self.timeout, "use seconds > 0")
         check_choice(self.delta, "ckpt_engine.delta", DELTA_MODES)
         check_choice(self.compress, "ckpt_engine.compress", COMPRESS_MODES)
+        check(
+            not self.in_place or self.delta != "on",
+            "ckpt_engine.delta",
+            self.delta,
+            "ckpt_engine.in_place sends dense updates: use auto or off",
+        )
         check(
             not self.delta_sharded or self.delta == "on",
             "ckpt_engine.delta",

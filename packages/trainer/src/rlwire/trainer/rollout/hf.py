@@ -204,6 +204,9 @@ class HFEngine(RequestsEngine, StagingRolloutEngine):
     async def stage(self, engine) -> Callable[[], int]:
         from rlwire.ckpt_engine import stage_update
 
+        if self.config.ckpt_engine.in_place and self.adapter is None:
+            return await self._stage_in_place(engine)
+
         # Atomic (an adapter split over buckets commits whole); committed by swapping
         # storages with the staging copy (one pass over the weights, not two): nothing here
         # captures parameter storage. Deltas apply onto the version held at commit.
@@ -217,6 +220,38 @@ class HFEngine(RequestsEngine, StagingRolloutEngine):
             if self.config.rollout.kv_on_update == "recompute":
                 self.batch.forget()
             return self.held
+
+        return commit
+
+    async def _stage_in_place(self, engine) -> Callable[[], int]:
+        """``ckpt_engine.in_place``: the update's tensors are the sender's arena's, which
+        no one writes until this engine says it left them; at the commit they become the
+        model's (a pointer swap per tensor: no copy), and the arena of the version before
+        is released."""
+        got, version = await engine.receive_in_place()
+        targets = self.model.state_dict(keep_vars=True)
+        if set(got) != set(targets):
+            raise RuntimeError(
+                f"rollout engine {self.index}: the update's tensors differ from the model's: "
+                f"{sorted(set(got) ^ set(targets))[:8]}"
+            )
+        for name, tensor in got.items():
+            held = targets[name]
+            if held.shape != tensor.shape or held.dtype != tensor.dtype:
+                raise RuntimeError(
+                    f"rollout engine {self.index}: {name!r} is {tuple(tensor.shape)} "
+                    f"{tensor.dtype} in the update but {tuple(held.shape)} {held.dtype} here"
+                )
+
+        def commit() -> int:  # between two decoding steps (between_steps runs it)
+            with torch.no_grad():
+                for name, tensor in got.items():
+                    targets[name].data = tensor
+            engine.released(version)
+            self.held = version
+            if self.config.rollout.kv_on_update == "recompute":
+                self.batch.forget()
+            return version
 
         return commit
 

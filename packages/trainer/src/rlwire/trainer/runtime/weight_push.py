@@ -42,6 +42,8 @@ class WeightPush:
     """Rank 0, fully async: the last push's (version, weights, gathering seconds, digest)."""
     _changes: dict[str, Any] | None = None
     """Rank 0, fully async: the changes of the snapshot's first send (None after it)."""
+    _laid_out = False
+    """``ckpt_engine.in_place``: this group's arenas are laid out."""
     _shards: ShardDeltas | None = None
     """``ckpt_engine.delta_sharded``: this rank's copies of what the last sync sent."""
 
@@ -65,6 +67,14 @@ class WeightPush:
         takes = rollout_engine_class(self.config.rollout.backend).takes_deltas
         if delta == "auto" and not (capabilities.delta and takes):
             delta = "off"  # no mirror to keep when no delta can be sent
+        if self.config.ckpt_engine.in_place:
+            if backend != "shm":
+                raise RuntimeError(
+                    f"ckpt_engine.in_place needs the shm backend (one host); this run's is "
+                    f"{backend!r}"
+                )
+            delta = "off"  # dense: a delta would apply onto the older arena's version
+        self._laid_out = False  # a new engine: its arenas are laid out on its first sync
         compress = self.config.ckpt_engine.compress if delta != "off" else "off"
         self._leave_group()  # a group re-formed (a rollout worker replaced): a new master
         self.engine = engine = registry.new(
@@ -223,6 +233,11 @@ class WeightPush:
         changes each rank found in its own shard, gathered and written into rank 0's copy
         (:class:`~.shard_deltas.ShardDeltas`). ``snapshot``: weights that outlive the call
         (fully async sends them from a thread while the next update runs)."""
+        if self.config.ckpt_engine.in_place and self.rank == 0:
+            items = self._in_place(self._gathered(digest))
+            if snapshot:  # the engine copies them into its arena while the next update runs
+                items = [(name, value.detach().clone()) for name, value in items]
+            return items, None
         shards = self.actor.local_shards() if self.config.ckpt_engine.delta_sharded else None
         if shards is None:
             items = self._gathered(digest)
@@ -247,6 +262,17 @@ class WeightPush:
         if changes is not None and (engine is None or not engine.delta.enabled):
             changes = None  # delta="auto" gave up: whole weights from here on
         return items, changes
+
+    def _in_place(self, gathered) -> list[tuple[str, torch.Tensor]]:
+        """``ckpt_engine.in_place`` (rank 0): the engine's two arenas are laid out on the
+        first sync of a group (the weights gathered whole once); the engine copies each
+        sync into the arena no rollout engine reads."""
+        items = [(name, value) for name, value in gathered]
+        if not self._laid_out:
+            shm = self._engine()
+            shm.share_weights(items, buffers=2)  # type: ignore[attr-defined]  # shm only
+            self._laid_out = True
+        return items
 
     def _digest(self) -> WeightsDigest | None:
         """A digest to fill while gathering, with ``ckpt_engine.digest`` (rank 0 reports)."""
