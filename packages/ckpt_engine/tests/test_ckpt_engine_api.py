@@ -28,6 +28,9 @@ from rlwire.ckpt_engine import (
 from rlwire.ckpt_engine._bucketed import BucketedEngine
 from rlwire.ckpt_engine._wire import ALIGN, BucketMeta, as_bytes
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_pair import joined_pair  # noqa: E402
+
 # --- registry -----------------------------------------------------------------------
 
 
@@ -827,20 +830,9 @@ def test_apply_to_module_takes_deltas_atomically_through_shm_in_one_process():
     torch.manual_seed(0)
     sent = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7)).bfloat16()
     held = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7)).bfloat16()
-    tx = registry.new("shm", is_master=True, delta="on", bucket_size=4096, timeout=20)
-    rx = registry.new("shm", bucket_size=4096, timeout=20)
-    meta = tx.prepare()
+    tx, rx, _ = joined_pair(timeout=20, sender={"delta": "on"})
 
     async def run() -> list:
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(
-            loop.run_in_executor(
-                None, lambda: tx.init_process_group(rank=0, world_size=2, master_metadata=meta)
-            ),
-            loop.run_in_executor(
-                None, lambda: rx.init_process_group(rank=1, world_size=2, master_metadata=meta)
-            ),
-        )
         staging, version, stats = {}, None, []
         for v in range(1, 5):
             with torch.no_grad():
@@ -884,9 +876,7 @@ def test_changes_found_per_shard_are_sent_as_the_engine_would_and_keep_no_mirror
     shards = {n: [t[: halves[n][1]].clone(), t[halves[n][1] :].clone()] for n, t in weights.items()}
     whole = {n: t.clone() for n, t in weights.items()}  # what the engine's mirror would hold
     held = {n: torch.zeros_like(t) for n, t in weights.items()}
-    tx = registry.new("shm", is_master=True, delta="on", bucket_size=4096, timeout=20)
-    rx = registry.new("shm", bucket_size=4096, timeout=20)
-    meta = tx.prepare()
+    tx, rx, _ = joined_pair(timeout=20, sender={"delta": "on"})
 
     def sharded_changes() -> dict[str, Delta | None]:
         changes: dict[str, Delta | None] = {}
@@ -913,15 +903,6 @@ def test_changes_found_per_shard_are_sent_as_the_engine_would_and_keep_no_mirror
         return total
 
     async def run() -> list:
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(
-            loop.run_in_executor(
-                None, lambda: tx.init_process_group(rank=0, world_size=2, master_metadata=meta)
-            ),
-            loop.run_in_executor(
-                None, lambda: rx.init_process_group(rank=1, world_size=2, master_metadata=meta)
-            ),
-        )
         version, sent = None, []
         for v in range(1, 5):
             if v > 1:
@@ -967,20 +948,9 @@ def test_weights_used_in_place_change_only_at_the_receivers_commit():
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(300, 17, dtype=torch.bfloat16), requires_grad=False)
     model.b = torch.nn.Parameter(torch.zeros(33), requires_grad=False)
-    tx = registry.new("shm", is_master=True, bucket_size=4096, timeout=3)
-    rx = registry.new("shm", bucket_size=4096, timeout=3)
-    meta = tx.prepare()
+    tx, rx, _ = joined_pair(timeout=3)
 
     async def run() -> list[float]:
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(
-            loop.run_in_executor(
-                None, lambda: tx.init_process_group(rank=0, world_size=2, master_metadata=meta)
-            ),
-            loop.run_in_executor(
-                None, lambda: rx.init_process_group(rank=1, world_size=2, master_metadata=meta)
-            ),
-        )
         # two arenas, each tensor 256-byte aligned: two copies of the weights per host
         assert tx.share_weights(sent.items(), buffers=2) == 2 * (10240 + 256)
         committed = {}

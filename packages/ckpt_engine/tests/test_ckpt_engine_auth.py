@@ -10,6 +10,7 @@ import inspect
 import json
 import os
 import secrets
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,32 +24,15 @@ from rlwire.ckpt_engine._store import SignedStore
 from rlwire.ckpt_engine._wire import BucketMeta
 from rlwire.ckpt_engine.backends._shm import attach_segment
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_pair import joined_pair  # noqa: E402
+
 
 def _stranger(metadata: dict) -> dist.TCPStore:
     """A process that can reach the store's port but was never given the metadata's secret."""
     return dist.TCPStore(
         metadata["host"], metadata["port"], is_master=False, timeout=datetime.timedelta(seconds=10)
     )
-
-
-def _joined(backend: str = "shm", **kw):
-    tx = registry.new(backend, is_master=True, bucket_size=4096, timeout=10, **kw)
-    rx = registry.new(backend, bucket_size=4096, timeout=10, **kw)
-    meta = tx.prepare()
-
-    async def join() -> None:
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(
-            loop.run_in_executor(
-                None, lambda: tx.init_process_group(rank=0, world_size=2, master_metadata=meta)
-            ),
-            loop.run_in_executor(
-                None, lambda: rx.init_process_group(rank=1, world_size=2, master_metadata=meta)
-            ),
-        )
-
-    asyncio.run(join())
-    return tx, rx, meta
 
 
 def test_signed_messages_are_bound_to_the_secret_and_the_key():
@@ -76,7 +60,7 @@ def test_a_receiver_refuses_bucket_metadata_a_stranger_wrote_and_keeps_its_weigh
     torch.manual_seed(0)
     held = nn.Linear(8, 4)
     before = {k: v.clone() for k, v in held.state_dict().items()}
-    tx, rx, meta = _joined()
+    tx, rx, meta = joined_pair()
     try:
         forged = BucketMeta(index=0, version=7, nbytes=0, entries=[], last=True, base=None)
         _stranger(meta).set("meta/0", forged.to_bytes())  # before the master sends anything
@@ -97,7 +81,7 @@ def test_a_receiver_refuses_bucket_metadata_a_stranger_wrote_and_keeps_its_weigh
 
 def test_the_master_refuses_an_acknowledgement_a_stranger_wrote():
     """A forged ack would let the master overwrite a slot a receiver is still reading."""
-    tx, rx, meta = _joined()
+    tx, rx, meta = joined_pair()
     try:
         _stranger(meta).set("ack/0/1", b"1")
         with pytest.raises(CheckpointEngineError, match=r"^shm: message 'ack/0/1' fails auth"):
@@ -134,7 +118,7 @@ def test_gloo_signs_the_bucket_metadata_it_sends_outside_the_store():
     source = inspect.getsource(_gloo.GlooEngine)
     assert 'self._store.sign(f"meta/{meta.index}"' in source  # what _emit broadcasts
     assert 'self._store.verify(f"meta/{seq}"' in source  # what _next accepts
-    tx, rx, _ = _joined("gloo")
+    tx, rx, _ = joined_pair("gloo")
     try:
         weights = [("a", torch.arange(10.0)), ("b", torch.ones(3, dtype=torch.bfloat16))]
 

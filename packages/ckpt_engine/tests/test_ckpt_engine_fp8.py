@@ -4,6 +4,8 @@ as deltas over the quantized bytes."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 
 import pytest
 import torch
@@ -13,8 +15,10 @@ from rlwire.ckpt_engine import (
     dequantize_fp8_blocks,
     fp8_weights,
     quantize_fp8_blocks,
-    registry,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_pair import joined_pair  # noqa: E402
 
 
 def _reference(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,20 +99,9 @@ def test_fp8_deltas_send_only_the_quantized_bytes_that_changed():
     linear = {f"layers.{i}.mlp.up_proj.weight": torch.randn(256, 384).bfloat16() for i in range(2)}
     first = asyncio.run(_collect(fp8_weights(linear.items())))
     held = {name: torch.zeros_like(t) for name, t in first.items()}  # the fp8 checkpoint's
-    tx = registry.new("shm", is_master=True, delta="on", bucket_size=1 << 20, timeout=20)
-    rx = registry.new("shm", bucket_size=1 << 20, timeout=20)
-    meta = tx.prepare()
+    tx, rx, _ = joined_pair(bucket_size=1 << 20, timeout=20, sender={"delta": "on"})
 
     async def run() -> list:
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(
-            loop.run_in_executor(
-                None, lambda: tx.init_process_group(rank=0, world_size=2, master_metadata=meta)
-            ),
-            loop.run_in_executor(
-                None, lambda: rx.init_process_group(rank=1, world_size=2, master_metadata=meta)
-            ),
-        )
         version, stats = None, []
         for v in range(1, 4):
             for t in linear.values():  # a small step: the lowest bf16 bit of 1% of elements

@@ -152,18 +152,10 @@ def encode(
         ``(format, changed elements, payload)`` with a ``uint8`` payload; format
         None when the dense tensor is no larger (send ``cur`` whole).
     """
-    cw, pw = _words(cur), _words(prev)
-    if cw is None:  # a width we do not compare: count it as changed everywhere
-        prev.copy_(cur)
+    found = diff(prev, cur)
+    if found is None:  # mostly changed, or a width we do not compare: whole
         return None, cur.numel(), cur
-    assert pw is not None  # prev has cur's dtype, so a width we compare
-    if cw.numel() == 0:
-        return None, 0, cur
-    diff = _diff_cpu if cur.device.type == "cpu" else _diff_torch
-    found = diff(cw, pw)
-    if found is None:  # mostly changed: whole
-        return None, cur.numel(), cur
-    return pack(cur, *found, compress=compress)
+    return pack(cur, found.positions, found.values, compress=compress)
 
 
 def pack(

@@ -54,7 +54,6 @@ import json
 import multiprocessing as mp
 import shutil
 import tempfile
-import threading
 import time
 from multiprocessing.queues import Queue
 from typing import Any
@@ -62,152 +61,26 @@ from typing import Any
 import torch
 
 from ._base import TransferStats
+from ._bench_receiver import CUDA_BACKENDS, allocate, crc, device_for, options, receiver, sync
 from ._bench_table import print_adapter_ratios, print_table
-from ._delta import Delta, _words
+from ._delta import _words
 from ._fp8 import FP8_BLOCK, fp8_weights, quantized_by_default
 from ._registry import registry
 from ._shapes import Layout, lora_layout, nbytes, scaled, shapes_by_name
 from ._sizes import parse_bucket_size
-from ._wire import aiter_weights, as_bytes, checksum
+from ._wire import aiter_weights
 from .backends._shm import ShmEngine
-
-_CUDA_BACKENDS = ("cuda_ipc", "nccl")
-
-
-def _device(backend: str, rank: int) -> torch.device:
-    if backend not in _CUDA_BACKENDS:
-        return torch.device("cpu")
-    # nccl: one GPU per member; cuda_ipc: everyone on the master's GPU
-    index = rank % torch.cuda.device_count() if backend == "nccl" else 0
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _allocate(layout: Layout, device: torch.device) -> dict[str, torch.Tensor]:
-    return {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape, dtype in layout}
-
-
-def _crc(tensors: dict[str, torch.Tensor]) -> tuple[int, ...]:
-    return tuple(checksum(as_bytes(t.cpu())) for t in tensors.values())
-
-
-def _private_bytes() -> int:
-    """This process's anonymous plus shared-memory resident bytes (``/proc/self/status``)."""
-    total = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("RssAnon:", "RssShmem:")):
-                total += int(line.split()[1]) * 1024
-    return total
-
-
-class _PeakSampler:
-    """The peak of :func:`_private_bytes` while active, sampled every millisecond."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _private_bytes())
-            time.sleep(0.001)
-
-    def __enter__(self) -> _PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _private_bytes())
-
-
-def _options(
-    args: argparse.Namespace, row: dict[str, Any], master: bool, root: str
-) -> dict[str, Any]:
-    backend = row["backend"]
-    options = {"bucket_size": args.bucket_size, "timeout": args.timeout, "is_master": master}
-    if row["delta"]:
-        options["delta"] = "on"
-        options["compress"] = row.get("compress", "off")
-    if backend == "filesystem":
-        options["root"] = root
-    return options
-
-
-def _receiver(
-    rank: int,
-    args: argparse.Namespace,
-    row: dict[str, Any],
-    layout: Layout,
-    root: str,
-    meta_q: Queue[dict[str, Any]],
-    cmd_q: Queue[str | None],
-    done_q: Queue[tuple[Any, ...]],
-) -> None:
-    torch.set_num_threads(args.threads)
-    device = _device(row["backend"], rank)
-    dest = _allocate(layout, device)  # touched (zeroed): part of the baseline
-    baseline = _private_bytes()
-    engine = registry.new(row["backend"], **_options(args, row, False, root))
-    engine.prepare()
-    meta = meta_q.get(timeout=args.timeout)
-    engine.init_process_group(rank=rank, world_size=args.receivers + 1, master_metadata=meta)
-    held: int | None = None
-
-    async def update(write: bool) -> float:
-        nonlocal held
-        if row.get("in_place"):  # the arena's tensors become the weights: a swap each
-            got, version = await engine.receive_in_place()  # type: ignore[attr-defined]
-            start = time.perf_counter()
-            dest.update(got)
-            engine.released(version)  # type: ignore[attr-defined]
-            return time.perf_counter() - start
-        spent = 0.0
-        base = held if row["delta"] else None
-        async for name, item in engine.receive_weights(copy=False, base_version=base):
-            if write:
-                start = time.perf_counter()
-                if isinstance(item, Delta):
-                    item.apply_(dest[name])
-                else:
-                    dest[name].copy_(item)
-                _sync(device)
-                spent += time.perf_counter() - start
-        held = engine.last_version if write else None
-        return spent
-
-    for command in iter(cmd_q.get, None):
-        if command == "crc":
-            done_q.put((rank, _crc(dest)))
-            continue
-        if command == "memory":
-            with _PeakSampler() as sampler:
-                asyncio.run(update(True))
-            arena = sum(t.numel() for t in getattr(engine, "_mapped", {}).values())
-            done_q.put((rank, time.monotonic(), sampler.peak - baseline - arena))
-            continue
-        spent = asyncio.run(update(command == "apply"))
-        done_q.put((rank, time.monotonic(), spent))
-    engine.finalize()
 
 
 def _plain_copy_seconds(weights: dict[str, torch.Tensor], device: torch.device) -> float:
     dst = {name: torch.empty_like(t) for name, t in weights.items()}
     times = []
     for _ in range(3):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         for name, t in weights.items():
             dst[name].copy_(t)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return min(times)  # the best of three: the machine's limit
 
@@ -236,7 +109,7 @@ def _run_row(
     cmd_qs: list[Queue[str | None]] = [ctx.Queue() for _ in range(args.receivers)]
     procs = [
         ctx.Process(
-            target=_receiver,
+            target=receiver,
             args=(
                 r,
                 args,
@@ -253,7 +126,7 @@ def _run_row(
     ]
     for p in procs:
         p.start()
-    engine = registry.new(row["backend"], **_options(args, row, True, root))
+    engine = registry.new(row["backend"], **options(args, row, True, root))
     meta = engine.prepare()
     for _ in procs:
         meta_q.put(meta)
@@ -287,7 +160,7 @@ def _run_row(
         for q in cmd_qs:
             q.put("crc")
         crcs = {done_q.get(timeout=args.timeout)[1] for _ in procs}
-        identical = crcs == {_crc(dict(await _materialize(sent())))}
+        identical = crcs == {crc(dict(await _materialize(sent())))}
         transfer, _, _ = await update(args.updates + 2, "consume")
         middle = sorted(timed, key=lambda t: t[0])[len(timed) // 2]
         seconds, stats, answers = middle
@@ -393,14 +266,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     backends = [b for b in args.backend.split(",") if b]
     for backend in backends:
-        if backend in _CUDA_BACKENDS and not torch.cuda.is_available():
+        if backend in CUDA_BACKENDS and not torch.cuda.is_available():
             parser.error(f"{backend} needs CUDA; none on this machine")
     bucket = parse_bucket_size(args.bucket_size)
 
     rows = []
     for label, layout in _layouts(args):
-        device = _device(backends[0], 0)
-        weights = _allocate(layout, device)
+        device = device_for(backends[0], 0)
+        weights = allocate(layout, device)
         gen = torch.Generator().manual_seed(1)
         for t in weights.values():
             t.copy_(torch.randn(t.shape, generator=gen))

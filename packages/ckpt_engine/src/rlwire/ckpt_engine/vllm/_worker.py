@@ -301,9 +301,9 @@ class RlwireWeightTransferEngine(WeightTransferEngine[RlwireInitInfo, RlwireUpda
     def _layer_names(self, weights: dict[str, torch.Tensor], changed: set[str]) -> list[str]:
         """The checkpoint names that feed a layer one of ``changed`` feeds (all of them
         when a name's layer is not found: a layout this mapping does not know)."""
-        if self._layers is None or self._layers[0] != weights.keys():
-            layers = {name: layer_of(self.model, name) for name in weights}
-            self._layers = (weights.keys(), layers)
+        names = frozenset(weights)  # (not the dict's keys view: it would keep the dict)
+        if self._layers is None or self._layers[0] != names:
+            self._layers = (names, {name: layer_of(self.model, name) for name in weights})
         layers = self._layers[1]
         touched = {layers[name] for name in changed}
         if None in touched:

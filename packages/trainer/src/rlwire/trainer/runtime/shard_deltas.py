@@ -11,6 +11,7 @@ once, to lay these copies out. Used by :class:`~.weight_push.WeightPush`.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -52,9 +53,8 @@ class ShardDeltas:
             self.shards = {name: part.contiguous().clone() for name, part, _ in shards}
             if self.rank == 0:
                 self.whole = keep(whole)
-            else:
-                for _ in whole:  # the gathers are collectives: iterate to the end
-                    pass
+            else:  # the gathers are collectives every rank takes part in: to the end
+                collections.deque(whole, maxlen=0)
             if self.whole is None:
                 return [], None
             # whole this time, and no mirror in the engine either
@@ -75,36 +75,25 @@ class ShardDeltas:
         by_rank = [dict((p[0], p) for p in ranks) for ranks in every]
         for name, target in self.whole.items():
             flat = target.view(-1)
-            words = flat.view(_word(target))
             positions, values, whole_part = [], [], False
             for ranks in by_rank:
                 _, offset, at, data = ranks[name]
-                if at is None:
+                if at is None:  # a whole shard
                     flat[offset : offset + data.numel()].copy_(data.reshape(-1))
                     whole_part = True
-                elif at.numel():
-                    at = at.to(words.device) + offset
-                    words.index_copy_(0, at, data.to(words.device))
-                    positions.append(at)
-                    values.append(data)
-            if whole_part:
-                changes[name] = None
-            elif positions:
-                changes[name] = Delta(
+                    continue
+                at = at.to(flat.device) + offset
+                flat.view(data.dtype).index_copy_(0, at, data.to(flat.device))  # words
+                positions.append(at)
+                values.append(data)
+            changes[name] = (
+                None
+                if whole_part
+                else Delta(
                     tuple(target.shape), target.dtype, torch.cat(positions), torch.cat(values)
                 )
-            else:
-                changes[name] = Delta(
-                    tuple(target.shape),
-                    target.dtype,
-                    torch.empty(0, dtype=torch.int64),
-                    torch.empty(0, dtype=_word(target)),
-                )
+            )
         return list(self.whole.items()), changes
-
-
-def _word(tensor: torch.Tensor) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
 
 
 def _gather(pieces: list[Piece], rank: int) -> list[list[Piece]]:
