@@ -30,8 +30,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.job)
 
 
-# Enough CPUs for the largest job here (2 actor ranks + 2 rollout workers, 1 CPU each).
-CPUS = 4
+# Enough CPUs for the largest job here (2 actor ranks + 4 rollout workers, 1 CPU each:
+# Ray's logical CPUs, not the machine's).
+CPUS = 6
 START_TIMEOUT = 120.0
 
 _HEAD = textwrap.dedent(

@@ -21,7 +21,7 @@ from ._registry import (
     backend_for_device,
     registry,
 )
-from ._segments import process_running, remove_segments
+from ._segments import mapped_segment_owners, process_running, remove_segments
 from ._sizes import DEFAULT_BUCKET_SIZE, parse_bucket_size
 from ._store import bound_store
 
@@ -47,6 +47,7 @@ __all__ = [
     "dequantize_fp8_blocks",
     "diff",
     "fp8_weights",
+    "mapped_segment_owners",
     "parse_bucket_size",
     "registry",
     "process_running",

@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Iterable
 
-__all__ = ["SHM_DIR", "SHM_PREFIX", "process_running", "remove_segments"]
+__all__ = ["SHM_DIR", "SHM_PREFIX", "mapped_segment_owners", "process_running", "remove_segments"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "rlwire-ckpt-shm-"
@@ -31,6 +31,27 @@ def process_running(pid: int) -> bool:
         except PermissionError:
             return True
         return True
+
+
+def mapped_segment_owners() -> set[int] | None:
+    """The pids of the processes whose ``shm`` segments this process maps now (read from
+    ``/proc/self/maps``: a segment stays mapped after its file is unlinked), or None where
+    there is no ``/proc``. Which sender a receiver reads from, seen from the kernel's side
+    rather than from what the receiver was told."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    owners = set()
+    start = f"{SHM_DIR}/{SHM_PREFIX}"
+    for line in lines:
+        path = line.split(maxsplit=5)[5:]
+        if path and path[0].startswith(start):
+            pid = path[0][len(start) :].split("-", 1)[0]
+            if pid.isdigit():
+                owners.add(int(pid))
+    return owners
 
 
 def remove_segments(pids: Iterable[int], *, wait: float = 0.0) -> list[str]:

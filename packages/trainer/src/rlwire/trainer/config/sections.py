@@ -166,6 +166,16 @@ class CheckpointEngineConfig:
     for a ``gloo`` link between hosts slower than compressing (about 0.3-0.5 GB/s per
     core), not for one host (loopback, ``shm``), where it costs more than it saves.
     ``off`` (default). Needs ``delta`` not ``off``."""
+    per_rank: bool | None = None
+    """Who sends the weights to rollout workers in processes of their own: ``true``: every
+    actor rank, to the rollout workers on its own GPU (on CPUs rollout worker ``j`` is rank
+    ``j % actor.world_size``'s), all ranks at once, each rank the master of a group of its
+    own (every rank gathers the full tensors anyway); ``false``: actor rank 0 to every
+    worker; ``null`` (default): per rank on GPUs when every rollout worker shares a GPU with
+    an actor rank (then ``backend=auto`` is ``cuda_ipc``: nothing through the host), rank 0
+    otherwise. Costs each sending rank what rank 0 alone pays otherwise (a delta mirror, a
+    fully-async snapshot). Rank 0 only with ``delta_sharded`` or ``in_place``. The run's log
+    says once which rank sends to which workers over which backend, and why."""
     digest: bool = False
     """After every sync, hash the weights on the sending and on each receiving side
     (SHA-256 of the fp32 bytes; ``hf`` backend) and record both in the metrics. Costs
@@ -190,6 +200,13 @@ class CheckpointEngineConfig:
             "ckpt_engine.delta",
             self.delta,
             "ckpt_engine.delta_sharded needs ckpt_engine.delta=on",
+        )
+        check(
+            not (self.per_rank and (self.delta_sharded or self.in_place)),
+            "ckpt_engine.per_rank",
+            self.per_rank,
+            "delta_sharded and in_place are designs around actor rank 0's one copy of the "
+            "whole weights: set per_rank to false or null",
         )
         check(
             self.compress == "off" or self.delta != "off",

@@ -3,8 +3,8 @@ without waiting and finished after the next update; a rollout worker that dies d
 does not end it with the run.
 
 The states of a push: **started** (:meth:`Pushes.start`: the group re-formed where its
-members changed, the queue told to expect the version, actor rank 0 sending from a thread of
-its own, each member receiving beside its generation), then **finished**
+members changed, the queue told to expect the version, each sending actor rank sending from
+a thread of its own, each member receiving beside its generation), then **finished**
 (:meth:`Pushes.finish`: rank 0's send ended and every member wrote the version in). A
 member's death while a push is in flight (seen wherever the driver waits:
 :meth:`Pushes.member_died`, from the fleet's heal) makes it **re-sent**: the send is aborted
@@ -63,8 +63,9 @@ class Pushes:
         self.finished = None
 
     def finish(self) -> dict[str, Any]:
-        """Wait until rank 0's send ended and every member wrote the version in: the send's
-        report, with each member's (``pulls``); re-sent first if a member dies meanwhile."""
+        """Wait until every sending rank's send ended and every member wrote the version in:
+        the sends' report, with each member's (``pulls``); re-sent first if a member dies
+        meanwhile."""
         version = self.version
         assert version is not None, "finish() with no push in flight"
         # The workers write it in at their next boundary, after the generation they are in:
@@ -76,9 +77,8 @@ class Pushes:
                 self.finished = [a.finish_push.remote() for a in self.job.actors]
             calls, finished = self.calls, self.finished
             try:
-                *_, stats, pulls = self.watch.get(
-                    [*calls, *finished[1:], finished[0], synced], timeout=None, what="weight sync"
-                )
+                done = self.watch.get([*calls, *finished, synced], timeout=None, what="weight sync")
+                pushes, pulls = done[len(calls) : -1], done[-1]
                 break
             except RunError as err:
                 if self.calls is not calls:  # a death re-sent it meanwhile (its abort failed
@@ -94,7 +94,7 @@ class Pushes:
                 f"weight sync: the rollout workers did not reach a boundary to take version "
                 f"{version} within {self.wait_s:g} s (async.sample_timeout)"
             )
-        return {**stats, "pulls": [p for p in pulls if p]}  # a dead worker's left out
+        return self.job.sync_report(pushes, [p for p in pulls if p])  # a dead worker's left out
 
     def drop(self) -> None:
         """Forget every call (the run ends: no reference to a Ray object is kept)."""

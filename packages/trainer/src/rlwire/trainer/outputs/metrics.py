@@ -161,6 +161,13 @@ class StepMetrics(UpdateMetrics):
     """With ``ckpt_engine.digest`` on a sync step: the weights sent."""
     weight_digest_rollout: list[str] | None = None
     """With ``ckpt_engine.digest`` on a sync step: each rollout worker's weights."""
+    weight_sync_senders: int | None = None
+    """On a sync step: the actor ranks that sent (1: rank 0 alone; ``ckpt_engine.per_rank``:
+    every rank with rollout engines of its own, at once)."""
+    weight_sources: list[list[int]] | None = None
+    """With ``ckpt_engine.digest`` over ``shm``, on a sync step: for each rollout worker, the
+    actor ranks whose shared memory it maps (read from the kernel's maps of its process):
+    which rank each engine received from."""
 
     def to_json(self) -> dict[str, Any]:
         """The line written to ``metrics.jsonl`` (step first, no ``None``, no ``tokens``)."""
@@ -256,6 +263,8 @@ def step_record(
         weight_sync_wire_bytes=synced.get("weight_sync_wire_bytes"),
         weight_sync_delta_density=synced.get("weight_sync_delta_density"),
         time_weight_export_s=synced.get("time_weight_export_s"),
+        weight_sync_senders=synced.get("weight_sync_senders"),
+        weight_sources=synced.get("weight_sources"),
         tokens_per_s=result.tokens / seconds,
         samples_per_s=len(batch) / seconds,
         time_generate_s=generate_s,

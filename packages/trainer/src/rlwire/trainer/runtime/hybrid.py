@@ -50,6 +50,7 @@ class HybridWorker(ActorWorker):
         from rlwire.ckpt_engine import registry
 
         self.sync_device = self.device
+        self._sends = True
         cfg = self.config.ckpt_engine
         self.engine = registry.new("naive", is_master=True, timeout=cfg.timeout)
         metadata = self.engine.prepare()

@@ -35,6 +35,7 @@ from .healing import Fleet
 from .hybrid import HybridWorker
 from .job_start import JobStart
 from .rollout_worker import RolloutWorker
+from .senders import merge_reports
 from .waits import CLOSE_TIMEOUT, RolloutLost, close_workers
 from .workers import ActorWorker
 
@@ -131,18 +132,34 @@ class Job(JobStart):
                 self.settle(refs, lost)  # while the replacement loads
                 return self.start_sync(version)()
             if self.hybrid:
-                return {**reports[0], "pulls": [r["pull"] for r in reports]}
-            return {**reports[0], "pulls": reports[len(self.actors) :]}
+                return {**merge_reports(reports), "pulls": [r["pull"] for r in reports]}
+            return self.sync_report(reports[: len(self.actors)], reports[len(self.actors) :])
 
         return done
 
+    def sync_report(self, pushes: list[dict], pulls: list[dict]) -> dict[str, Any]:
+        """The actor ranks' push reports as one (:func:`~.senders.merge_reports`), with each
+        rollout worker's pull report (``pulls``); where a pull names the processes whose
+        shared memory it read from (``source_pids``), ``weight_sources``: the actor ranks
+        they are, by pull."""
+        report = {**merge_reports(pushes), "pulls": pulls}
+        if pulls and all(p.get("source_pids") is not None for p in pulls):
+            ranks = {pid: rank for rank, pid in enumerate(self.actor_pids)}
+            report["weight_sources"] = [
+                sorted(ranks.get(pid, -1) for pid in p["source_pids"]) for p in pulls
+            ]
+        return report
+
     def abort_push(self, lost: RolloutLost) -> None:
-        """End the weight send in progress at once on actor rank 0 and every receiver (the
-        checkpoint engine's ``abort``), instead of the ``ckpt_engine.timeout`` the sender
-        would wait for the dead worker; the group is re-formed before the next send."""
+        """End the weight send in progress at once on every sending actor rank and every
+        receiver (the checkpoint engine's ``abort``), instead of the ``ckpt_engine.timeout``
+        a sender would wait for the dead worker; the groups are re-formed before the next
+        send."""
         reason = f"rollout worker {lost.index} died"
-        call = self.actors[0].abort_push.options(concurrency_group="abort").remote(reason)
-        self.watch.get(call, timeout=self.config.ckpt_engine.timeout, what="aborting the sync")
+        calls = [
+            a.abort_push.options(concurrency_group="abort").remote(reason) for a in self.actors
+        ]
+        self.watch.get(calls, timeout=self.config.ckpt_engine.timeout, what="aborting the sync")
 
     def settle(self, refs: list, lost: RolloutLost) -> None:
         """Wait until every call of a sync that lost a member has ended (each of their

@@ -15,7 +15,8 @@ from ..config.root import TrainerConfig
 from ..errors import RunError
 from ..outputs.checkpoint import load_checkpoint
 from ..outputs.loggers import Tracker
-from .cluster import GpuLayout, Handle, engine_backend, shm_bytes_needed
+from .cluster import GpuLayout, Handle, shm_bytes_needed
+from .senders import SendPlan, send_plan
 from .waits import Watch, cause, first_line
 
 __all__ = ["JobStart"]
@@ -59,7 +60,8 @@ class JobStart:
                 [w.node.remote() for w in self.processes], timeout=config.ray.startup_timeout
             )
             # before the rollout engines: a vllm serve server starts with its engine
-            backend = self._engine_backend(layout, len({n for n, _ in where}) == 1, model_path)
+            self.plan = self._send_plan(layout, len({n for n, _ in where}) == 1, model_path)
+            backend = self.plan.backend
             ready = [] if self.hybrid else [r.load_engine.remote(backend) for r in self.rollouts]
             if layout is not None:  # on GPUs the rollout engines measure free memory first
                 ray.get(ready, timeout=config.ray.startup_timeout)
@@ -118,6 +120,7 @@ class JobStart:
                 ids[world:],
             )
         nodes = [node for node, _ in where]
+        self.actor_pids = [pid for _, pid in where[:world]]  # (weight_sources)
         here = ray.get_runtime_context().get_node_id()  # the driver's: close() sweeps there
         self.local_pids = [pid for node, pid in where if node == here]
         names = {node: f"node {i}" for i, node in enumerate(dict.fromkeys(nodes))}
@@ -128,6 +131,7 @@ class JobStart:
             *master,
         )
         self.engine_backend = self._engine_setup(backend)
+        log.info("%s", self.plan.describe(self.members))  # once: re-formed groups keep it
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if self.metrics_path.exists():  # a fresh run's, or steps after the checkpoint
             lines = self.metrics_path.read_text().splitlines()
@@ -163,59 +167,78 @@ class JobStart:
         self.engine_backend = self._engine_setup(self.engine_backend, members)
         log.info("weight group re-formed in %.1f s", time.perf_counter() - start)
 
-    def _engine_backend(self, layout, one_host: bool, model_path: str) -> str:
-        """The checkpoint engine's backend: ``naive`` for the hybrid engine (each rank hands
-        over to its own rollout engine in memory), else ``ckpt_engine.backend`` with
-        ``auto`` resolved by where the workers run."""
+    def _send_plan(self, layout, one_host: bool, model_path: str) -> SendPlan:
+        """Who sends to which rollout worker over which backend (:mod:`.senders`): for the
+        hybrid engine every rank to its own in-process engine over ``naive``, else
+        ``ckpt_engine.per_rank`` and ``ckpt_engine.backend`` with ``auto`` resolved by where
+        the workers run."""
         if self.hybrid:
-            return "naive"
+            return SendPlan(
+                tuple(range(self.world)), "naive", "rollout engines in the actor ranks' processes"
+            )
         config = self.config
-        return engine_backend(
-            config.ckpt_engine.backend,
+        return send_plan(
+            config,
             layout,
+            workers=config.rollout.num_workers,
             one_host=one_host,
             shm_bytes=shm_bytes_needed(model_path, config.ckpt_engine.bucket_size),
         )
 
     def _engine_setup(self, backend: str, members: list[int] | None = None) -> str:
         """Join every member to the checkpoint engine of ``backend``; the backend. Hybrid:
-        each rank hands over to its own rollout engine; otherwise actor rank 0 sends,
-        rollout worker i receives as rank 1 + i (of ``members``, the rollout workers that
-        join, all by default: the k-th of them as rank 1 + k)."""
+        each rank hands over to its own rollout engine. Otherwise one group per sending rank
+        of :attr:`plan` (rank 0 alone, or every rank with rollout workers of its own), the
+        k-th of its rollout workers among ``members`` (those that join, all by default)
+        receiving as rank 1 + k; ranks with none take part in the gathers only."""
         config = self.config
         timeout = config.ray.startup_timeout + config.ckpt_engine.timeout
         if self.hybrid:
-            log.info("checkpoint engine: naive (rollout engines in the actor ranks' processes)")
             self.watch.get(
                 [a.engine_init_hybrid.remote() for a in self.actors],
                 timeout=timeout,
                 what="checkpoint engine setup",
             )
             return "naive"
-        log.info("checkpoint engine: %s", backend)
-        metadata = self.watch.get(
-            self.actors[0].engine_prepare.remote(backend),
-            timeout=config.ray.startup_timeout,
-            what="checkpoint engine setup",
-        )
-        if "host" in metadata:  # store-controlled backends: where receivers connect
-            log.info("checkpoint engine master at %s:%d", metadata["host"], metadata["port"])
         joining = list(range(len(self.rollouts))) if members is None else members
-        self.members = joining  # the rollout workers in the group, by rank
-        size = 1 + len(joining)
-        self.watch.get(
-            [
-                *[  # on the receive group: fully async's loop may hold the default one
-                    self.rollouts[i]
-                    .engine_init.options(concurrency_group="receive")
-                    .remote(backend, size, metadata, rank=1 + k)
-                    for k, i in enumerate(joining)
-                ],
-                *[a.engine_init.remote(backend, size, metadata) for a in self.actors],
-            ],
-            timeout=timeout,
-            what="checkpoint engine setup",
+        self.members = joining  # the rollout workers in the groups, by rank
+        groups = self.plan.groups(joining)
+        metadata = dict(
+            zip(
+                groups,
+                self.watch.get(
+                    [self.actors[rank].engine_prepare.remote(backend) for rank in groups],
+                    timeout=config.ray.startup_timeout,
+                    what="checkpoint engine setup",
+                ),
+                strict=True,
+            )
         )
+        for rank, meta in metadata.items():
+            if "host" in meta:  # store-controlled backends: where receivers connect
+                log.info(
+                    "checkpoint engine master (actor rank %d) at %s:%d",
+                    rank,
+                    meta["host"],
+                    meta["port"],
+                )
+        calls = []
+        for rank, workers in groups.items():
+            size = 1 + len(workers)
+            calls += [  # on the receive group: fully async's loop may hold the default one
+                self.rollouts[i]
+                .engine_init.options(concurrency_group="receive")
+                .remote(backend, size, metadata[rank], rank=1 + k)
+                for k, i in enumerate(workers)
+            ]
+        for rank, actor in enumerate(self.actors):
+            size = 1 + len(groups.get(rank, []))
+            calls.append(
+                actor.engine_init.remote(
+                    backend, size, metadata.get(rank, {}), sends=rank in groups
+                )
+            )
+        self.watch.get(calls, timeout=timeout, what="checkpoint engine setup")
         return backend
 
 

@@ -124,8 +124,7 @@ class RolloutWorker(WeightStage, WorkerProcess):
 
         async def receive() -> dict[str, Any]:
             self.version = await self._loaded().apply(self.engine)
-            digest = self._loaded().digest() if self.config.ckpt_engine.digest else None
-            return {"version": self.version, "digest": digest}
+            return self._held()
 
         return receive()
 

@@ -1,6 +1,8 @@
-"""An actor rank's weights to the rollout workers through the checkpoint engine: rank 0
-sends, the other ranks join the gathers; blocking (colocated, one-step off) or in the
-background (fully async). Mixed into :class:`~rlwire.trainer.runtime.workers.ActorWorker`."""
+"""An actor rank's weights to the rollout workers through the checkpoint engine: the
+sending ranks (rank 0, or every rank with rollout workers of its own: :mod:`.senders`) each
+master a group of their own, the other ranks join the gathers; blocking (colocated, one-step
+off) or in the background (fully async). Mixed into
+:class:`~rlwire.trainer.runtime.workers.ActorWorker`."""
 
 from __future__ import annotations
 
@@ -34,14 +36,19 @@ class WeightPush:
     config: TrainerConfig
     rank: int
     engine: CheckpointEngine | None
-    """Rank 0's sender from :meth:`engine_prepare`; the other ranks' from :meth:`engine_init`."""
+    """A sending rank's master from :meth:`engine_prepare`; the other ranks' (gathers only)
+    from :meth:`engine_init`."""
     shared: dict[str, torch.Tensor] | None
     sync_device: torch.device
     _sending: Background
     _snapshot: tuple[int, list[tuple[str, torch.Tensor]], float, WeightsDigest | None] | None
-    """Rank 0, fully async: the last push's (version, weights, gathering seconds, digest)."""
+    """A sending rank, fully async: the last push's (version, weights, gathering seconds,
+    digest)."""
     _changes: dict[str, Any] | None = None
     """Rank 0, fully async: the changes of the snapshot's first send (None after it)."""
+    _sends = False
+    """This rank masters a group of its own (:meth:`engine_prepare`); else it only takes
+    part in the gathers."""
     _laid_out = False
     """``ckpt_engine.in_place``: this group's arenas are laid out."""
     _shards: ShardDeltas | None = None
@@ -56,10 +63,10 @@ class WeightPush:
 
     # --- weights to the rollout worker -----------------------------------------------------
     def engine_prepare(self, backend: str) -> dict:
+        """Become the master of a group of this rank's own (a new engine, an older group
+        left); the metadata its receivers join with (:meth:`engine_init` follows)."""
         from rlwire.ckpt_engine import registry
 
-        if self.rank != 0:
-            return {}
         # Receivers of a store-controlled backend reach the master's store at this node.
         capabilities = registry.capabilities(backend)
         where = {"host": host()} if capabilities.uses_store else {}
@@ -77,6 +84,7 @@ class WeightPush:
         self._laid_out = False  # a new engine: its arenas are laid out on its first sync
         compress = self.config.ckpt_engine.compress if delta != "off" else "off"
         self._leave_group()  # a group re-formed (a rollout worker replaced): a new master
+        self._sends = True
         self.engine = engine = registry.new(
             backend,
             is_master=True,
@@ -88,11 +96,17 @@ class WeightPush:
         )
         return engine.prepare()
 
-    def engine_init(self, backend: str, world_size: int, metadata: dict) -> None:
+    def engine_init(
+        self, backend: str, world_size: int, metadata: dict, *, sends: bool | None = None
+    ) -> None:
+        """Join: as the master of the group :meth:`engine_prepare` made (``sends``; by
+        default rank 0 alone sends), or, for a rank without receivers of its own, as a
+        member that takes part in the gathers only."""
         from rlwire.ckpt_engine import registry
 
-        if self.rank != 0:  # trainer ranks other than 0 take part in gathers only
+        if not (self.rank == 0 if sends is None else sends):
             self._leave_group()
+            self._sends = False
             self.engine = engine = registry.new(
                 backend,
                 is_master=False,
@@ -104,10 +118,11 @@ class WeightPush:
         self._engine().init_process_group(rank=0, world_size=world_size, master_metadata=metadata)
 
     def abort_push(self, reason: str) -> None:
-        """Rank 0, on the ``abort`` concurrency group while a send waits on the default one
-        (or runs in the background): end it at once, on every receiver too (the checkpoint
-        engine's ``abort``); the group is left at the next :meth:`engine_prepare`."""
-        if self.rank == 0 and self.engine is not None:
+        """A sending rank, on the ``abort`` concurrency group while a send waits on the
+        default one (or runs in the background): end it at once, on every receiver too (the
+        checkpoint engine's ``abort``); the group is left at the next :meth:`engine_prepare`
+        or :meth:`engine_init`."""
+        if self._sends and self.engine is not None:
             self.engine.abort(reason)
 
     def _leave_group(self) -> None:
@@ -138,11 +153,11 @@ class WeightPush:
         return asyncio.run(self._push(version))
 
     def _push(self, version: int) -> Coroutine[Any, Any, dict[str, Any]]:
-        """Send the full weights as ``version`` (rank 0; the others join the gathers): a
-        coroutine, to run alone or beside a receiver in this process (a method declared
-        ``async`` would make Ray run the whole class as an async actor).
+        """Send the full weights as ``version`` (a sending rank; the others join the gathers
+        and report ``{}``): a coroutine, to run alone or beside a receiver in this process
+        (a method declared ``async`` would make Ray run the whole class as an async actor).
 
-        With a zero-copy backend (``shm``) rank 0 keeps one persistent copy of the full
+        With a zero-copy backend (``shm``) a sending rank keeps one persistent copy of the full
         weights in the engine's shared arena, laid out on the first sync: each sync copies
         every gathered tensor into its place there and sends without packing; the receivers
         read it in place."""
@@ -153,6 +168,8 @@ class WeightPush:
             with self._resident(optimizer=False):
                 items, changes = self._sync_items(digest)
                 stats = await engine.send_weights(items, version=version, changes=changes)
+            if not self._sends:
+                return {}
             # gathering the full weights (and copying them into the arena) beyond the engine
             return _report(stats, time.perf_counter() - start - stats.seconds, digest)
 
@@ -160,12 +177,12 @@ class WeightPush:
 
     def start_push(self, version: int) -> None:
         """Send the full weights as ``version`` without holding this rank (fully-async mode):
-        every rank gathers them now; rank 0 keeps them as a snapshot (the ``shm`` arena, or a
-        copy: one copy of the weights more on rank 0) and sends it from a thread of its own
+        every rank gathers them now; each sending rank keeps them as a snapshot (the ``shm``
+        arena, or a copy: one copy of the weights more on it) and sends it from a thread of its own
         while the next calls (updates) run; the rollout workers take it at their next
         boundary. One send in flight: the previous one ends before the snapshot is taken
         (the arena is its source until then; the driver finishes every push first)."""
-        if self.rank != 0:  # the gathers only
+        if not self._sends:  # the gathers only
             self.push_weights(version)
             return
         self.finish_push()
@@ -181,12 +198,14 @@ class WeightPush:
         """Send the snapshot of ``version`` that :meth:`start_push` took again, in the
         background, to the group re-formed since (a member died during its send, or every
         member did and a replacement needs the weights the others hold): the same bytes,
-        whatever updates ran since. Rank 0 only (nothing is gathered)."""
-        if self.rank != 0:
+        whatever updates ran since. Sending ranks only (nothing is gathered)."""
+        if not self._sends:
             return
         held = self._snapshot[0] if self._snapshot is not None else None
         if held != version:
-            raise RuntimeError(f"actor rank 0: no snapshot of version {version} (holds {held})")
+            raise RuntimeError(
+                f"actor rank {self.rank}: no snapshot of version {version} (holds {held})"
+            )
         from rlwire.ckpt_engine import CheckpointEngineError
 
         # the send this one replaces, if its outcome (aborted, or failed with the member
@@ -215,7 +234,7 @@ class WeightPush:
         of its waits by ``ckpt_engine.timeout``, so a large model's send may take longer in
         all; it fails only after :func:`~.background.idle_budget` seconds without progress
         (a send stuck outside the engine's waits). What :meth:`push_weights` reports (``{}``
-        on ranks but 0)."""
+        on ranks that do not send)."""
         timeout = self.config.ckpt_engine.timeout
         engine = self.engine
         return (
@@ -233,7 +252,7 @@ class WeightPush:
         changes each rank found in its own shard, gathered and written into rank 0's copy
         (:class:`~.shard_deltas.ShardDeltas`). ``snapshot``: weights that outlive the call
         (fully async sends them from a thread while the next update runs)."""
-        if self.config.ckpt_engine.in_place and self.rank == 0:
+        if self.config.ckpt_engine.in_place and self._sends:
             items = self._in_place(self._gathered(digest))
             if snapshot:  # the engine copies them into its arena while the next update runs
                 items = [(name, value.detach().clone()) for name, value in items]
@@ -275,8 +294,9 @@ class WeightPush:
         return items
 
     def _digest(self) -> WeightsDigest | None:
-        """A digest to fill while gathering, with ``ckpt_engine.digest`` (rank 0 reports)."""
-        return WeightsDigest() if self.config.ckpt_engine.digest and self.rank == 0 else None
+        """A digest to fill while gathering, with ``ckpt_engine.digest`` (a sending rank
+        reports it)."""
+        return WeightsDigest() if self.config.ckpt_engine.digest and self._sends else None
 
     def _gathered(self, digest: WeightsDigest | None):
         """:meth:`_full_weights`, added to ``digest`` on the way."""
@@ -288,7 +308,7 @@ class WeightPush:
     def _zero_copy(self) -> bool:
         from rlwire.ckpt_engine import registry
 
-        return self.rank == 0 and registry.capabilities(self._engine().name).zero_copy
+        return self._sends and registry.capabilities(self._engine().name).zero_copy
 
     def _into_arena(self, gathered) -> list[tuple[str, torch.Tensor]]:
         """Copy the gathered weights into the shared arena (laid out on first use); the

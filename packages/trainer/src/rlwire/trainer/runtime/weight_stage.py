@@ -119,5 +119,21 @@ class WeightStage:
             raise RuntimeError(
                 f"rollout worker {self.index}: received version {self.version}, expected {expected}"
             )
-        digest = self._loaded().digest() if self.config.ckpt_engine.digest else None
-        return {"version": self.version, "digest": digest, "commit_s": sum(paused)}
+        return {**self._held(), "commit_s": sum(paused)}
+
+    def _held(self) -> dict[str, Any]:
+        """What a pull reports of the weights held now: the version and, with
+        ``ckpt_engine.digest`` (a checking run), their digest and ``source_pids``: the
+        processes whose ``shm`` segments this worker maps, read from the kernel
+        (:func:`rlwire.ckpt_engine.mapped_segment_owners`; None off ``shm`` or ``/proc``),
+        so that a run can show which actor rank each engine received from."""
+        if not self.config.ckpt_engine.digest:
+            return {"version": self.version, "digest": None}
+        from rlwire.ckpt_engine import mapped_segment_owners
+
+        owners = mapped_segment_owners() if self.config.ckpt_engine.backend == "shm" else None
+        return {
+            "version": self.version,
+            "digest": self._loaded().digest(),
+            "source_pids": None if owners is None else sorted(owners),
+        }
