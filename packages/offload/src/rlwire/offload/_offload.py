@@ -1,4 +1,4 @@
-"""Offload and load models and optimizer state through a pinned pool."""
+"""Offload and load models and optimizer state through a pinned pool, and prepare it ahead."""
 
 from __future__ import annotations
 
@@ -13,24 +13,29 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._layout import chunked_layout, host_views
 from ._pool import PinnedPool, default_pool
 from ._slots import Slot, drop_grads, module_slots, optimizer_slots
 from ._transfer import Transfer
 
-__all__ = ["load_model", "load_optimizer", "offload_model", "offload_optimizer"]
+__all__ = [
+    "load_model",
+    "load_optimizer",
+    "offload_model",
+    "offload_optimizer",
+]
 
-_ALIGN = 64  # bytes; every tensor in a host slab starts on a 64-byte boundary
 _GRAD_MODES = ("drop", "keep")
 
 
 @dataclasses.dataclass(slots=True)
 class _Offloaded:
-    slab: torch.Tensor
+    blocks: list[torch.Tensor]
     pool: PinnedPool
     device: torch.device
 
 
-# owner (model or optimizer) -> its host slab while offloaded
+# owner (model or optimizer) -> its host buffers while offloaded
 _offloaded: weakref.WeakKeyDictionary[Any, _Offloaded] = weakref.WeakKeyDictionary()
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
@@ -48,27 +53,8 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
         return _streams[device]
 
 
-def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    offsets, total = [], 0
-    for t in tensors:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    return offsets, total
-
-
-def _host_views(
-    slab: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: list[int]
-) -> list[torch.Tensor]:
-    return [
-        slab[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        for t, off in zip(tensors, offsets, strict=True)
-    ]
-
-
-def _in_slab(t: torch.Tensor, slab: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and (
-        t.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
-    )
+def _in_blocks(t: torch.Tensor, block_ptrs: set[int]) -> bool:
+    return t.device.type == "cpu" and t.untyped_storage().data_ptr() in block_ptrs
 
 
 def _side_stream_copies(
@@ -76,8 +62,6 @@ def _side_stream_copies(
     dests: Sequence[torch.Tensor],
     sources: Sequence[torch.Tensor],
     non_blocking: bool,
-    *,
-    record_sources: bool,
 ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
     """Queue ``dest.copy_(src)`` pairs on the device's copy stream, after the current
     stream's work; return the timing events recorded around them."""
@@ -89,8 +73,6 @@ def _side_stream_copies(
         start.record(stream)
         for dst, src in zip(dests, sources, strict=True):
             dst.copy_(src, non_blocking=non_blocking)
-            if record_sources:
-                src.record_stream(stream)
         end.record(stream)
     return start, end
 
@@ -131,23 +113,58 @@ def _offload(
     pool = pool or default_pool()
     sources = [s.tensor.detach() for s in moving]
     device = sources[0].device
-    offsets, total = _layout(sources)
-    slab = pool.reserve(total)
-    hosts = _host_views(slab, sources, offsets)
+    chunks = chunked_layout(sources, pool.chunk_bytes)
     nbytes = sum(t.numel() * t.element_size() for t in sources)
-    _offloaded[owner] = _Offloaded(slab, pool, device)
+    hosts: list[torch.Tensor] = [sources[0]] * len(sources)  # each replaced by its host view
+    blocks: list[torch.Tensor] = []
     if device.type != "cuda":
         began = time.perf_counter()
-        with torch.no_grad():
-            for host, src in zip(hosts, sources, strict=True):
-                host.copy_(src)
+        try:
+            with torch.no_grad():
+                for chunk in chunks:
+                    blocks.append(pool.reserve(chunk.nbytes))
+                    for i, host in zip(
+                        chunk.indices, host_views(blocks[-1], sources, chunk), strict=True
+                    ):
+                        host.copy_(sources[i])
+                        hosts[i] = host
+        except BaseException:
+            for block in blocks:
+                pool.free(block)
+            raise
+        _offloaded[owner] = _Offloaded(blocks, pool, device)
         for slot, host in zip(moving, hosts, strict=True):
             slot.install(host)
         return Transfer.completed(what, nbytes, time.perf_counter() - began)
-    # The model lets go of the device memory right below, before the copy ran:
-    # record_sources keeps the allocator from reusing it until the copy is done,
-    # so the memory is free for the caller's next allocations at once.
-    start, end = _side_stream_copies(device, hosts, sources, non_blocking, record_sources=True)
+    stream = _copy_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: untyped
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: untyped
+    with torch.cuda.stream(stream), torch.no_grad():
+        start.record(stream)
+        try:
+            for chunk in chunks:
+                # A buffer the pool lacks is page-locked here, on the host, while the
+                # device copies into the buffers before it.
+                blocks.append(pool.reserve(chunk.nbytes))
+                for i, host in zip(
+                    chunk.indices, host_views(blocks[-1], sources, chunk), strict=True
+                ):
+                    host.copy_(sources[i], non_blocking=non_blocking)
+                    # The model lets go of the device memory below, before the copy ran:
+                    # recording the stream keeps the allocator from reusing it until the
+                    # copy is done, so the memory is free for the caller's next
+                    # allocations at once.
+                    sources[i].record_stream(stream)
+                    hosts[i] = host
+        except BaseException:  # nothing installed yet: the model is as it was
+            failed = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: untyped
+            failed.record(stream)
+            for block in blocks:  # fenced: copies into them may be queued
+                pool.free(block, after=failed)
+            raise
+        end.record(stream)
+    _offloaded[owner] = _Offloaded(blocks, pool, device)
     for slot, host in zip(moving, hosts, strict=True):
         slot.install(host)
     on_done = None
@@ -174,24 +191,27 @@ def _load(
     target = torch.device(device) if device is not None else record.device
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
-    moving = [s for s in slots if _in_slab(s.tensor, record.slab)]
+    block_ptrs = {block.untyped_storage().data_ptr() for block in record.blocks}
+    moving = [s for s in slots if _in_blocks(s.tensor, block_ptrs)]
     sources = [s.tensor.detach() for s in moving]
     nbytes = sum(t.numel() * t.element_size() for t in sources)
     if target.type != "cuda":
         began = time.perf_counter()
         for slot, src in zip(moving, sources, strict=True):
             slot.install(src.to(target, copy=True))
-        record.pool.free(record.slab)
+        for block in record.blocks:
+            record.pool.free(block)
         return Transfer.completed(what, nbytes, time.perf_counter() - began)
     dests = [torch.empty(t.shape, dtype=t.dtype, device=target) for t in sources]
-    start, end = _side_stream_copies(target, dests, sources, non_blocking, record_sources=False)
+    start, end = _side_stream_copies(target, dests, sources, non_blocking)
     # Work queued on the current stream from now on sees the loaded values.
     torch.cuda.current_stream(target).wait_event(end)
     for slot, dst in zip(moving, dests, strict=True):
         slot.install(dst)
-    # Back to the pool now, fenced: the next reservation of this slab waits for
+    # Back to the pool now, fenced: the next reservation of these buffers waits for
     # the copy, so a caller who never waits on this load loses no pinned memory.
-    record.pool.free(record.slab, after=end)
+    for block in record.blocks:
+        record.pool.free(block, after=end)
     return _finish(Transfer(nbytes, what=what, start=start, end=end))
 
 
@@ -209,9 +229,11 @@ def offload_model(
     Handles plain modules, FSDP2 (the local shard of each ``DTensor``) and
     FSDP1 (flat parameters). Parameter and buffer objects keep their identity,
     so optimizers and hooks holding them keep working; only their storage
-    moves, into one slab of ``pool`` (default: the process's pool) that is
-    reused by the next cycle. Modules using FSDP2's or FSDP1's own CPU offload
-    are skipped with a log line.
+    moves, into buffers of ``pool`` (default: the process's pool; tensors packed
+    in order into buffers of at most ``pool.chunk_bytes``) that the next cycle
+    reuses. A buffer the pool lacks is page-locked on the way, while the copies
+    into the ones before run; :func:`prepare_model` does that ahead of time.
+    Modules using FSDP2's or FSDP1's own CPU offload are skipped with a log line.
 
     Safety: with ``non_blocking=True`` the copy runs on a side stream and the
     host tensors are NOT safe to read until the returned :class:`Transfer` is
@@ -271,8 +293,8 @@ def load_model(
 
     ``device`` defaults to where the tensors came from. The current stream is
     made to wait for the copy, so using the model on it right away is safe;
-    the host slab goes back to its pool at once, fenced by the copy's event
-    (its next reservation waits for the copy), so waiting is optional.
+    the host buffers go back to their pool at once, fenced by the copy's event
+    (their next reservation waits for the copy), so waiting is optional.
     """
     params, grad_slots = module_slots(model, grads=True)
     return _load(model, params + grad_slots, device, non_blocking=non_blocking, what="load_model")

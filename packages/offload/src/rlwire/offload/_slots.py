@@ -61,7 +61,9 @@ def _reviewed(view: torch.Tensor, base: torch.Tensor, new_base: torch.Tensor) ->
     return new_base.as_strided(view.size(), view.stride(), new_base.storage_offset() + offset)
 
 
-def _fsdp2_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list[Slot], list[Slot]]:
+def _fsdp2_slots(
+    model: nn.Module, grads: bool, managed: set[int], reshard: bool
+) -> tuple[list[Slot], list[Slot]]:
     from torch.distributed.fsdp import FSDPModule
 
     params: list[Slot] = []
@@ -71,7 +73,8 @@ def _fsdp2_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list
             continue
         # After a forward without backward the root keeps its unsharded parameters
         # registered; offload the sharded storage only, which a reshard puts back.
-        module.reshard()
+        if reshard:
+            module.reshard()
         state = module._get_fsdp_state()
         groups: list[Any] | None = getattr(state, "_fsdp_param_groups", None)
         if groups is None:  # torch 2.11 (CI's floor) and older: one group per module
@@ -150,14 +153,18 @@ def _fsdp1_slots(model: nn.Module, grads: bool, managed: set[int]) -> tuple[list
     return params, grad_slots
 
 
-def module_slots(model: nn.Module, *, grads: bool) -> tuple[list[Slot], list[Slot]]:
+def module_slots(
+    model: nn.Module, *, grads: bool, reshard: bool = True
+) -> tuple[list[Slot], list[Slot]]:
     """``(parameter and buffer slots, gradient slots)`` of ``model``.
 
     Gradient slots are listed only when ``grads`` is True; they must be
     installed after the parameter slots (a gradient follows its parameter's device).
+    ``reshard=False`` leaves FSDP2 modules as they are (to size, not to move:
+    the sharded storage listed is the same either way).
     """
     managed: set[int] = set()
-    params, grad_slots = _fsdp2_slots(model, grads, managed)
+    params, grad_slots = _fsdp2_slots(model, grads, managed, reshard)
     p1, g1 = _fsdp1_slots(model, grads, managed)
     params += p1
     grad_slots += g1
