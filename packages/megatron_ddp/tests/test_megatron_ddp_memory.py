@@ -27,11 +27,23 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import megatron_ddp_buffers_worker  # noqa: E402
 
-# Ranks are forked from multiprocessing's fork server, which imports torch, megatron-core and
-# the worker once (torchrun started an interpreter of its own and one per rank: 16.5 s in the
-# workspace run here, against 8-10 s). In one pytest process the server is shared: the last
+# CPU ranks are forked from multiprocessing's fork server, which imports torch, megatron-core
+# and the worker once (torchrun started an interpreter of its own and one per rank: 16.5 s in
+# the workspace run here, against 8-10 s). In one pytest process the server is shared: the last
 # preload list set before its first use is the one it has, and a rank imports what it lacks.
+# CUDA ranks are spawned instead (see _start_method).
 multiprocessing.set_forkserver_preload(["torch", "megatron.core", "megatron_ddp_buffers_worker"])
+
+
+def _start_method(device: str) -> str:
+    """``forkserver`` on the CPU; ``spawn`` (a fresh interpreter per rank) on CUDA.
+
+    Importing megatron-core starts CUDA where there is a GPU (the H200 run: the preload
+    did, and every forked rank then failed with "Cannot re-initialize CUDA in forked
+    subprocess"). CUDA survives no fork, so no rank that uses it may come from a process
+    that started it: spawned ranks import everything themselves (slower, GPU only).
+    """
+    return "spawn" if device == "cuda" else "forkserver"
 
 
 @pytest.mark.parametrize("d", [1, 2, 8, 64])
@@ -167,20 +179,23 @@ def test_readme_table_is_the_one_the_package_prints():
 
 def _buffers(out: Path, ranks: int, device: str) -> dict:
     """Megatron-Core DDP's real buffers, built on ``ranks`` ranks on ``device``."""
-    _on_ranks(megatron_ddp_buffers_worker.main, ranks, str(out), device)
+    main, method = megatron_ddp_buffers_worker.main, _start_method(device)
+    _on_ranks(main, ranks, str(out), device, start_method=method)
     return json.loads(out.read_text())
 
 
-def _on_ranks(main, nproc: int, *args: str, timeout: float = 300) -> None:
+def _on_ranks(
+    main, nproc: int, *args: str, start_method: str = "forkserver", timeout: float = 300
+) -> None:
     """``main(*args)`` on ``nproc`` ranks with the variables torchrun would set (``env://``),
-    forked from multiprocessing's fork server (torch imported there once, not per rank).
-    A rank that raises or exits non-zero fails the test with its error; all are killed after
-    ``timeout`` s."""
+    forked from multiprocessing's fork server by default (torch imported there once, not per
+    rank). A rank that raises or exits non-zero fails the test with its error; all are killed
+    after ``timeout`` s."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     ranks = start_processes(
-        _rank, args=(main, nproc, port, args), nprocs=nproc, join=False, start_method="forkserver"
+        _rank, args=(main, nproc, port, args), nprocs=nproc, join=False, start_method=start_method
     )
     deadline = time.monotonic() + timeout
     try:
