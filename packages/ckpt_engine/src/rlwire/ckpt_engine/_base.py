@@ -48,6 +48,10 @@ class TransferStats:
     pack_seconds: float = 0.0
     """Sender time spent packing: copies into buckets, delta encoding (and the mirror's
     copy when deltas are on), not waiting for the transport."""
+    delta_reason: str | None = None
+    """Why this engine's ``delta="auto"`` sends dense updates from now on (e.g. on a CUDA
+    device, or after a delta that saved too little), set from the update that decided it;
+    None while it may send deltas, and for ``delta="on"``/``"off"``."""
 
     def __post_init__(self) -> None:
         if self.wire_bytes is None:

@@ -12,6 +12,7 @@ import torch
 
 from ._base import CheckpointEngine, TransferStats, Weights
 from ._delta import Delta, pack
+from ._delta_batch import DeltaBatch, Encoded
 from ._errors import CheckpointEngineError
 from ._wire import (
     BucketMeta,
@@ -110,6 +111,8 @@ class BucketedEngine(CheckpointEngine):
                 seconds=time.perf_counter() - start,
                 was_delta=base is not None,
             )
+        if self.delta.reason is not None:
+            stats = dataclasses.replace(stats, delta_reason=self.delta.reason)
         return stats
 
     async def _pack_and_send(
@@ -153,6 +156,26 @@ class BucketedEngine(CheckpointEngine):
                 )
                 pos += length
 
+        batch = DeltaBatch(self.delta)  # a delta bucket's tensors, compared together
+
+        async def send_encoded(done: list[Encoded]) -> None:
+            nonlocal changed, wire, covered
+            for e in done:
+                changed += e.changed
+                dname = dtype_name(e.dtype)
+                if e.format is None:  # whole (the payload is the tensor, or the mirror's copy)
+                    src = as_bytes(e.payload)
+                    wire += src.numel()
+                    await pack(src, Entry(e.name, dname, e.shape, 0, 0, 0))
+                    continue
+                info = (e.format, e.changed, e.payload.numel())
+                wire += e.payload.numel()
+                await pack(e.payload, Entry(e.name, dname, e.shape, 0, 0, 0, None, info))
+                covered += e.nbytes
+                if covered >= self.bucket_size // DELTA_FLUSH:
+                    # receivers apply this part while the rest is compared
+                    await flush(last=False)
+
         async for name, tensor in aiter_weights(weights):
             tensor = tensor.detach().contiguous()  # once: packing and encoding read it
             src = as_bytes(tensor)
@@ -166,19 +189,15 @@ class BucketedEngine(CheckpointEngine):
                 if given:  # the caller found the changes: no comparison, no mirror
                     assert self._changes is not None
                     fmt, k, payload = self._given(name, tensor, self._changes[name])
+                    mine = Encoded(name, fmt, k, payload, tensor.dtype, shape, src.numel())
+                    done = [*batch.finish(), mine]  # in sending order
                 else:
-                    fmt, k, payload = self.delta.encode(name, tensor)
+                    batch.add(name, tensor)
+                    full = batch.nbytes >= self.bucket_size // DELTA_FLUSH
+                    done = batch.finish() if full else []
                 packing += time.perf_counter() - start
-                changed += k
-                if fmt is not None:
-                    info = (fmt, k, payload.numel())
-                    wire += payload.numel()
-                    await pack(payload, Entry(name, dname, shape, 0, 0, 0, None, info))
-                    covered += src.numel()
-                    if covered >= self.bucket_size // DELTA_FLUSH:
-                        # receivers apply this part while the rest is compared
-                        await flush(last=False)
-                    continue
+                await send_encoded(done)
+                continue
             elif self.delta.enabled and not given:
                 self.delta.remember(name, tensor)
                 packing += time.perf_counter() - start
@@ -188,6 +207,10 @@ class BucketedEngine(CheckpointEngine):
                 entries.append(Entry(name, dname, shape, direct[1], 0, src.numel(), direct[0]))
                 continue
             await pack(src, Entry(name, dname, shape, 0, 0, 0))
+        start = time.perf_counter()
+        done = batch.finish()
+        packing += time.perf_counter() - start
+        await send_encoded(done)
         await flush(last=True)
         await self._drain(self._seq - 1)
         return TransferStats(nbytes, tensors, buckets, 0.0, wire, base, changed, elements, packing)

@@ -50,6 +50,12 @@ whose bytes were more than this share of the dense update's, or that took longer
 than the last dense update (finding the changes reads the weights twice over, so
 where the link is as fast as memory, shared memory on one host, dense wins)."""
 
+AUTO_DENSE_ON = ("cuda",)
+"""Devices where ``delta="auto"`` sends dense from the first update and keeps no mirror:
+there the link is device memory or a GPU interconnect, and a dense copy costs about what
+reading the weights and the mirror to find the changes costs (``delta="on"`` still sends
+deltas there, encoded a bucket at a time: :mod:`._delta_batch`)."""
+
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 ZST = ".zst"
 """The suffix of a compressed delta's format."""
@@ -313,6 +319,12 @@ class DeltaMirror:
         self.tensors: dict[str, torch.Tensor] = {}
         self.version: int | None = None
         self._dense_seconds: float | None = None  # the last dense update's
+        self.scratch: torch.Tensor | None = None
+        """The change mask of :class:`~._delta_batch.DeltaBatch` (``bool``, on the weights'
+        device), kept between buckets and updates."""
+        self.reason: str | None = None
+        """Why ``delta="auto"`` sends dense updates from now on (it stopped comparing and
+        freed the mirror); None while it may send deltas, and for ``"on"``/``"off"``."""
 
     @property
     def enabled(self) -> bool:
@@ -330,7 +342,14 @@ class DeltaMirror:
         return self.version
 
     def remember(self, name: str, tensor: torch.Tensor) -> None:
-        """A dense send of ``tensor``: the mirror copies it."""
+        """A dense send of ``tensor``: the mirror copies it (``delta="auto"`` on a device of
+        :data:`AUTO_DENSE_ON`: stops comparing instead)."""
+        if self.mode == "auto" and tensor.device.type in AUTO_DENSE_ON:
+            self._give_up(
+                f"auto: sends dense on {tensor.device.type}, where a dense copy costs about what "
+                "finding the changes does (delta='on' sends deltas there)"
+            )
+            return
         kept = self.tensors.get(name)
         if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
             kept = torch.empty_like(tensor, memory_format=torch.contiguous_format)
@@ -354,9 +373,23 @@ class DeltaMirror:
         if not was_delta:
             self._dense_seconds = seconds
             return
-        slower = self._dense_seconds is not None and seconds > self._dense_seconds
-        if self.mode == "auto" and (wire > AUTO_GIVE_UP * dense or slower):
-            self.mode, self.tensors, self.version = "off", {}, None
+        if self.mode != "auto":
+            return
+        if wire > AUTO_GIVE_UP * dense:
+            self._give_up(
+                f"auto: a delta update sent {wire / max(dense, 1):.0%} of the dense bytes "
+                f"(more than {AUTO_GIVE_UP:.0%})"
+            )
+        elif self._dense_seconds is not None and seconds > self._dense_seconds:
+            self._give_up(
+                f"auto: a delta update took {seconds:.3f} s, longer than the last dense one "
+                f"({self._dense_seconds:.3f} s)"
+            )
+
+    def _give_up(self, reason: str) -> None:
+        """``delta="auto"`` stops comparing for good and frees the mirror."""
+        self.mode, self.tensors, self.version, self.scratch = "off", {}, None, None
+        self.reason = reason
 
     def invalidate(self) -> None:
         """The update failed: receivers may hold anything, the next one is dense."""

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ._delta import Delta, decode
+from ._delta import Delta
+from ._delta_batch import DeltaEntry, decode_many
 from ._errors import CheckpointEngineError
 
 __all__ = [
@@ -209,19 +210,40 @@ class Unpacker:
                     f"bucket {meta.index} of version {meta.version} is corrupted: checksum "
                     f"{actual:#010x} != {meta.checksum:#010x}; tensors: {names}"
                 )
-        for e in meta.entries:
+        deltas = self._deltas(meta, buf, copy, arenas)  # checked before any item is given
+        for i, e in enumerate(meta.entries):
             dtype = dtype_from_name(e.dtype)
-            if e.delta is None and e.nbytes == 0:
+            if e.delta is not None:
+                if i in deltas:
+                    yield e.name, *deltas[i]
+                continue
+            if e.nbytes == 0:
                 yield e.name, torch.empty(e.shape, dtype=dtype, device=buf.device), False
                 continue
             whole = self._assemble(e, buf, copy, arenas)
-            if whole is None:
-                continue
-            data, is_view = whole
-            if e.delta is not None:
-                yield e.name, decode(*e.delta[:2], e.shape, dtype, data), is_view
-            else:
+            if whole is not None:
+                data, is_view = whole
                 yield e.name, data.view(dtype).view(e.shape), is_view
+
+    def _deltas(
+        self,
+        meta: BucketMeta,
+        buf: torch.Tensor,
+        copy: bool,
+        arenas: Callable[[int], torch.Tensor] | None,
+    ) -> dict[int, tuple[Delta, bool]]:
+        """The deltas this bucket completes, decoded together, by entry index."""
+        at: list[tuple[int, bool]] = []
+        found: list[DeltaEntry] = []
+        for i, e in enumerate(meta.entries):
+            if e.delta is None:
+                continue
+            whole = self._assemble(e, buf, copy, arenas)
+            if whole is not None:
+                at.append((i, whole[1]))
+                found.append((e.delta[0], e.delta[1], e.shape, dtype_from_name(e.dtype), whole[0]))
+        decoded = decode_many(found)
+        return {i: (d, is_view) for (i, is_view), d in zip(at, decoded, strict=True)}
 
     def _assemble(
         self,
