@@ -1,6 +1,11 @@
 """One receiver process of ``python -m rlwire.ckpt_engine.bench``: its engine, its
 destination tensors, and the commands it takes from the bench (apply, consume, memory,
-crc); the engine options and devices both sides share. Imports the library only."""
+crc); the engine options and devices both sides share. Imports the library only.
+
+A ``cuda_ipc`` receiver applies with :meth:`CudaIpcEngine.receive_into` (per bucket: one
+batched copy out of the mapped slot, one stream synchronisation); the others copy each
+item ``receive_weights(copy=False)`` yields, synchronising the device after each (the CPU
+backends' synchronisation is a no-op)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from ._delta import Delta
 from ._registry import registry
 from ._shapes import Layout
 from ._wire import as_bytes, checksum
+from .backends._cuda_ipc import CudaIpcEngine
 
 __all__ = ["CUDA_BACKENDS", "allocate", "crc", "device_for", "options", "receiver", "sync"]
 
@@ -121,6 +127,11 @@ def receiver(
             return time.perf_counter() - start
         spent = 0.0
         base = held if row["delta"] else None
+        if write and isinstance(engine, CudaIpcEngine):
+            # per bucket: one batched copy out of the mapped slot, one synchronisation
+            stats = await engine.receive_into(dest, base_version=base)
+            held = engine.last_version
+            return stats.apply_seconds
         async for name, item in engine.receive_weights(copy=False, base_version=base):
             if write:
                 start = time.perf_counter()

@@ -14,7 +14,9 @@ views, so that is its only copy) or applies the delta onto it. Per row:
 - ``seconds``: end-to-end, from ``send_weights`` until every receiver has
   written the last tensor (median of ``--updates`` after a warm-up update);
 - ``copy_seconds``: a plain ``dst.copy_(src)`` of the same bytes in the sender
-  process, same run (the memory-bandwidth limit), and ``ratio_to_copy``;
+  process on the backend's device, same run (the memory-bandwidth limit; for
+  ``cuda_ipc`` and ``nccl`` a device-to-device copy, ``copy_device``), and
+  ``ratio_to_copy``;
 - ``wire_bytes``: bytes that travelled (less than ``bytes`` for deltas);
 - ``overlap``: ``seconds`` over the slowest stage alone: packing (sender time
   in copies or delta encoding, reported by the engine), transfer (an update
@@ -272,14 +274,22 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for label, layout in _layouts(args):
-        device = device_for(backends[0], 0)
-        weights = allocate(layout, device)
-        gen = torch.Generator().manual_seed(1)
-        for t in weights.values():
-            t.copy_(torch.randn(t.shape, generator=gen))
         size = nbytes(layout)
-        copy_s = _plain_copy_seconds(weights, device)
+        on_device: dict[torch.device, tuple[dict[str, torch.Tensor], float]] = {}
+        weights: dict[str, torch.Tensor] = {}
         for backend in backends:
+            # The weights and the copy baseline on the backend's own device, same run: for
+            # cuda_ipc and nccl a device-to-device copy of the same bytes (the device's bound)
+            device = device_for(backend, 0)
+            if device not in on_device:
+                on_device.clear()  # one copy of the weights held at a time
+                weights = {}
+                weights = allocate(layout, device)
+                gen = torch.Generator().manual_seed(1)
+                for t in weights.values():
+                    t.copy_(torch.randn(t.shape, generator=gen))
+                on_device[device] = weights, _plain_copy_seconds(weights, device)
+            weights, copy_s = on_device[device]
             plans = [dict(backend=backend, delta=False, changed=None, share=args.share)]
             if args.in_place and backend == "shm":
                 plans += [
@@ -312,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
                     "bucket_size": bucket,
                     "bytes": size,
                     "copy_seconds": copy_s,
+                    "copy_device": str(device),
                     **result,
                     "gbps": size / result["seconds"] / 1e9,
                     "ratio_to_copy": copy_s / result["seconds"],
@@ -326,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row)
                 if args.json:
                     print(json.dumps(row), flush=True)
-        del weights
+        del weights, on_device
     if not args.json:
         print_table(rows, args)
         print_adapter_ratios(rows)

@@ -7,10 +7,12 @@ import binascii
 import datetime
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from .._bucket_copy import ReceiveStats, receive_into
 from .._control import StoreControlledEngine, cuda_device
 from .._errors import CheckpointEngineError
 from .._store import peer_errors
@@ -99,6 +101,13 @@ class CudaIpcEngine(StoreControlledEngine):
     Each receiver maps its own export of the slots (torch counts the mappings
     of one export; sharing it between receivers would free the slots early or
     never), found by the GPU's UUID, so differing ``CUDA_VISIBLE_DEVICES`` work.
+    The handles cross once, at join, and are opened once per engine: buckets of
+    every later update (and version) arrive in the same two mapped slots, and a
+    bucket's tensors are views of its slot.
+
+    :meth:`receive_into` is the fast receive: each bucket written straight into the
+    caller's tensors in one batched copy and one stream synchronisation, where
+    ``receive_weights`` hands out one tensor at a time.
 
     Args:
         device: the CUDA device for the slots (default: the current device).
@@ -140,6 +149,38 @@ class CudaIpcEngine(StoreControlledEngine):
         except RuntimeError as err:
             raise CheckpointEngineError(f"cuda_ipc: cannot map the master's slots: {err}") from err
         self.device = torch.device("cuda", index)
+
+    async def receive_into(
+        self, targets: Mapping[str, torch.Tensor], *, base_version: int | None = None
+    ) -> ReceiveStats:
+        """Receive one update straight into ``targets`` (name to tensor), bucket by bucket.
+
+        Per bucket: views of the mapped slot at each chunk's offset, copied into each
+        target's bytes at the chunk's offset with one ``torch._foreach_copy_`` per word
+        width (a tensor split over buckets lands in place, no reassembly), delta entries
+        (``base_version`` given) applied onto their targets, then one synchronisation of
+        the current stream before the bucket is acknowledged. Nothing per tensor waits on
+        the host; the cost per bucket is one synchronisation and one store round trip, so
+        larger buckets amortise it (at the price of two slots of ``bucket_size`` on the
+        device). ``receive_weights(copy=False)`` with a ``copy_`` per item moves the same
+        bytes, one launch per tensor.
+
+        Targets: every name of the update, contiguous, of its shape and dtype, on the
+        slots' GPU for the batched route (another device works, one copy each). A name
+        that does not match is skipped and the update still consumed (the group stays in
+        step); the error comes at the end, so targets may then be partly written.
+
+        Returns:
+            What was written, with the host time spent applying
+            (:class:`~rlwire.ckpt_engine._bucket_copy.ReceiveStats`).
+
+        Raises:
+            CheckpointEngineError: the update does not match ``targets`` (unknown, missing
+                or mismatched names), a corrupted bucket (``checksum``), a delta from
+                another version than ``base_version``.
+            CheckpointEngineTimeout: a bucket did not come within ``timeout``.
+        """
+        return await receive_into(self, targets, base_version=base_version)
 
     async def _before_publish(self, slot: int, meta: BucketMeta) -> None:
         torch.cuda.current_stream(self.slots[slot].device).synchronize()
