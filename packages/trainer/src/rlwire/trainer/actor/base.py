@@ -22,7 +22,13 @@ import torch
 from ..models.modeling import load_hf_model
 from ..plugins import load_class
 
-__all__ = ["ACTOR_ENGINES", "ActorEngine", "actor_engine_class", "load_hf_model"]
+__all__ = [
+    "ACTOR_ENGINES",
+    "ActorEngine",
+    "actor_engine_class",
+    "cast_for_sync",
+    "load_hf_model",
+]
 
 # name -> "module:Class", imported on first use (Megatron's import is slow and optional).
 ACTOR_ENGINES: dict[str, str] = {
@@ -97,10 +103,26 @@ class ActorEngine(abc.ABC):
         (with LoRA, merged). A collective: every rank of the group iterates it to the end
         (gathers run inside)."""
 
-    def named_sync_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_sync_weights(
+        self, *, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """What a weight sync sends: :meth:`named_weights`, or with LoRA the adapter only.
-        A collective, like it."""
-        return self.named_weights()
+        A collective, like it.
+
+        Args:
+            dtype: the rollout engine's parameter dtype. Each tensor held in the actor's
+                own parameter dtype (``model.dtype``) is cast to it on its device, one at a
+                time as it is gathered, before it leaves: an fp32 actor hands a bf16 engine
+                bf16, half the bytes to move, with no fp32 copy beyond the tensor in hand.
+                Tensors in another dtype (integer buffers, modules kept in fp32) go as they
+                are, as the engine holds them. None: every tensor as the actor holds it.
+        """
+        return cast_for_sync(self.named_weights(), self.param_dtype, dtype)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype the policy's parameters are held in (``model.dtype``)."""
+        return getattr(torch, self.config.model.dtype)
 
     def local_shards(self) -> Iterator[tuple[str, torch.Tensor, int]] | None:
         """``(name, this rank's part, flat offset of its first element in the whole
@@ -111,8 +133,13 @@ class ActorEngine(abc.ABC):
 
     # --- between phases -----------------------------------------------------------------
     @abc.abstractmethod
-    def offload(self) -> None:
-        """Move the model, optimizer state and reference to the host (``actor.offload``)."""
+    def offload(
+        self, *, model: bool = True, optimizer: bool = True, reference: bool = True
+    ) -> None:
+        """Move the model, optimizer state and reference to the host (``actor.offload``).
+        ``model=False`` keeps what :meth:`named_sync_weights` reads on the device (for a
+        sync that follows: it then sends without reloading them, and a later call moves
+        them); parts already on the host stay there, so calling it again is safe."""
 
     @abc.abstractmethod
     def reload(self, *, optimizer: bool = True, reference: bool = True) -> None:
@@ -135,6 +162,16 @@ class ActorEngine(abc.ABC):
     def describe(self) -> dict[str, list[str]]:
         """What the driver logs once at start: ``{"info": [...], "warnings": [...]}``."""
         return {"info": [], "warnings": []}
+
+
+def cast_for_sync(
+    items: Iterator[tuple[str, torch.Tensor]], held: torch.dtype, dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` with each tensor in ``held`` cast to ``dtype`` on its own device, lazily (one
+    tensor at a time); unchanged when ``dtype`` is None or ``held``."""
+    if dtype is None or dtype == held:
+        return items
+    return ((name, value.to(dtype) if value.dtype == held else value) for name, value in items)
 
 
 def actor_engine_class(strategy: str) -> type[ActorEngine]:

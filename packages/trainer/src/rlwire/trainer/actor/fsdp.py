@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..algorithms.step import clip_and_step
 from ..models import lora
 from ..models.modeling import load_hf_model, set_gradient_checkpointing
-from .base import ActorEngine
+from .base import ActorEngine, cast_for_sync
 
 __all__ = ["FSDP1Engine", "FSDP2Engine"]
 
@@ -61,6 +61,12 @@ class _FSDPEngine(ActorEngine):
             reference = load_hf_model(model_path, config.model.dtype, device)
             reference.requires_grad_(False)
             self.reference = self._wrap(reference).eval()
+        if config.actor.offload:  # the first offload's page-locking, off its critical path
+            from rlwire.offload import prepare_model
+
+            for module in (self.model, self.reference):
+                if module is not None:
+                    prepare_model(module)  # the offload takes the buffers as they come
 
     @abc.abstractmethod
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -79,13 +85,18 @@ class _FSDPEngine(ActorEngine):
             yield self.model
 
     def _full_state(
-        self, keep: Callable[[str], bool] = lambda name: True
+        self, keep: Callable[[str], bool] = lambda name: True, dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full tensor)`` of the state dict's entries that ``keep`` accepts, in
-        order; FSDP2 gathers each (a collective: every rank iterates to the end)."""
+        order; FSDP2 gathers each (a collective: every rank iterates to the end). ``dtype``:
+        as :meth:`named_sync_weights`; an FSDP2 shard is cast before its gather (the same
+        values: rounding is per element), which then moves the narrower bytes."""
+        held = self.param_dtype
         for name, value in self.model.state_dict().items():
             if not keep(name):
                 continue
+            if dtype is not None and value.dtype == held:
+                value = value.to(dtype)  # a DTensor stays sharded: each rank casts its shard
             if hasattr(value, "full_tensor"):  # FSDP2: gather the shards (a collective)
                 value = value.full_tensor()
             yield name.removeprefix("_fsdp_wrapped_module."), value.detach()
@@ -95,17 +106,27 @@ class _FSDPEngine(ActorEngine):
             return self._full_state()
         return lora.merged_weights(self._full_state(), self.lora.scaling)
 
-    def named_sync_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.lora is None:  # a subclass's named_weights is what syncs send
-            return self.named_weights()
-        return ((lora.adapter_name(n), v) for n, v in self._full_state(lora.is_adapter))
+    def named_sync_weights(
+        self, *, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.lora is not None:
+            adapter = self._full_state(lora.is_adapter, dtype)
+            return ((lora.adapter_name(n), v) for n, v in adapter)
+        if type(self).named_weights is not _FSDPEngine.named_weights:
+            # a subclass's named_weights is what syncs send: cast after it
+            return cast_for_sync(self.named_weights(), self.param_dtype, dtype)
+        return self._full_state(dtype=dtype)
 
-    def offload(self) -> None:
+    def offload(
+        self, *, model: bool = True, optimizer: bool = True, reference: bool = True
+    ) -> None:
         from rlwire.offload import offload_model, offload_optimizer
 
-        offload_model(self.model).wait()
-        offload_optimizer(self.optimizer).wait()
-        if self.reference is not None:
+        if model:
+            offload_model(self.model).wait()
+        if optimizer:
+            offload_optimizer(self.optimizer).wait()
+        if reference and self.reference is not None:
             offload_model(self.reference).wait()
 
     def reload(self, *, optimizer: bool = True, reference: bool = True) -> None:

@@ -257,13 +257,18 @@ class MegatronEngine(ActorEngine):
         for name, value in self.megatron.hf_state_dict().items():
             yield name, value.detach()
 
-    def offload(self) -> None:
+    def offload(
+        self, *, model: bool = True, optimizer: bool = True, reference: bool = True
+    ) -> None:
         from rlwire.offload import offload_model, offload_optimizer
 
-        self.megatron.offload()  # parameters are views into Megatron's buffers: its own
-        for optimizer in self.megatron._inner_optimizers():
-            offload_optimizer(optimizer).wait()
-        if self.reference is not None:
+        # Parameters are views into Megatron's buffers and never leave the device: ``model``
+        # moves nothing a sync reads, so the gradient buffers go either way (Megatron's
+        # own offload; again is a no-op).
+        self.megatron.offload()
+        for inner in self.megatron._inner_optimizers() if optimizer else []:
+            offload_optimizer(inner).wait()
+        if reference and self.reference is not None:
             offload_model(self.reference).wait()
 
     def reload(self, *, optimizer: bool = True, reference: bool = True) -> None:

@@ -177,9 +177,11 @@ class CheckpointEngineConfig:
     fully-async snapshot). Rank 0 only with ``delta_sharded`` or ``in_place``. The run's log
     says once which rank sends to which workers over which backend, and why."""
     digest: bool = False
-    """After every sync, hash the weights on the sending and on each receiving side
-    (SHA-256 of the fp32 bytes; ``hf`` backend) and record both in the metrics. Costs
-    one pass over the weights per side; for checking that updates really arrive."""
+    """After every sync, digest the weights on the sending and on each receiving side
+    (:class:`~rlwire.trainer.rollout.WeightsDigest`: integer fingerprints of the fp32 values
+    reduced on the tensors' own device, one read-back per side; ``hf`` backend) and record
+    both in the metrics. Costs one pass over the weights per side (about a device copy's
+    time); for checking that updates really arrive."""
 
     def __post_init__(self) -> None:
         try:

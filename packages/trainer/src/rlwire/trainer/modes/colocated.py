@@ -51,7 +51,7 @@ def run_colocated(job: Job, bar) -> None:
                 "filtered_groups": scored.filtered_groups,
             }
         t_rollout = time.perf_counter()
-        update = job.start_update(batch, scored=scored)
+        update = job.start_update(batch, scored=scored, sync_follows=True)
         # Sleeping engines (GPUs) wake only once the update has freed the device.
         early = update() if job.rollout_sleeps else None
         sync = job.start_sync(step + 1)

@@ -51,8 +51,10 @@ def run_one_step_off(job: Job, bar) -> None:
             batch, scored = fill(config, job.reward_fn, batch, more)
             extra = {"gen_batches": scored.gen_batches, "filtered_groups": scored.filtered_groups}
         lags = (step - batch.sample_versions()).tolist()  # the versions the workers stamped
-        update = job.start_update(batch, sum(lags) / len(lags), scored=scored)
         last = step + 1 == steps
+        update = job.start_update(
+            batch, sum(lags) / len(lags), scored=scored, sync_follows=not last
+        )
         held_out = None
         if not last:  # generated with v(step), which the rollout workers hold now
             following = job.start_generation(step + 1)

@@ -303,14 +303,20 @@ class Job(JobStart):
         return self.start_update(batch, lag, scored)()
 
     def start_update(
-        self, batch: Rollout, lag: float = 0.0, scored: Scored | None = None
+        self,
+        batch: Rollout,
+        lag: float = 0.0,
+        scored: Scored | None = None,
+        *,
+        sync_follows: bool = False,
     ) -> Callable[[], UpdateMetrics]:
         """Score ``batch`` (with its ``examples``; unless ``scored`` already: dynamic
         sampling), compute advantages and start the update
         on every actor rank, each on its shard (``actor.ppo_mini_batch_size`` and
         ``actor.ppo_epochs`` set its optimizer steps); ``lag``: the samples' mean version
-        lag behind the weights updated (the staleness-aware step size). Returns what waits
-        for it."""
+        lag behind the weights updated (the staleness-aware step size); ``sync_follows``:
+        the actors' next call sends the weights (with ``actor.offload`` the model stays on
+        the device for it). Returns what waits for it."""
         n, algorithm = self.config.rollout.n, self.config.algorithm
         scored = score(self.config, self.reward_fn, batch) if scored is None else scored
         rewards, reward_extra, reward_s = scored.rewards, scored.extra, scored.seconds
@@ -328,7 +334,10 @@ class Job(JobStart):
         else:
             shards = [tensors.shard(r, self.world) for r in range(self.world)]
         step, self.next_update = self.next_update, self.next_update + 1
-        refs = [a.train.remote(s, lag, step) for a, s in zip(self.actors, shards, strict=True)]
+        refs = [
+            a.train.remote(s, lag, step, sync_follows)
+            for a, s in zip(self.actors, shards, strict=True)
+        ]
 
         def done() -> UpdateMetrics:
             results = self.call(refs, "update")

@@ -137,15 +137,23 @@ class WeightPush:
         assert self.engine is not None, f"actor rank {self.rank}: no checkpoint engine yet"
         return self.engine
 
-    def _full_weights(self):
+    def _full_weights(self, digest: WeightsDigest | None = None):
         """(name, full tensor) for what a sync sends: every parameter and buffer, or with
-        LoRA the adapter (:meth:`ActorEngine.named_sync_weights`); a collective on every rank.
+        LoRA the adapter (:meth:`ActorEngine.named_sync_weights`), in the rollout engines'
+        dtype (cast on the device before it leaves); a collective on every rank. ``digest``:
+        each tensor added on the device it was gathered on, before it moves (nothing waits:
+        :class:`~rlwire.trainer.rollout.WeightsDigest`).
 
         Tensors go where the engine's buckets live: the device for the CUDA backends
         (``nccl``, ``cuda_ipc``), else :attr:`sync_device` (the host, or this device for
         the hybrid engine's in-process hand-over)."""
         target = getattr(self.engine, "device", None) or self.sync_device
-        for name, value in self.actor.named_sync_weights():
+        # The rollout engines hold model.dtype (hf: load_hf_model; vllm: dtype=): the same as
+        # the actor's parameters today, so nothing is cast until the two can differ.
+        dtype = getattr(torch, self.config.model.dtype)
+        for name, value in self.actor.named_sync_weights(dtype=dtype):
+            if digest is not None:
+                digest.add(name, value)
             yield name, value.to(target)
 
     def push_weights(self, version: int) -> dict[str, Any]:
@@ -299,11 +307,8 @@ class WeightPush:
         return WeightsDigest() if self.config.ckpt_engine.digest and self._sends else None
 
     def _gathered(self, digest: WeightsDigest | None):
-        """:meth:`_full_weights`, added to ``digest`` on the way."""
-        for name, value in self._full_weights():
-            if digest is not None:
-                digest.add(name, value)
-            yield name, value
+        """:meth:`_full_weights`, added to ``digest`` on the way (on the device)."""
+        return self._full_weights(digest)
 
     def _zero_copy(self) -> bool:
         from rlwire.ckpt_engine import registry
@@ -333,5 +338,6 @@ def _report(stats, export_s: float, digest: WeightsDigest | None) -> dict[str, A
         "weight_sync_bytes": stats.bytes,
         "weight_sync_wire_bytes": stats.wire_bytes,
         "weight_sync_delta_density": stats.density,
+        "weight_sync_delta_reason": stats.delta_reason,
         "digest": digest.hexdigest() if digest is not None else None,
     }

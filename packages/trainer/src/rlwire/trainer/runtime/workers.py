@@ -87,6 +87,9 @@ class ActorWorker(WeightPush, WorkerProcess):
         # them on this device (HybridWorker).
         self.sync_device = torch.device("cpu")
         self._group_store: Any = None  # rank 0: the actor group's store (address())
+        self._kept_for_sync = False
+        """``actor.offload``: train() left the model on the device for the sync that follows
+        (:meth:`_resident` sends from it, then offloads it)."""
 
     @property
     def actor(self) -> ActorEngine:
@@ -134,14 +137,19 @@ class ActorWorker(WeightPush, WorkerProcess):
         return self.actor.describe()
 
     # --- a training step -----------------------------------------------------------------
-    def train(self, batch: Rollout, lag: float = 0.0, step: int = 0) -> dict[str, Any]:
+    def train(
+        self, batch: Rollout, lag: float = 0.0, step: int = 0, sync_follows: bool = False
+    ) -> dict[str, Any]:
         """Proximal log-probs (a forward pass, unless ``bypass_mode``, or the update is
         exactly on-policy and they are the training forward's own), the off-policy
         correction against the behaviour log-probs, the staleness-aware step size for a
         batch ``lag`` versions old on average (``actor.optim.stale_lr_kl``; every rank
         takes the same) times the learning-rate schedule at update ``step``
         (``actor.optim.lr_scheduler_type``), then PPO mini-batches and epochs over this rank's
-        shard of the batch (with its ``advantages``). Times its phases."""
+        shard of the batch (with its ``advantages``). Times its phases. With
+        ``actor.offload`` and ``sync_follows`` (the next call sends the weights) the model
+        stays on the device, the optimizer state and the reference going to the host: the
+        sync sends from it without reloading it, then offloads it."""
         began = time.perf_counter()
         cfg, actor = self.config, self.actor
         correction = cfg.algorithm.rollout_correction
@@ -220,7 +228,8 @@ class ActorWorker(WeightPush, WorkerProcess):
         mask = rollout.response_mask.float()
         kl_rollout = ((rollout.logprobs - proximal) * mask).sum() / mask.sum()
         if cfg.actor.offload:
-            actor.offload()
+            actor.offload(model=not sync_follows)
+            self._kept_for_sync = sync_follows
         metrics["time_actor_s"] = time.perf_counter() - began
         return {
             **metrics,
@@ -294,10 +303,12 @@ class ActorWorker(WeightPush, WorkerProcess):
         if not self.config.actor.offload:
             yield
             return
-        self.actor.reload(optimizer=optimizer, reference=False)
+        if optimizer or not self._kept_for_sync:  # else train() left the model here
+            self.actor.reload(optimizer=optimizer, reference=False)
         try:
             yield
         finally:
+            self._kept_for_sync = False
             self.actor.offload()
 
     def export_hf(self, directory: str, adapter: str | None = None) -> None:
