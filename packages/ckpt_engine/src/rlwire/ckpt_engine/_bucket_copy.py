@@ -21,7 +21,7 @@ import torch
 from ._bucketed import BucketedEngine
 from ._delta import Delta
 from ._errors import CheckpointEngineError
-from ._wire import BucketMeta, Entry, Unpacker, as_bytes, checksum, dtype_from_name
+from ._wire import BucketMeta, Entry, Unpacker, as_bytes, dtype_from_name, verify_bucket
 
 __all__ = ["IntoTargets", "ReceiveStats", "batched_copy_", "receive_into", "word_pair"]
 
@@ -189,21 +189,6 @@ class IntoTargets:
                 f"{sorted(self._unknown)}; missing names: {missing}; incomplete: "
                 f"{sorted(self._bytes_in)}; mismatched: [{wrong}]"
             )
-
-
-def verify_bucket(meta: BucketMeta, buf: torch.Tensor) -> None:
-    """Raises:
-    CheckpointEngineError: the bucket's CRC-32 does not match the sender's (as
-        ``receive_weights`` words it)."""
-    if meta.checksum is None:
-        return
-    actual = checksum(buf[: meta.nbytes])
-    if actual != meta.checksum:
-        names = sorted({e.name for e in meta.entries})
-        raise CheckpointEngineError(
-            f"bucket {meta.index} of version {meta.version} is corrupted: checksum "
-            f"{actual:#010x} != {meta.checksum:#010x}; tensors: {names}"
-        )
 
 
 async def receive_into(

@@ -34,6 +34,7 @@ __all__ = [
     "dtype_name",
     "plan_chunks",
     "to_bytes",
+    "verify_bucket",
 ]
 
 ALIGN = 256
@@ -151,6 +152,23 @@ class BucketMeta:
         return cls(index, version, nbytes, last, entries, crc, *base)
 
 
+def verify_bucket(meta: BucketMeta, buf: torch.Tensor) -> None:
+    """Check a received bucket against the CRC-32 in its metadata (none sent: nothing).
+
+    Raises:
+        CheckpointEngineError: the bucket's CRC-32 does not match the sender's.
+    """
+    if meta.checksum is None:
+        return
+    actual = checksum(buf[: meta.nbytes])
+    if actual != meta.checksum:
+        names = sorted({e.name for e in meta.entries})
+        raise CheckpointEngineError(
+            f"bucket {meta.index} of version {meta.version} is corrupted: checksum "
+            f"{actual:#010x} != {meta.checksum:#010x}; tensors: {names}"
+        )
+
+
 def plan_chunks(used: int, nbytes: int, bucket_size: int) -> Iterator[tuple[int, int, int]]:
     """Where a tensor of ``nbytes`` goes, starting in a bucket that has ``used`` bytes.
 
@@ -202,14 +220,8 @@ class Unpacker:
         Raises:
             CheckpointEngineError: the bucket's checksum does not match.
         """
-        if verify and meta.checksum is not None:
-            actual = checksum(buf[: meta.nbytes])
-            if actual != meta.checksum:
-                names = sorted({e.name for e in meta.entries})
-                raise CheckpointEngineError(
-                    f"bucket {meta.index} of version {meta.version} is corrupted: checksum "
-                    f"{actual:#010x} != {meta.checksum:#010x}; tensors: {names}"
-                )
+        if verify:
+            verify_bucket(meta, buf)
         deltas = self._deltas(meta, buf, copy, arenas)  # checked before any item is given
         for i, e in enumerate(meta.entries):
             dtype = dtype_from_name(e.dtype)

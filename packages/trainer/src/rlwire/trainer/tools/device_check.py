@@ -159,6 +159,31 @@ def _synced(worker: HybridWorker, version: int) -> dict:
     return report
 
 
+def _hf(worker: HybridWorker) -> HFEngine:
+    engine = worker.rollout.backend
+    assert isinstance(engine, HFEngine)  # check_config's rollout.backend=hf
+    return engine
+
+
+def _sync_row(worker: HybridWorker, synced: dict) -> dict:
+    """A row's sync columns (and every other left None): the sync's seconds and bytes, its
+    digest, and one digest and one device copy of what the rollout engine holds."""
+    state = list(_hf(worker).model.state_dict().items())
+    digest_s, copy_s = _digest_cost(state, worker.device)
+    return {
+        "reward_mean": None,
+        "generate_s": None,
+        "update_s": None,
+        "update_peak_bytes": None,
+        "offloaded_bytes": None,
+        "sync_s": synced["weight_sync_s"] + synced["time_weight_export_s"],
+        "sync_bytes": synced["weight_sync_bytes"],
+        "digest": synced["digest"][:12],
+        "digest_s": digest_s,
+        "copy_s": copy_s,
+    }
+
+
 def run_check(config: TrainerConfig, model_path: str) -> tuple[list[dict], int]:
     """Run the check (see the module docstring): one row per step, and the model's
     parameter count."""
@@ -195,27 +220,18 @@ def run_check(config: TrainerConfig, model_path: str) -> tuple[list[dict], int]:
             left = [name for name, p in params if _storage_device(p).type != "cpu"]
             if left:
                 raise AssertionError(f"step {step}: offloaded, yet on the device: {left}")
-            engine = worker.rollout.backend
-            assert isinstance(engine, HFEngine)  # check_config's rollout.backend=hf
-            digest_s, copy_s = _digest_cost(list(engine.model.state_dict().items()), device)
             rows.append(
                 {
+                    **_sync_row(worker, synced),
                     "step": step + 1,
                     "reward_mean": float(scored.rewards.mean()),
                     "generate_s": generate_s,
                     "update_s": metrics["time_actor_s"],
-                    "sync_s": synced["weight_sync_s"] + synced["time_weight_export_s"],
-                    "sync_bytes": synced["weight_sync_bytes"],
-                    "digest": synced["digest"][:12],
-                    "digest_s": digest_s,
-                    "copy_s": copy_s,
                     "update_peak_bytes": peak,
                     "offloaded_bytes": offloaded,
                 }
             )
-        engine = worker.rollout.backend
-        assert isinstance(engine, HFEngine)  # check_config's rollout.backend=hf
-        return rows, sum(p.numel() for p in engine.model.parameters())
+        return rows, sum(p.numel() for p in _hf(worker).model.parameters())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -231,28 +247,10 @@ def run_syncs(config: TrainerConfig, model_path: str, syncs: int) -> tuple[list[
     worker.setup(("127.0.0.1", 0))
     try:
         worker.engine_init_hybrid()
-        engine = worker.rollout.backend
-        assert isinstance(engine, HFEngine)  # check_config's rollout.backend=hf
         rows = []
         for version in range(syncs):
-            synced = _synced(worker, version)
-            digest_s, copy_s = _digest_cost(list(engine.model.state_dict().items()), worker.device)
-            rows.append(
-                {
-                    "step": f"sync {version}",
-                    "reward_mean": None,
-                    "generate_s": None,
-                    "update_s": None,
-                    "sync_s": synced["weight_sync_s"] + synced["time_weight_export_s"],
-                    "sync_bytes": synced["weight_sync_bytes"],
-                    "digest": synced["digest"][:12],
-                    "digest_s": digest_s,
-                    "copy_s": copy_s,
-                    "update_peak_bytes": None,
-                    "offloaded_bytes": None,
-                }
-            )
-        return rows, sum(p.numel() for p in engine.model.parameters())
+            rows.append({**_sync_row(worker, _synced(worker, version)), "step": f"sync {version}"})
+        return rows, sum(p.numel() for p in _hf(worker).model.parameters())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
