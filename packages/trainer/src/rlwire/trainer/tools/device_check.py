@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ from ..runtime.hybrid import HybridWorker
 __all__ = ["check_config", "main", "run_check", "table"]
 
 
-REAL_SHAPES = {
+REAL_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": {
         "hidden_size": 896,
         "intermediate_size": 4864,
@@ -81,10 +82,9 @@ def build_real_shape(directory: Path, shape: str, layers: int | None = None) -> 
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        torch_dtype="bfloat16",
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = Qwen2ForCausalLM(config).bfloat16()
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
