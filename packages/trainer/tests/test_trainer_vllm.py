@@ -525,7 +525,8 @@ def started(tmp_path_factory):
     pytest.importorskip("vllm", reason="needs vLLM (see .ci/vllm)")
     from rlwire.trainer.config.root import load_config
     from rlwire.trainer.models.tiny import build_tiny_model
-    from rlwire.trainer.rollout.vllm_http import ServerProcess, VLLMServer
+    from rlwire.trainer.rollout.vllm_http import VLLMServer
+    from rlwire.trainer.rollout.vllm_process import ServerProcess
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("started") / "tiny", seed=0)
     config = load_config(overrides=["rollout.backend=vllm_server", f"model.path={model_dir}"])

@@ -15,13 +15,8 @@ import pytest
 
 from rlwire.trainer.checks import ConfigError
 from rlwire.trainer.config.root import load_config
-from rlwire.trainer.rollout.vllm_http import (
-    GUARD,
-    SERVER_FLAGS,
-    ServerProcess,
-    VLLMServer,
-    server_command,
-)
+from rlwire.trainer.rollout.vllm_http import GUARD, SERVER_FLAGS, VLLMServer
+from rlwire.trainer.rollout.vllm_process import ServerProcess, server_command
 
 
 class _Server:

@@ -1,48 +1,30 @@
 """A ``vllm serve`` server as the ``vllm_server`` rollout engine sees it: the HTTP calls it
-makes (every one bounded in time, every failure naming the server) and the server process
-it starts when no URL is given.
+makes, every one bounded in time, every failure naming the server (the server process a
+rollout worker starts when no URL is given: :mod:`.vllm_process`).
 
-A server this worker starts takes weights only from this run: a fresh token
+A server a worker starts takes weights only from this run: a fresh token
 (``secrets.token_hex(32)``) goes into its environment (``RLWIRE_WEIGHT_TRANSFER_TOKEN``, not
 its command line, which every user of the host can read), its weight-transfer engine takes an
 init only with that token, and rlwire's guard (``--middleware``) refuses every route but
-``/health`` to a request without it; the server listens on loopback. Its log is a file
-without a name (``O_TMPFILE``): nothing is left in ``/tmp`` however the worker ends.
-
-Run as ``python -m rlwire.trainer.rollout.vllm_http PARENT_PID COMMAND...``: a watchdog that
-runs ``COMMAND`` (the server) and stops it when the process ``PARENT_PID`` is gone, so that
-a rollout worker killed outright leaves no server behind; the server also gets SIGTERM when
-the watchdog itself is killed (Linux). The watchdog gives the server a private directory for
-vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``, :func:`~.vllm.rpc_dir`) and removes it once
-the server has exited; a watchdog killed outright leaves it to the next one's sweep.
+``/health`` to a request without it; the server listens on loopback.
 """
 
 from __future__ import annotations
 
-import atexit
-import importlib.util
 import json
 import logging
-import os
-import secrets
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, Any
 
 from rlwire.ckpt_engine import WEIGHT_TRANSFER_TOKEN_ENV
 
 from .base import EngineLost
-from .vllm import CPU_KV_CACHE_BYTES, INSTALL_HINT, RPC_PATH_ENV, rpc_dir, transfer_init_info
+from .vllm import transfer_init_info
 
-__all__ = ["ServerProcess", "VLLMServer", "server_command"]
+__all__ = ["EXTENSION", "GUARD", "SERVER_FLAGS", "VLLMServer"]
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -254,190 +236,3 @@ class VLLMServer:
                 )
             out.append((tokens, values, choice["finish_reason"]))
         return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_command(
-    config, model_path: str, *, backend: str, port: int, on_gpu: bool, gpu_share: float = 1.0
-) -> list[str]:
-    """The ``vllm serve`` command of a server a rollout worker starts: loopback, the rlwire
-    engine of the run's checkpoint-engine ``backend`` only (``rlwire_<backend>``, not the
-    name that takes any), rlwire's worker extension and token guard, the ``rollout.vllm``
-    options. No secret: a command line is visible to every user of the host."""
-    cfg = config.rollout.vllm
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", config.model.dtype, "--seed", str(config.trainer.seed),
-        "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-        "--weight-transfer-config", json.dumps({"backend": f"rlwire_{backend}"}),
-        "--worker-extension-cls", EXTENSION, "--middleware", GUARD,
-    ]  # fmt: skip
-    if cfg.enforce_eager:
-        command.append("--enforce-eager")
-    kv_bytes = cfg.kv_cache_memory_bytes
-    if kv_bytes is None and not on_gpu:
-        kv_bytes = CPU_KV_CACHE_BYTES
-    if kv_bytes is not None:
-        command += ["--kv-cache-memory-bytes", str(kv_bytes)]
-    if on_gpu:
-        command += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization * gpu_share)]
-    if cfg.max_model_len is not None:
-        command += ["--max-model-len", str(cfg.max_model_len)]
-    return command
-
-
-class ServerProcess:
-    """A ``vllm serve`` server this rollout worker started, on its own node (loopback), that
-    takes weights only with its ``token``; its output goes to ``log``, a file without a name
-    that this object holds open until :meth:`stop`."""
-
-    def __init__(self, process: subprocess.Popen, url: str, log: IO[bytes], token: str) -> None:
-        self.process, self.url, self.log, self.token = process, url, log, token
-        atexit.register(self.stop)
-
-    @classmethod
-    def start(
-        cls, config, model_path: str, *, backend: str, gpu_share: float = 1.0
-    ) -> ServerProcess:
-        """Start the server for ``model_path`` with the weight-transfer engine of the run's
-        checkpoint-engine ``backend`` (resolved: ``shm``, ``gloo``, ..., not ``auto``) and a
-        fresh token in its environment."""
-        if backend == "auto":
-            raise ValueError("ServerProcess.start: backend is the run's resolved one, not 'auto'")
-        if importlib.util.find_spec("vllm") is None:
-            raise RuntimeError(
-                INSTALL_HINT.replace("rollout.backend=vllm", "rollout.backend=vllm_server")
-                + "; or give running servers: rollout.server_urls"
-            )
-        import torch
-
-        port, on_gpu, token = _free_port(), torch.cuda.is_available(), secrets.token_hex(32)
-        command = server_command(
-            config, model_path, backend=backend, port=port, on_gpu=on_gpu, gpu_share=gpu_share
-        )
-        env = {
-            **os.environ,
-            WEIGHT_TRANSFER_TOKEN_ENV: token,  # the environment: other users do not see it
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_DO_NOT_TRACK": "1",
-        }
-        if not on_gpu:
-            env.setdefault("TORCHDYNAMO_DISABLE", "1")
-        return cls.launch(command, env, url=f"http://127.0.0.1:{port}", token=token)
-
-    @classmethod
-    def launch(
-        cls, command: list[str], env: dict[str, str], *, url: str, token: str
-    ) -> ServerProcess:
-        """Run ``command`` under this module's watchdog, its output into a file without a
-        name (``O_TMPFILE`` where the kernel has it, unlinked at once elsewhere): it goes
-        with the last process that holds it open, however this worker ends."""
-        log = tempfile.TemporaryFile(  # noqa: SIM115  (open for the server's life: stop())
-            prefix="rlwire-vllm-server-", suffix=".log"
-        )
-        try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(os.getpid()), *command],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        except BaseException:
-            log.close()
-            raise
-        return cls(process, url, log, token)
-
-    def tail(self, lines: int = 20, *, limit: int = 1 << 16) -> str:
-        """The last ``lines`` lines of the server's output (of its last ``limit`` bytes)."""
-        try:
-            fd = self.log.fileno()
-            size = os.fstat(fd).st_size
-            raw = os.pread(fd, limit, max(0, size - limit))
-        except (OSError, ValueError):  # closed: stopped
-            return ""
-        return "\n".join(raw.decode(errors="replace").splitlines()[-lines:])
-
-    def wait_ready(self, server: VLLMServer, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not server.healthy():
-            code = self.process.poll()
-            if code is not None:
-                raise RuntimeError(
-                    f"vllm_server: the server for {self.url} exited with code {code}:\n"
-                    + self.tail()
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"vllm_server: the server for {self.url} did not answer /health within "
-                    f"{timeout:g} s (ray.startup_timeout):\n{self.tail()}"
-                )
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()  # the watchdog stops the server, then exits
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-        self.log.close()
-
-
-def _die_with_parent() -> None:
-    """In the server's process before it runs (Linux): SIGTERM when the watchdog is gone,
-    even killed outright (Ray kills a worker's child processes when the worker exits)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _watch(parent: int, command: list[str]) -> int:
-    """Run ``command`` until it exits, or until ``parent`` is gone or this process is asked
-    to stop: then stop it (SIGTERM, SIGKILL after 30 s). Its vLLM sockets go in a directory
-    of this process's (``VLLM_RPC_BASE_PATH``), removed once it has exited."""
-    rpc = rpc_dir()
-    try:
-        env = {**os.environ, RPC_PATH_ENV: str(rpc.path)}
-        return _serve(parent, subprocess.Popen(command, preexec_fn=_die_with_parent, env=env))
-    finally:
-        rpc.close()
-
-
-def _serve(parent: int, child: subprocess.Popen) -> int:
-    """Wait for ``child`` (see :func:`_watch`); its exit status."""
-    stopping = False
-
-    def stop(*_: Any) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    while child.poll() is None:
-        try:
-            os.kill(parent, 0)
-        except ProcessLookupError:
-            stopping = True
-        if stopping:
-            child.terminate()
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-            break
-        time.sleep(0.5)
-    return child.wait()
-
-
-if __name__ == "__main__":
-    sys.exit(_watch(int(sys.argv[1]), sys.argv[2:]))

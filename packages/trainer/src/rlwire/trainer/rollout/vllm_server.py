@@ -1,6 +1,6 @@
 """The ``vllm_server`` rollout backend: generation on ``vllm serve`` servers over HTTP.
 
-Each rollout worker drives one server: the one :class:`~.vllm_http.ServerProcess` starts on
+Each rollout worker drives one server: the one :class:`~.vllm_process.ServerProcess` starts on
 the worker's node (``rollout.server_urls`` unset), or the running one at
 ``rollout.server_urls[index]``. The engine serves requests as chains of completion calls,
 many in flight at once, which the server batches continuously (:mod:`.chains`; with partial
@@ -41,7 +41,8 @@ from rlwire.ckpt_engine import WEIGHT_TRANSFER_TOKEN_ENV
 from .base import EngineLost, RequestsEngine, StagingRolloutEngine
 from .chains import chain_core
 from .requests import Request
-from .vllm_http import ServerProcess, VLLMServer
+from .vllm_http import VLLMServer
+from .vllm_process import ServerProcess
 from .vllm_steps import vllm_sampling
 
 __all__ = ["VLLMServerEngine"]

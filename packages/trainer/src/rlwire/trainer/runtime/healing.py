@@ -55,26 +55,42 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ..config.root import TrainerConfig
 from ..errors import RunError
 from ..rollout import rollout_engine_class
 from .cluster import Handle
-from .waits import RolloutLost
+from .waits import RolloutLost, Watch
 
-if TYPE_CHECKING:
-    from .job import Job
-
-__all__ = ["Fleet", "RolloutLost"]
+__all__ = ["Fleet", "FleetJob", "RolloutLost"]
 
 log = logging.getLogger("rlwire.trainer")
+
+
+class FleetJob(Protocol):
+    """What a :class:`Fleet` uses of its job (:class:`~.job.Job` has it all): the job's
+    rollout workers, their processes and waits, and the weight group it re-forms."""
+
+    config: TrainerConfig
+    hybrid: bool
+    rollouts: list[Handle]
+    """The rollout workers by index (the fleet puts a replacement in its place)."""
+    processes: list[Handle]
+    members: list[int]
+    """The rollout workers in the weight group, by rank."""
+    engine_backend: str
+    watch: Watch
+    local_pids: list[int]
+
+    def reform_weight_group(self, members: list[int] | None = None) -> None: ...
 
 
 class Fleet:
     """A job's rollout workers as a fleet that heals: who died, who replaces them, what
     the replacements still need (the weight group), and the counts the metrics report."""
 
-    def __init__(self, job: Job, make: Callable[[int, int], Handle]) -> None:
+    def __init__(self, job: FleetJob, make: Callable[[int, int], Handle]) -> None:
         """``make(index, restart)``: a new rollout worker actor of that index (not loaded)."""
         self.job, self.make = job, make
         cfg = job.config.rollout
