@@ -165,3 +165,58 @@ def test_the_trainer_is_grouped_by_role_and_imports_point_down():
                 if _layer(target) > _layer(group):
                     wrong.append(f"{source.relative_to(root)} ({group}) imports {name}")
     assert not wrong, "\n".join(wrong)
+
+
+def _module_graph(root: Path) -> dict[str, set[str]]:
+    """rlwire.trainer's modules -> the trainer modules each imports at module level, those
+    under ``if TYPE_CHECKING:`` included (a name imported from a package is that package's
+    ``__init__`` unless it is a submodule). Imports inside functions are left out: they
+    run after every module loaded."""
+    modules: dict[str, Path] = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        deps: set[str] = set()
+
+        def visit(body: list[ast.stmt], package=package, deps=deps) -> None:
+            for node in body:
+                if isinstance(node, ast.If):
+                    visit(node.body)
+                    visit(node.orelse)
+                elif isinstance(node, ast.ImportFrom):
+                    base = package[: len(package) - node.level + 1] if node.level else []
+                    module = ".".join([*base, *([node.module] if node.module else [])])
+                    for alias in node.names:
+                        sub = f"{module}.{alias.name}"
+                        deps.add(sub if sub in modules else module)
+                elif isinstance(node, ast.Import):
+                    deps.update(alias.name for alias in node.names)
+
+        visit(ast.parse(path.read_text(), str(path)).body)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def test_no_import_circle_in_the_trainer():
+    """Not even a type-only one: each module's imports can be read without coming back to
+    it (issue 62 cut config.root -> config.sections -> data.dataset -> config.root and
+    runtime.healing <-> runtime.job)."""
+    graph = _module_graph(TRAINER / "src" / "rlwire" / "trainer")
+    circles, done = [], set()
+
+    def walk(node: str, path: list[str]) -> None:
+        for dep in sorted(graph[node]):
+            if dep in path:
+                circles.append(" -> ".join([*path[path.index(dep) :], dep]))
+            elif dep not in done:
+                walk(dep, [*path, dep])
+        done.add(node)
+
+    for module in sorted(graph):
+        if module not in done:
+            walk(module, [module])
+    assert graph["rlwire.trainer.config.sections"]  # the graph was read
+    assert not circles, "\n".join(sorted(set(circles)))

@@ -20,8 +20,8 @@ from rlwire.ckpt_engine import registry as engine_registry
 
 from ..agent.config import AgentConfig, check_agent
 from ..checks import check
+from ..data.config import ValidationConfig
 from ..data.tasks import builtin_task
-from ..data.validation import ValidationConfig
 from ..rollout.base import rollout_engine_class
 from .overrides import flatten, joined, merge, nest, parse_item, parse_scalar, to_dict
 from .sections import (

@@ -21,9 +21,8 @@ from rlwire.ckpt_engine import (
 
 from ..actor.config import ActorConfig, MegatronSection, OptimConfig
 from ..algorithms.advantages import AlgorithmConfig
-from ..algorithms.shaping import OverlongBufferConfig
 from ..checks import ConfigError, check, check_choice
-from ..data.dataset import DataConfig
+from ..data.config import DataConfig, RewardConfig
 from ..outputs.loggers import LOGGERS
 from ..rollout.config import RolloutConfig, VLLMSection
 
@@ -65,57 +64,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_choice(self.dtype, "model.dtype", ("float32", "bfloat16"))
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class RewardConfig:
-    function: list[str] | str | None = None
-    """The reward, or a list of them (TRL's ``reward_funcs``). Unset: a built-in task's own
-    reward; for a data file, the scorer each row's ``data_source`` names, as verl's
-    ``default_compute_score`` does (``openai/gsm8k``: gsm8k; ``lighteval/MATH``,
-    ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``, ``math``,
-    ``math_dapo``, ``aime*``: math), a source with none refused at start. Names:
-    ``builtin`` (the built-in task's reward, for its data only), ``gsm8k`` (the
-    ``#### answer`` format), ``math`` (boxed answers checked with ``math-verify``; extra
-    ``rlwire-trainer[math]``), or ``module.path:function`` / ``file.py:function`` with
-    verl's per-sample ``compute_score(data_source, solution_str, ground_truth,
-    extra_info=None)`` (a float, or a dict with ``"score"`` whose other numbers become
-    metrics and may be ``algorithm.filter_groups.metric``), TRL's ``f(prompts,
-    completions, completion_ids, **kwargs)`` (every other column by name; a float or None
-    per completion) or a batch ``f(prompts, responses, answers) -> list[float]``; the
-    signature is checked at start. verl's ``custom_reward_function.path`` and ``.name`` are
-    accepted."""
-    weights: list[float] | None = None
-    """One weight per function of a list (TRL's ``reward_weights``): the reward is
-    ``sum(weight x value)``, a None (not applicable) left out. None: 1 each."""
-    overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
-
-    def __post_init__(self) -> None:
-        specs = self.function if isinstance(self.function, list) else [self.function]
-        check(
-            self.function is None or (bool(specs) and all(isinstance(s, str) and s for s in specs)),
-            "reward.function",
-            self.function,
-            "use a name, package.module:function, or a list of them",
-        )
-        weights = self.weights
-        check(
-            weights is None
-            or (
-                isinstance(weights, list)
-                and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
-                and len(weights) == len(specs)
-            ),
-            "reward.weights",
-            weights,
-            f"use a list of {len(specs)} number(s), one per reward.function",
-        )
-
-    def specs(self) -> list[str]:
-        """The functions named (none when unset)."""
-        if self.function is None:
-            return []
-        return list(self.function) if isinstance(self.function, list) else [self.function]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

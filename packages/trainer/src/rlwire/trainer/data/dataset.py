@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checks import check
 from ..errors import RunError
 from ..rollout import Example
 from .readers import is_hub_id, read_rows
@@ -33,60 +32,9 @@ if TYPE_CHECKING:
 
     from ..config.root import TrainerConfig
 
-__all__ = ["Batches", "DataConfig", "load_data", "load_validation"]
+__all__ = ["Batches", "load_data", "load_validation"]
 
 log = logging.getLogger("rlwire.trainer")
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class DataConfig:
-    source: str = "builtin:repeat"
-    """``builtin:repeat`` (the built-in verifiable task: answer a letter with that
-    letter, partial credit per character), ``builtin:count`` (answer a letter and a count,
-    ``c3:``, with the letter that many times and stop: response lengths with a long tail;
-    the ``realistic`` preset's), ``builtin:lookup`` (multi-turn: call a tool and answer with
-    what it returned; with its own ``agent`` settings and primed model), a JSONL/Parquet
-    file, or a Hub dataset id (``org/name``, with ``subset`` and ``split``: downloaded
-    through ``huggingface_hub`` on first use, from its cache after that and with
-    ``HF_HUB_OFFLINE=1``, read with ``datasets``; extra ``rlwire-trainer[datasets]``)."""
-    subset: str | None = None
-    """A Hub dataset's configuration (``datasets``' ``name``, TRL's ``dataset_config``:
-    ``main`` for ``openai/gsm8k``)."""
-    split: str = "train"
-    """A Hub dataset's split to train on (TRL's ``dataset_train_split``)."""
-    prompt_key: str = "prompt"
-    """Field holding the prompt in a user file: text, or a list of chat messages (verl's
-    layout) rendered with the tokenizer's chat template. Dots address nested fields."""
-    answer_key: str | None = None
-    """Field holding the ground truth (dots address nested fields, e.g.
-    ``reward_model.ground_truth``). None: ``answer``, else verl's
-    ``reward_model.ground_truth``."""
-    train_batch_size: int = 8
-    """Prompts per step (each sampled ``rollout.n`` times)."""
-    max_prompt_length: int | None = None
-    """Longest prompt of a data file in tokens (after the chat template), verl's key. A
-    longer row stops the run naming it, or is dropped with ``filter_overlong_prompts``.
-    In any case a prompt must leave ``rollout.max_new_tokens`` of the model's context
-    (``max_position_embeddings``, or ``rollout.vllm.max_model_len`` with vLLM). None: that
-    bound only. Every row is tokenized at start to check; prompts are never cut (verl's
-    ``data.truncation`` must be ``error``)."""
-    filter_overlong_prompts: bool = False
-    """Drop the rows of a data file whose prompt is over the limit above (the count is
-    logged) instead of stopping the run: verl's key."""
-
-    def __post_init__(self) -> None:
-        check(
-            self.train_batch_size >= 1,
-            "data.train_batch_size",
-            self.train_batch_size,
-            "use an int >= 1",
-        )
-        check(
-            self.max_prompt_length is None or self.max_prompt_length >= 1,
-            "data.max_prompt_length",
-            self.max_prompt_length,
-            "use an int >= 1, or null (the model's context less rollout.max_new_tokens)",
-        )
 
 
 _ANSWER_KEYS = ("answer", "reward_model.ground_truth")  # tried in order when unset

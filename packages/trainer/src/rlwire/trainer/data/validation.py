@@ -15,59 +15,17 @@ validated.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from ..algorithms.scoring import score
-from ..checks import check
-from ..rollout import Rollout, Sampling, split_evenly
+from ..rollout import Rollout, split_evenly
 
 __all__ = [
-    "ValidationConfig",
     "start_validation",
     "validation_due",
     "validation_metrics",
     "validation_tasks",
 ]
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class ValidationConfig:
-    source: str | None = None
-    """Held-out prompts (verl's ``data.val_files``): a JSONL or Parquet file or a Hub
-    dataset read like ``data.source``, or ``builtin:<task>`` (``prompts`` of them, apart
-    from the training ones). None: no validation."""
-    split: str = "test"
-    """A Hub dataset's split for validation (TRL's ``dataset_test_split``)."""
-    every: int = 0
-    """Validate after every ``every`` updates and after the last (verl's
-    ``trainer.test_freq``; its -1 is 0). 0: not during training."""
-    before_train: bool = False
-    """Validate the weights the run starts from, before its first update (verl's
-    ``trainer.val_before_train``)."""
-    n: int = 1
-    """Samples per prompt (verl's ``rollout.val_kwargs.n``); the metrics average them."""
-    temperature: float = 0.0
-    """Sampling temperature (``val_kwargs.temperature``) when ``do_sample``."""
-    do_sample: bool = False
-    """Sample (``val_kwargs.do_sample``); false: the most likely token each step."""
-    prompts: int = 64
-    """With ``builtin:<task>``: how many held-out prompts."""
-
-    def __post_init__(self) -> None:
-        check(self.every >= 0, "validation.every", self.every, "use an int >= 0 (0: never)")
-        check(self.n >= 1, "validation.n", self.n, "use an int >= 1")
-        check(self.prompts >= 1, "validation.prompts", self.prompts, "use an int >= 1")
-        check(
-            not self.do_sample or self.temperature > 0,
-            "validation.temperature",
-            self.temperature,
-            "sampling (validation.do_sample) needs a float > 0",
-        )
-
-    @property
-    def sampling(self) -> Sampling:
-        return Sampling(n=self.n, temperature=self.temperature, greedy=not self.do_sample)
 
 
 def validation_due(config, done: int, *, before: bool = False) -> bool:
