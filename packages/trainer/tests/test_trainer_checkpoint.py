@@ -356,8 +356,8 @@ def test_an_actor_killed_while_saving_leaves_the_last_checkpoint_to_resume_from(
     import threading
     import time
 
-    from rlwire.trainer.data.inputs import latest_checkpoint
     from rlwire.trainer.driver import run
+    from rlwire.trainer.outputs.checkpoint_dirs import latest_checkpoint
 
     out = tmp_path / "run"
     overrides = ["actor.world_size=2", "trainer.save_every=1", "trainer.max_checkpoints_to_keep=2"]
@@ -404,7 +404,7 @@ def test_resume_never_moves_an_earlier_runs_checkpoints_aside_so_pruning_keeps_t
 ):
     """Left in place, an earlier run's step_50 counts as the newest: pruning to one would remove
     the new run's step_2 as soon as it is saved, and resume=auto would go on from step_50."""
-    from rlwire.trainer.data.inputs import (
+    from rlwire.trainer.outputs.checkpoint_dirs import (
         latest_checkpoint,
         prune_checkpoints,
         set_aside_checkpoints,

@@ -8,10 +8,11 @@ import torch
 
 from rlwire.trainer.config.root import ConfigError, load_config
 from rlwire.trainer.data.dataset import load_data
-from rlwire.trainer.data.inputs import latest_checkpoint, prune_checkpoints, resolve_model
+from rlwire.trainer.data.inputs import resolve_model
 from rlwire.trainer.data.rewards import load_reward
 from rlwire.trainer.data.scorers import gsm8k_score, math_score
 from rlwire.trainer.errors import RunError
+from rlwire.trainer.outputs.checkpoint_dirs import latest_checkpoint, prune_checkpoints
 from rlwire.trainer.rollout import Example
 
 # A chat template for the tiny character-level tokenizer (its vocabulary has every

@@ -20,18 +20,14 @@ import torch
 from .actor.config import OptimConfig
 from .config.root import TrainerConfig, to_dict
 from .data.dataset import load_data, load_validation
-from .data.inputs import (
-    checkpoint_step,
-    latest_checkpoint,
-    resolve_model,
-    set_aside_checkpoints,
-)
+from .data.inputs import resolve_model
 from .data.rewards import load_reward
 from .errors import AlreadyFinished, RunError
 from .modes.colocated import run_colocated
 from .modes.fully_async import run_fully_async
 from .modes.one_step_off import run_one_step_off
 from .outputs.checkpoint import read_trainer_state
+from .outputs.checkpoint_dirs import checkpoint_step, latest_checkpoint, set_aside_checkpoints
 from .outputs.export import exported_step
 from .outputs.loggers import open_trackers
 from .outputs.plot import plot_run

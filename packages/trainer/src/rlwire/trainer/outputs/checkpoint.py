@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from ..data.inputs import prune_checkpoints
 from ..errors import RunError
+from .checkpoint_dirs import prune_checkpoints
 
 __all__ = [
     "FORMAT",

@@ -1,0 +1,71 @@
+"""A run directory's checkpoint folders (``checkpoints/step_<n>``, complete once their
+``COMPLETE`` marker is there): the newest complete one, pruning, and setting an earlier
+run's aside. What a checkpoint holds: :mod:`.checkpoint`."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+__all__ = ["checkpoint_step", "latest_checkpoint", "prune_checkpoints", "set_aside_checkpoints"]
+
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _checkpoints(run_dir: Path) -> list[tuple[int, bool, Path]]:
+    """``(step, complete, directory)`` of every ``checkpoints/step_<n>``, oldest first."""
+    root = run_dir / "checkpoints"
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            if m := _STEP_DIR.match(child.name):
+                found.append((int(m[1]), (child / "COMPLETE").exists(), child))
+    return sorted(found)
+
+
+def set_aside_checkpoints(run_dir: Path) -> Path | None:
+    """``trainer.resume=never`` on a directory holding an earlier run's checkpoints: move
+    its ``checkpoints/`` to ``checkpoints.before-<n>/`` (the first free ``n``) and return
+    where, so that the new run's pruning, and a later ``resume=auto``, see the new run's
+    checkpoints only (left in place, the earlier run's higher steps would count as the
+    newest: pruning would remove each new checkpoint as it is saved). None: nothing there."""
+    if not _checkpoints(run_dir):
+        return None
+    number = 1
+    while (run_dir / f"checkpoints.before-{number}").exists():
+        number += 1
+    target = run_dir / f"checkpoints.before-{number}"
+    (run_dir / "checkpoints").rename(target)
+    return target
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    complete = [path for _, done, path in _checkpoints(run_dir) if done]
+    return complete[-1] if complete else None
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` complete checkpoints, and unfinished ones older
+    than the newest complete one (a save that was cut off); what was removed. A checkpoint
+    is removed only when ``keep`` newer complete ones exist, so a crash in the middle of a
+    save or of this pruning leaves the last complete checkpoint in place (``COMPLETE`` goes
+    first: a half-removed directory is an unfinished one)."""
+    found = _checkpoints(run_dir)
+    complete = [path for _, done, path in found if done]
+    if not complete:
+        return []
+    newest = checkpoint_step(complete[-1])
+    doomed = complete[:-keep] + [p for step, done, p in found if not done and step < newest]
+    for path in doomed:
+        (path / "COMPLETE").unlink(missing_ok=True)
+        shutil.rmtree(path)
+    return doomed
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step a ``checkpoints/step_<n>`` directory was saved at."""
+    match = _STEP_DIR.match(checkpoint.name)
+    assert match is not None, f"{checkpoint}: not a step_<n> directory"
+    return int(match[1])
