@@ -6,9 +6,9 @@ import functools
 import time
 
 from ..algorithms.scoring import fill
-from ..data.validation import start_validation, validation_due
 from ..outputs.metrics import step_record
 from ..runtime.job import Job
+from ..runtime.validation import start_validation, validation_due
 
 __all__ = ["run_colocated"]
 
@@ -23,7 +23,7 @@ def run_colocated(job: Job, bar) -> None:
     batch is generated. With dynamic
     sampling (``algorithm.filter_groups``) the batch is scored first and filled up with more
     generation batches (the rollout engines hold the weights being updated). Validation
-    (:mod:`rlwire.trainer.data.validation`) is queued between a sync and the next generation and
+    (:mod:`rlwire.trainer.runtime.validation`) is queued between a sync and the next generation and
     left out of the steps' times. The times are
     the driver's: from the end of the previous sync to the samples, to the end of the
     update, to the end of the sync.

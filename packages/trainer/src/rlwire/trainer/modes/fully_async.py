@@ -23,12 +23,12 @@ import time
 from typing import Any
 
 from ..algorithms.scoring import fill
-from ..data.validation import validation_due, validation_metrics, validation_tasks
 from ..errors import RunError
 from ..outputs.metrics import step_record
 from ..rollout import Rollout
 from ..runtime.cluster import Handle
 from ..runtime.job import Job
+from ..runtime.validation import validation_due, validation_metrics, validation_tasks
 from ..runtime.waits import RolloutLost, Watch
 from .async_push import Pushes
 from .sample_queue import SampleQueue

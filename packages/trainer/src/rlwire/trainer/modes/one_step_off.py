@@ -17,9 +17,9 @@ import functools
 import time
 
 from ..algorithms.scoring import fill
-from ..data.validation import start_validation, validation_due
 from ..outputs.metrics import step_record
 from ..runtime.job import Job
+from ..runtime.validation import start_validation, validation_due
 
 __all__ = ["run_one_step_off"]
 

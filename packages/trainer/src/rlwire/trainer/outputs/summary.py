@@ -22,7 +22,7 @@ WINDOW = 10
 
 def records(run_dir: Path, *, validation: bool = False) -> list[dict]:
     """The steps' lines of ``run_dir/metrics.jsonl``, or with ``validation`` the validation
-    lines (``val/...``: :mod:`rlwire.trainer.data.validation`)."""
+    lines (``val/...``: :mod:`rlwire.trainer.runtime.validation`)."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     every = [json.loads(x) for x in lines if x.strip()]
     return [r for r in every if ("reward_mean" in r) != validation]

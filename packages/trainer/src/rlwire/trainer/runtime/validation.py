@@ -10,7 +10,8 @@ the steps' times do not include it. In fully-async mode the workers take their s
 the sample queue after a sync, beside their groups in flight (the weights validated are those
 synced: after every ``trigger_parameter_sync_step`` updates; a version that is due but not
 synced is not validated), and the final weights are synced to them once more to be
-validated.
+validated. Its configuration section: :class:`~rlwire.trainer.data.config.ValidationConfig`;
+the held-out prompts: :func:`~rlwire.trainer.data.dataset.load_validation`.
 """
 
 from __future__ import annotations
