@@ -164,10 +164,6 @@ class StepMetrics(UpdateMetrics):
     weight_sync_senders: int | None = None
     """On a sync step: the actor ranks that sent (1: rank 0 alone; ``ckpt_engine.per_rank``:
     every rank with rollout engines of its own, at once)."""
-    weight_sync_delta_reason: str | None = None
-    """On a sync step where ``ckpt_engine.delta=auto`` sends dense: why (the weights on a
-    CUDA device, where a dense copy costs about what finding the changes does; or a delta
-    that saved too little)."""
     weight_sources: list[list[int]] | None = None
     """With ``ckpt_engine.digest`` over ``shm``, on a sync step: for each rollout worker, the
     actor ranks whose shared memory it maps (read from the kernel's maps of its process):
@@ -268,7 +264,6 @@ def step_record(
         weight_sync_delta_density=synced.get("weight_sync_delta_density"),
         time_weight_export_s=synced.get("time_weight_export_s"),
         weight_sync_senders=synced.get("weight_sync_senders"),
-        weight_sync_delta_reason=synced.get("weight_sync_delta_reason"),
         weight_sources=synced.get("weight_sources"),
         tokens_per_s=result.tokens / seconds,
         samples_per_s=len(batch) / seconds,

@@ -137,12 +137,21 @@ class Job(JobStart):
 
         return done
 
+    _delta_reason: str | None = None
+    """The last reason ``ckpt_engine.delta=auto`` gave for sending dense (logged once)."""
+
     def sync_report(self, pushes: list[dict], pulls: list[dict]) -> dict[str, Any]:
         """The actor ranks' push reports as one (:func:`~.senders.merge_reports`), with each
         rollout worker's pull report (``pulls``); where a pull names the processes whose
         shared memory it read from (``source_pids``), ``weight_sources``: the actor ranks
-        they are, by pull."""
+        they are, by pull. Why ``ckpt_engine.delta=auto`` sends dense is logged once per
+        reason, not recorded per step: a re-formed group (a healed worker) decides afresh,
+        so the field would differ between runs that trained the same weights."""
         report = {**merge_reports(pushes), "pulls": pulls}
+        reason = report.pop("weight_sync_delta_reason", None)
+        if reason is not None and reason != self._delta_reason:
+            self._delta_reason = reason
+            log.info("ckpt_engine.delta=auto sends dense: %s", reason)
         if pulls and all(p.get("source_pids") is not None for p in pulls):
             ranks = {pid: rank for rank, pid in enumerate(self.actor_pids)}
             report["weight_sources"] = [

@@ -194,12 +194,14 @@ class JobStart:
         config = self.config
         timeout = config.ray.startup_timeout + config.ckpt_engine.timeout
         if self.hybrid:
+            log.info("checkpoint engine: naive (rollout engines in the actor ranks' processes)")
             self.watch.get(
                 [a.engine_init_hybrid.remote() for a in self.actors],
                 timeout=timeout,
                 what="checkpoint engine setup",
             )
             return "naive"
+        log.info("checkpoint engine: %s", backend)
         joining = list(range(len(self.rollouts))) if members is None else members
         self.members = joining  # the rollout workers in the groups, by rank
         groups = self.plan.groups(joining)
@@ -217,10 +219,10 @@ class JobStart:
         for rank, meta in metadata.items():
             if "host" in meta:  # store-controlled backends: where receivers connect
                 log.info(
-                    "checkpoint engine master (actor rank %d) at %s:%d",
-                    rank,
+                    "checkpoint engine master at %s:%d (actor rank %d)",
                     meta["host"],
                     meta["port"],
+                    rank,
                 )
         calls = []
         for rank, workers in groups.items():
