@@ -108,7 +108,7 @@ def test_a_worker_that_loses_its_server_is_left_out_until_it_answers(ray_cluster
         "rollout.num_workers=2",
         "trainer.steps=12",
         "ckpt_engine.digest=true",
-        "rollout.paced_step_s=0.05",  # generation slow enough to see the replacement join
+        "rollout.paced_step_s=0.3",  # generation slow enough to see the replacement join
     )
     plain, _ = train_cli(tmp_path / "a", *settings, "rollout.backend=paced", cluster=ray_cluster)
     lost = "rollout.backend=dying_rollout:LosesServerOnce"
