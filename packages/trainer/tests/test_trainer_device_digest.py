@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlwire.trainer.rollout import WeightsDigest, weights_digest
-from rlwire.trainer.rollout.common import _column_weights, _row_weights
+from rlwire.trainer.rollout.digest import _column_weights, _row_weights
 
 ROW = 4096
 MOD = 1 << 64

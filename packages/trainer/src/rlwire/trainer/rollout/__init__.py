@@ -27,12 +27,11 @@ from .common import (
     Example,
     Rollout,
     Sampling,
-    WeightsDigest,
     response_lengths,
     sequence_logprobs,
     split_evenly,
-    weights_digest,
 )
+from .digest import WeightsDigest, weights_digest
 from .hf import HFEngine, hf_extend, hf_generate, hf_start
 from .tokens import completions_rollout, token_rollout
 

@@ -13,7 +13,8 @@ import torch
 from ..models import lora
 from ..models.modeling import load_hf_model
 from .base import RequestsEngine, StagingRolloutEngine
-from .common import Rollout, weights_digest
+from .common import Rollout
+from .digest import weights_digest
 from .hf_batch import HFBatch
 from .requests import EngineCore
 

@@ -122,13 +122,12 @@ def send_plan(
     else:
         senders = tuple(layout.actors.index(g) for g in layout.rollouts)
         backend = "cuda_ipc" if cfg.backend == "auto" else cfg.backend
-    why += _backend_why(cfg.backend, backend, layout, one_host, per_rank=True)
+    why += _backend_why(cfg.backend, backend, layout, one_host)
     return SendPlan(senders, backend, why)
 
 
-def _backend_why(
-    asked: str, backend: str, layout: GpuLayout | None, one_host: bool, per_rank: bool = False
-) -> str:
+def _backend_why(asked: str, backend: str, layout: GpuLayout | None, one_host: bool) -> str:
+    """Why the backend is what it is (the tail of the plan's log line)."""
     if asked != "auto":
         return f"; ckpt_engine.backend={asked}"
     if layout is not None:
