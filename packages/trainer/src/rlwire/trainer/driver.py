@@ -19,9 +19,8 @@ import torch
 
 from .actor.config import OptimConfig
 from .config.root import TrainerConfig, to_dict
-from .data.dataset import load_data, load_validation
 from .data.inputs import resolve_model
-from .data.rewards import load_reward
+from .data.pipeline import build_pipeline
 from .errors import AlreadyFinished, RunError
 from .modes.colocated import run_colocated
 from .modes.fully_async import run_fully_async
@@ -87,18 +86,13 @@ def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -
     # The tiny model is built by actor rank 0, which imports transformers anyway (the
     # driver would spend ~2 s importing it, on the cores Ray and the workers start on).
     model_path = resolve_model(config, run_dir, build=False)
-    reward_fn = load_reward(config, inputs.reward_functions)  # its signature, checked first
-    answer = reward_fn.needs_answer()
-    batches = load_data(config, model_path, rows=inputs.train_rows, needs_answer=answer)
-    validation = []
-    if config.validation.source or inputs.eval_rows is not None:
-        validation = load_validation(config, model_path, rows=inputs.eval_rows, needs_answer=answer)
-    if config.agent.function is None and config.agent.environment is None:
-        label = f"data.source {config.data.source!r}"
-        if validation:
-            label += f" with validation.source {config.validation.source!r}"
-        reward_fn.check_rows([*(batches.rows or []), *validation], label)
-    _resolve_epochs(config, batches)
+    data = build_pipeline(  # every row read and checked, the reward's signature too
+        config,
+        model_path,
+        train_rows=inputs.train_rows,
+        eval_rows=inputs.eval_rows,
+        reward_functions=inputs.reward_functions,
+    )
     resume_from = None
     if config.trainer.resume == "auto":
         resume_from = latest_checkpoint(run_dir)
@@ -153,7 +147,7 @@ def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -
         _phase(bar, "starting workers")
         with _stopped_by_sigterm():
             job = Job(config, run_dir, str(model_path))
-            result = _train(job, (batches, reward_fn, resume, trackers, validation), bar)
+            result = _train(job, (data, resume, trackers), bar)
         log.info("plotting")
         plotted = pool.submit(plot_run, run_dir)  # while Ray's processes stop
         return result
@@ -193,31 +187,6 @@ def _stopped_by_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
-
-
-def _resolve_epochs(config: TrainerConfig, batches) -> None:
-    """``trainer.total_epochs`` into ``trainer.steps``, now that the rows are counted."""
-    epochs = config.trainer.total_epochs
-    if epochs is None:
-        return
-    per_epoch = batches.epoch_steps()
-    if per_epoch is None:
-        raise RunError(
-            f"trainer.total_epochs={epochs}: data.source {config.data.source!r} is a built-in "
-            "task, which has no epochs; set trainer.steps instead"
-        )
-    if per_epoch == 0:
-        raise RunError(
-            f"trainer.total_epochs={epochs}: the data has {len(batches.rows)} rows, fewer than "
-            f"one batch (data.train_batch_size={config.data.train_batch_size}); lower it"
-        )
-    config.trainer.steps = epochs * per_epoch
-    log.info(
-        "trainer.total_epochs=%d: %d steps of %d prompts",
-        epochs,
-        config.trainer.steps,
-        config.data.train_batch_size,
-    )
 
 
 def real_model_warnings(config: TrainerConfig) -> list[str]:

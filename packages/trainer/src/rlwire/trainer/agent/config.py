@@ -111,6 +111,12 @@ class AgentConfig:
             if self.environment is not None:
                 self._check_environment(self.environment)
 
+    @property
+    def scores(self) -> bool:
+        """Whether the agent scores its own sessions (``function`` returns each reward, an
+        ``environment`` gives step rewards): ``reward.function`` is then not called."""
+        return self.function is not None or self.environment is not None
+
     def _check_function(self, value: str) -> None:
         from .function import load_agent_function
 

@@ -44,15 +44,13 @@ def score(config, reward_fn, batch: Rollout) -> Scored:
     """The rewards of ``batch`` (with its ``examples``), shaped."""
     start = time.perf_counter()
     columns: dict[str, torch.Tensor] = {}
-    if config.agent.function is not None:  # the agent returned each session's reward
-        assert batch.trajectories is not None, "agent.function: samples without sessions"
-        rewards = torch.tensor([sum(t.rewards) for t in batch.trajectories], dtype=torch.float32)
-        columns = _agent_extras(batch.trajectories)
-    elif config.agent.environment is not None:  # an environment class scores its trajectories
-        assert batch.trajectories is not None, "agent.environment: samples without trajectories"
+    if config.agent.scores:  # each session's reward from the agent function or environment
+        assert batch.trajectories is not None, "agent: samples without sessions"
         rewards = torch.tensor([sum(t.rewards) for t in batch.trajectories], dtype=torch.float32)
         bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-        if bad:
+        if config.agent.function is not None:  # its failures are zero or dropped already
+            columns = _agent_extras(batch.trajectories)
+        elif bad:
             raise RunError(
                 f"agent.environment {config.agent.environment!r}: the step rewards of "
                 f"conversation {bad[0]} sum to {rewards[bad[0]].item()}; rewards must be finite "

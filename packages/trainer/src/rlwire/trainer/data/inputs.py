@@ -1,6 +1,6 @@
 """The run's model, validated before anything starts (the data and the reward:
-:mod:`rlwire.trainer.data.dataset`, :mod:`rlwire.trainer.data.rewards`; the checkpoint
-folders: :mod:`rlwire.trainer.outputs.checkpoint_dirs`)."""
+:mod:`rlwire.trainer.data.pipeline`; the checkpoint folders:
+:mod:`rlwire.trainer.outputs.checkpoint_dirs`)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ import torch
 from ..errors import RunError
 from ..rollout import Example
 from .scorers import MATH_INSTALL_HINT, SCORERS, by_data_source, known_sources, unscored_sources
-from .tasks import builtin_task
+from .tasks import Task, builtin_task
 
 if TYPE_CHECKING:
     from ..config.root import TrainerConfig
@@ -346,8 +346,7 @@ def _imported(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def _one(spec: str, config: TrainerConfig) -> Reward:
-    task = builtin_task(config.data.source)
+def _one(spec: str, config: TrainerConfig, task: Task | None) -> Reward:
     if spec == "builtin":
         if task is None:
             raise RunError(
@@ -364,16 +363,25 @@ def _one(spec: str, config: TrainerConfig) -> Reward:
     return Reward(_imported(spec), spec)
 
 
+_UNRESOLVED: Any = object()
+
+
 def load_reward(
-    config: TrainerConfig, functions: Sequence[Callable[..., Any] | str] | None = None
+    config: TrainerConfig,
+    functions: Sequence[Callable[..., Any] | str] | None = None,
+    *,
+    task: Task | None = _UNRESOLVED,
 ) -> Rewards:
     """The configured reward (``reward.function`` and ``reward.weights``), imported and its
     signature checked now; ``functions``: callables (or names) given in place of the names
-    (the Python API's ``reward_funcs``)."""
+    (the Python API's ``reward_funcs``); ``task``: the built-in task the resolved data
+    source is (None: not one; unset: looked up from ``data.source``)."""
+    if task is _UNRESOLVED:
+        task = builtin_task(config.data.source)
     weights = config.reward.weights
     if functions is not None:
         rewards = [
-            _one(fn, config)
+            _one(fn, config, task)
             if isinstance(fn, str)
             else Reward(fn, getattr(fn, "__name__", type(fn).__name__))
             for fn in functions
@@ -381,11 +389,10 @@ def load_reward(
     else:
         specs = config.reward.specs()
         if not specs:  # unset: the task's own, or each row's data_source
-            task = builtin_task(config.data.source)
             if task is not None:
                 return Rewards([Reward(task.reward, "builtin")])
             return Rewards([Reward(by_data_source, "data_source")])
-        rewards = [_one(spec, config) for spec in specs]
+        rewards = [_one(spec, config, task) for spec in specs]
     if weights is not None and len(weights) != len(rewards):
         raise RunError(
             f"reward.weights: {len(weights)} weights for {len(rewards)} reward functions; "

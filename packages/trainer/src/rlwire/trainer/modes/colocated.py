@@ -34,7 +34,7 @@ def run_colocated(job: Job, bar) -> None:
     job.sync(job.start_step)  # the rollout engines start from the actor's (maybe resumed) weights
     held_out = None
     if validation_due(config, job.start_step, before=True):
-        held_out = start_validation(job, job.val_examples)
+        held_out = start_validation(job, job.data.validation)
     following = job.start_generation(job.start_step) if job.start_step < steps else None
     if held_out is not None:
         job.validate(job.start_step, held_out)
@@ -45,7 +45,7 @@ def run_colocated(job: Job, bar) -> None:
         scored, extra = None, {}
         if filtering:  # dynamic sampling: more batches, same weights, until it is full
             more = functools.partial(job.generate_more, step)
-            batch, scored = fill(job.config, job.reward_fn, batch, more)
+            batch, scored = fill(job.config, job.data.reward, batch, more)
             extra = {
                 "gen_batches": scored.gen_batches,
                 "filtered_groups": scored.filtered_groups,
@@ -62,7 +62,7 @@ def run_colocated(job: Job, bar) -> None:
         # validation: between the sync and the next generation on every rollout engine;
         # both once the sync is complete (a worker lost in it is replaced first)
         due = validation_due(config, step + 1)
-        held_out = start_validation(job, job.val_examples) if due else None
+        held_out = start_validation(job, job.data.validation) if due else None
         following = job.start_generation(step + 1) if step + 1 < steps else None
         record = step_record(
             step,

@@ -56,7 +56,7 @@ def run_fully_async(job: Job, bar) -> None:
     trigger = cfg.trigger_parameter_sync_step
     Queue = ray.remote(num_cpus=0)(SampleQueue)
     queue: Handle = Queue.options(name="sample-queue", namespace=job.namespace).remote(
-        batches=job.batches,
+        batches=job.data.batches,
         groups_per_step=required,
         trigger_sync=trigger,
         staleness_threshold=cfg.staleness_threshold,
@@ -104,7 +104,7 @@ def run_fully_async(job: Job, bar) -> None:
     def validate(version: int) -> None:
         """The held-out prompts on every worker with the weights they hold (``version``,
         just synced): each takes its share at its next boundary; training waits."""
-        tasks = validation_tasks(job, job.val_examples)
+        tasks = validation_tasks(job, job.data.validation)
         watch.get(queue.request_validation.remote(tasks), timeout=wait_s, what="validation")
         timeout = config.ray.task_timeout
         parts = watch.get(
@@ -114,7 +114,7 @@ def run_fully_async(job: Job, bar) -> None:
             raise RunError(
                 f"validation: the rollout workers did not finish it within {timeout:g} s"
             )
-        job.validate(version, lambda: validation_metrics(job, job.val_examples, parts))
+        job.validate(version, lambda: validation_metrics(job, job.data.validation, parts))
 
     unsynced: dict[str, Any] = {"weight_sync_gbps": 0.0, "pulls": []}
     pending = None  # a step whose record waits for its weight sync to complete
@@ -154,7 +154,7 @@ def run_fully_async(job: Job, bar) -> None:
                         queue.release.remote(count, step), timeout=wait_s, what="samples"
                     ),
                 )
-                batch, scored = fill(config, job.reward_fn, batch, more)
+                batch, scored = fill(config, job.data.reward, batch, more)
                 assert scored.kept_groups is not None  # fill() sets it
                 versions = [versions[i] for i in scored.kept_groups]
                 indices = [indices[i] for i in scored.kept_groups]

@@ -40,7 +40,7 @@ def run_one_step_off(job: Job, bar) -> None:
     filtering = config.fills_batches()
     job.sync(job.start_step)  # the rollout engines start from the actor's (maybe resumed) weights
     if validation_due(config, job.start_step, before=True):
-        job.validate(job.start_step, start_validation(job, job.val_examples))
+        job.validate(job.start_step, start_validation(job, job.data.validation))
     following = job.start_generation(job.start_step)
     batch = following()
     for step in range(job.start_step, steps):
@@ -48,7 +48,7 @@ def run_one_step_off(job: Job, bar) -> None:
         scored, extra = None, {}
         if filtering:  # dynamic sampling: more batches with the weights held now (v(step))
             more = functools.partial(job.generate_more, step)
-            batch, scored = fill(config, job.reward_fn, batch, more)
+            batch, scored = fill(config, job.data.reward, batch, more)
             extra = {"gen_batches": scored.gen_batches, "filtered_groups": scored.filtered_groups}
         lags = (step - batch.sample_versions()).tolist()  # the versions the workers stamped
         last = step + 1 == steps
@@ -68,7 +68,7 @@ def run_one_step_off(job: Job, bar) -> None:
         if not last:
             synced = job.sync(step + 1)
             if validation_due(config, step + 1):  # v(step + 1), before batch step + 2
-                held_out = start_validation(job, job.val_examples)
+                held_out = start_validation(job, job.data.validation)
         t_sync = time.perf_counter()
         record = step_record(
             step,
@@ -85,7 +85,7 @@ def run_one_step_off(job: Job, bar) -> None:
         bar.update(1)
         if last and validation_due(config, step + 1):  # the last weights reach the engines
             job.sync(step + 1)  # only to be validated
-            held_out = start_validation(job, job.val_examples)
+            held_out = start_validation(job, job.data.validation)
         if held_out is not None:
             job.validate(step + 1, held_out)
         job.save_if_due(step + 1)

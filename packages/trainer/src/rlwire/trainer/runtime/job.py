@@ -195,7 +195,7 @@ class Job(JobStart):
         that dies meanwhile is replaced and its share generated again (:mod:`.healing`)."""
         config = self.config
         position = step + self.extra_batches  # the data's batch (and the seeds) to generate
-        examples = self.batches(position)
+        examples = self.data.batches(position)
         shares = split_evenly(examples, len(self.rollouts))
         seeds = [_seed(config, position, i) for i in range(len(shares))]
 
@@ -327,7 +327,7 @@ class Job(JobStart):
         the actors' next call sends the weights (with ``actor.offload`` the model stays on
         the device for it). Returns what waits for it."""
         n, algorithm = self.config.rollout.n, self.config.algorithm
-        scored = score(self.config, self.reward_fn, batch) if scored is None else scored
+        scored = score(self.config, self.data.reward, batch) if scored is None else scored
         rewards, reward_extra, reward_s = scored.rewards, scored.extra, scored.seconds
         batch.rewards = rewards
         penalised = rewards

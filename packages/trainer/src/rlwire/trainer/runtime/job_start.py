@@ -12,6 +12,7 @@ from typing import Any
 
 from ..algorithms.reward_kl import KLController
 from ..config.root import TrainerConfig
+from ..data.pipeline import DataPipeline
 from ..errors import RunError
 from ..outputs.checkpoint import load_checkpoint
 from ..outputs.loggers import Tracker
@@ -39,8 +40,9 @@ class JobStart:
     rollouts: list[Handle]
     processes: list[Handle]
 
-    def start(self, batches, reward_fn, resume, trackers: list[Tracker], validation=()) -> None:
-        """Load the model in every worker (``model_path`` exists now), resume if ``resume``
+    def start(self, data: DataPipeline, resume, trackers: list[Tracker]) -> None:
+        """Load the model in every worker (``model_path`` exists now), keep ``data`` (the
+        batches, the reward and the held-out examples the modes read), resume if ``resume``
         is given (a checkpoint directory and its trainer state:
         :mod:`rlwire.trainer.outputs.checkpoint`),
         and join the checkpoint engine."""
@@ -49,8 +51,7 @@ class JobStart:
         config, layout, model_path = self.config, self.layout, self.model_path
         world, workers = self.world, config.rollout.num_workers
         self.trackers = trackers
-        self.batches, self.reward_fn = batches, reward_fn
-        self.val_examples = list(validation)  # held-out prompts (validation.source)
+        self.data = data
         gpus = f", sharing {layout.gpus} GPU(s)" if layout else ""
         try:
             if config.model.path == "tiny":  # work, not start-up: priming the lookup model

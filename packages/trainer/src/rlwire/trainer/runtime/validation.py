@@ -11,7 +11,7 @@ the sample queue after a sync, beside their groups in flight (the weights valida
 synced: after every ``trigger_parameter_sync_step`` updates; a version that is due but not
 synced is not validated), and the final weights are synced to them once more to be
 validated. Its configuration section: :class:`~rlwire.trainer.data.config.ValidationConfig`;
-the held-out prompts: :func:`~rlwire.trainer.data.dataset.load_validation`.
+the held-out prompts: :func:`~rlwire.trainer.data.dataset.held_out`.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def validation_metrics(job, examples: list, parts: list[Rollout]) -> dict[str, f
     config = job.config
     batch = Rollout.concat(parts)
     batch.examples = [e for e in examples for _ in range(config.validation.n)]
-    rewards = score(config, job.reward_fn, batch).rewards
+    rewards = score(config, job.data.reward, batch).rewards
     lengths = batch.response_mask.sum(dim=1).float()
     metrics = {
         "val/reward_mean": float(rewards.mean()),

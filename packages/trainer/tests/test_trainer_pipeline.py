@@ -1,0 +1,116 @@
+"""The data pipeline: the source resolved once into one value, the one seed rule, one path
+from rows to examples for training and validation, and the object the driver builds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlwire.trainer.config.root import load_config
+from rlwire.trainer.data.examples import VALIDATION_STEP, RowRules, task_seed
+from rlwire.trainer.data.pipeline import build_pipeline
+from rlwire.trainer.data.sources import resolve_source
+from rlwire.trainer.data.tasks import BUILTIN_TASKS
+from rlwire.trainer.errors import RunError
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from rlwire.trainer.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_source_is_resolved_into_exactly_one_kind(tmp_path):
+    task = resolve_source("builtin:count", "data.source")
+    assert task.task is BUILTIN_TASKS["count"] and (task.path, task.hub_id, task.rows) == (
+        None,
+        None,
+        None,
+    )
+    data = _jsonl(tmp_path / "d.jsonl", [{"prompt": "a:", "answer": "a"}])
+    found = resolve_source(str(data), "data.source")
+    assert found.path == data and found.task is None and found.label == str(data)
+    assert found.read(None, "train") == [("line 1", {"prompt": "a:", "answer": "a"})]
+    hub = resolve_source("openai/gsm8k", "data.source")
+    assert hub.hub_id == "openai/gsm8k" and hub.path is None
+    given = resolve_source("ignored", "validation.source", [{"prompt": "x"}])
+    assert given.label == "eval_dataset" and given.read(None, "test") == [
+        ("row 1", {"prompt": "x"})
+    ]
+    with pytest.raises(RunError) as err:
+        resolve_source(str(tmp_path / "missing"), "validation.source")
+    assert str(err.value) == (
+        f"validation.source: {str(tmp_path / 'missing')!r} is neither 'builtin:repeat' or "
+        "'builtin:count' or 'builtin:lookup', a file, nor a Hub dataset id (org/name)"
+    )
+
+
+def test_the_seed_rule_keeps_validation_apart_from_every_training_batch():
+    assert task_seed(3, 0) == 3_000_009 and task_seed(3, 5) == 3_000_014
+    held_out = task_seed(3, VALIDATION_STEP)
+    assert held_out == 3_000_008
+    assert all(task_seed(3, step) != held_out for step in range(10_000))
+
+
+def test_the_rules_carry_only_what_rows_need():
+    config = load_config(
+        overrides=[
+            "data.prompt_key=question",
+            "data.answer_key=solution",
+            "data.max_prompt_length=40",
+            "data.filter_overlong_prompts=true",
+            "rollout.max_new_tokens=16",
+        ]
+    )
+    rules = RowRules.of(config, needs_answer=False)
+    assert rules == RowRules(
+        prompt_key="question",
+        answer_keys=("solution",),
+        needs_answer=False,
+        max_prompt_length=40,
+        filter_overlong=True,
+        max_new_tokens=16,
+        engine_context=None,
+    )
+    assert RowRules.of(load_config()).answer_keys == ("answer", "reward_model.ground_truth")
+
+
+def test_the_pipeline_builds_batches_validation_reward_and_steps_once(tmp_path, tiny_dir):
+    rows = [{"prompt": f"{c}:", "answer": c} for c in "abcdefghij"]
+    train = _jsonl(tmp_path / "train.jsonl", rows)
+    held = _jsonl(tmp_path / "val.jsonl", rows[:3])
+    reward = tmp_path / "rw.py"
+    reward.write_text("def score(prompts, responses, answers):\n    return [0.0] * len(prompts)\n")
+    config = load_config(
+        overrides=[
+            f"data.source={train}",
+            f"validation.source={held}",
+            f"reward.function={reward}:score",
+            "data.train_batch_size=4",
+            "trainer.total_epochs=3",
+        ]
+    )
+    data = build_pipeline(config, tiny_dir)
+    assert data.source.path == train and data.steps == config.trainer.steps == 6  # 3 x 10 // 4
+    assert [e.prompt for e in data.batches(2)] == ["i:", "j:", "a:", "b:"]
+    assert [e.prompt for e in data.validation] == ["a:", "b:", "c:"]
+    assert data.reward.rewards[0].name == "score"
+    builtin = load_config(
+        overrides=["data.source=builtin:count", "validation.source=builtin:count"]
+    )
+    data = build_pipeline(builtin, tiny_dir)
+    assert data.batches.rows is None and data.reward.rewards[0].fn is BUILTIN_TASKS["count"].reward
+    drawn = BUILTIN_TASKS["count"].prompts(64, seed=task_seed(0, VALIDATION_STEP))
+    assert [(e.prompt, e.answer) for e in data.validation] == drawn
+    with pytest.raises(RunError, match=r"^trainer.total_epochs=1: data.source 'builtin:count'"):
+        build_pipeline(
+            load_config(overrides=["data.source=builtin:count", "trainer.total_epochs=1"]),
+            tiny_dir,
+        )
