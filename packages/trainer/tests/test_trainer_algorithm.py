@@ -265,7 +265,9 @@ def test_dynamic_sampling_wakes_sleeping_engines_before_each_extra_batch():
         rollouts=engines,
         rollout_sleeps=True,
         extra_batches=0,
-        batches=lambda position: [Example(prompt=f"p{position}", answer="")] * 2,
+        data=types.SimpleNamespace(  # the job's DataPipeline: only its batches are read
+            batches=lambda position: [Example(prompt=f"p{position}", answer="")] * 2
+        ),
         call=lambda refs, what: list(refs),
         fleet=types.SimpleNamespace(heals=False, present=[0, 1], assign=lambda n: list(range(n))),
     )
