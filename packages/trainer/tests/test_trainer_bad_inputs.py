@@ -51,7 +51,12 @@ def test_a_prompt_over_the_models_context_is_named_with_its_row(tmp_path, tiny_d
         f"validation.source: {data} line 3: the prompt is 57 tokens, over the 56"
     )
     dropped = load_config(
-        overrides=[f"data.source={data}", "data.filter_overlong_prompts=true", "rollout.n=2"]
+        overrides=[
+            f"data.source={data}",
+            "data.filter_overlong_prompts=true",
+            "rollout.n=2",
+            "data.shuffle=false",  # the kept rows in file order
+        ]
     )
     prompts = [e.prompt for e in load_data(dropped, tiny_dir)(0)]
     assert prompts == (["a:", "b" * 55 + ":", "cd:"] * 3)[:8]  # the 57-token row dropped
@@ -77,6 +82,7 @@ def test_a_prompt_over_max_prompt_length_is_named_or_dropped(tmp_path, tiny_dir)
             "data.filter_overlong_prompts=true",
             "data.train_batch_size=2",
             "rollout.n=4",
+            "data.shuffle=false",  # the kept rows in file order
         ]
     )
     assert [e.prompt for e in load_data(kept, tiny_dir)(0)] == ["a:", "h:"]

@@ -287,14 +287,14 @@ def test_verl_keys_for_missing_features_are_refused_together(tmp_path):
             path,
             overrides=[
                 "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-                "data.shuffle=true",
+                "data.return_raw_chat=true",
                 "algorithm.adv_estimator=grpo",
             ],
         )
     assert str(err.value) == (
         "verl keys for features rlwire-train does not have: "
         "critic.ppo_epochs=1, actor_rollout_ref.actor.ulysses_sequence_parallel_size=2, "
-        "data.shuffle=True; remove them (or set them off: false, null or 0). The "
+        "data.return_raw_chat=True; remove them (or set them off: false, null or 0). The "
         "mapped keys: docs/integrations/verl.md (verl's keys)"
     )
     with pytest.raises(ConfigError) as err:  # no critic here: GAE needs one

@@ -82,7 +82,14 @@ def test_jsonl_data_and_a_malformed_line_named(tmp_path, tiny_dir):
     good = tmp_path / "d.jsonl"
     good.write_text('{"prompt": "a:", "answer": "a"}\n\n{"prompt": "b:", "answer": "b"}\n')
     batches = load_data(
-        load_config(overrides=[f"data.source={good}", "data.train_batch_size=4", "rollout.n=2"]),
+        load_config(
+            overrides=[
+                f"data.source={good}",
+                "data.train_batch_size=4",
+                "rollout.n=2",
+                "data.shuffle=false",  # the rows in file order
+            ]
+        ),
         tiny_dir,
     )
     assert _pairs(batches(0)) == [("a:", "a"), ("b:", "b"), ("a:", "a"), ("b:", "b")]
@@ -137,7 +144,12 @@ def test_verl_rows_render_chat_messages_and_carry_source_and_extra_info(tmp_path
     data = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(_verl_rows()), data)
     config = load_config(
-        overrides=[f"data.source={data}", "data.train_batch_size=2", "rollout.n=4"]
+        overrides=[
+            f"data.source={data}",
+            "data.train_batch_size=2",
+            "rollout.n=4",
+            "data.shuffle=false",
+        ]
     )
     with pytest.raises(RunError) as err:  # the tiny tokenizer has no chat template
         load_data(config, tiny_dir)
@@ -170,6 +182,7 @@ def test_verl_rows_render_chat_messages_and_carry_source_and_extra_info(tmp_path
             f"data.source={data}",
             "data.answer_key=extra_info.index",
             "data.prompt_key=ability",
+            "data.shuffle=false",  # the rows in file order
         ]
     )
     assert _pairs(load_data(nested, chat_dir)(0)[:3]) == [
@@ -261,6 +274,7 @@ def test_parquet_data_and_a_row_missing_a_column_named(tmp_path, tiny_dir):
                 "data.prompt_key=question",
                 "data.train_batch_size=2",
                 "rollout.n=4",
+                "data.shuffle=false",  # the rows in file order
             ]
         ),
         tiny_dir,

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from rlwire.trainer.config.root import load_config
+from rlwire.trainer.data.dataset import epoch_order, load_data
 from rlwire.trainer.data.examples import VALIDATION_STEP, RowRules, task_seed
 from rlwire.trainer.data.pipeline import build_pipeline
 from rlwire.trainer.data.sources import resolve_source
@@ -95,11 +96,12 @@ def test_the_pipeline_builds_batches_validation_reward_and_steps_once(tmp_path, 
             f"reward.function={reward}:score",
             "data.train_batch_size=4",
             "trainer.total_epochs=3",
+            "data.shuffle=false",
         ]
     )
     data = build_pipeline(config, tiny_dir)
     assert data.source.path == train and data.steps == config.trainer.steps == 6  # 3 x 10 // 4
-    assert [e.prompt for e in data.batches(2)] == ["i:", "j:", "a:", "b:"]
+    assert [e.prompt for e in data.batches(2)] == ["i:", "j:", "a:", "b:"]  # on into epoch 2
     assert [e.prompt for e in data.validation] == ["a:", "b:", "c:"]
     assert data.reward.rewards[0].name == "score"
     builtin = load_config(
@@ -114,3 +116,35 @@ def test_the_pipeline_builds_batches_validation_reward_and_steps_once(tmp_path, 
             load_config(overrides=["data.source=builtin:count", "trainer.total_epochs=1"]),
             tiny_dir,
         )
+
+
+def test_rows_are_shuffled_each_epoch_from_the_seed_alone(tmp_path, tiny_dir):
+    rows = [{"prompt": f"{c}:", "answer": c} for c in "abcdefghij"]
+    train = _jsonl(tmp_path / "train.jsonl", rows)
+
+    def order(seed: int, steps: range) -> list[str]:
+        config = load_config(
+            overrides=[f"data.source={train}", "data.train_batch_size=5", f"trainer.seed={seed}"]
+        )
+        batches = load_data(config, tiny_dir)
+        return [e.prompt for step in steps for e in batches(step)]
+
+    first = order(0, range(6))  # 3 epochs of 2 batches
+    epochs = [first[i : i + 10] for i in range(0, 30, 10)]
+    assert all(sorted(e) == sorted(r["prompt"] for r in rows) for e in epochs)  # each row once
+    assert len({tuple(e) for e in epochs}) == 3 and epochs[0] != [r["prompt"] for r in rows]
+    assert order(0, range(6)) == first  # the same seed: the same order
+    assert order(1, range(6)) != first  # another seed: another
+    assert order(0, range(3, 6)) == first[15:]  # a resumed run (from step 3) continues it
+    assert epoch_order(10, 0)(1) == epoch_order(10, 0)(1) != epoch_order(10, 0)(2)
+    unshuffled = load_config(overrides=[f"data.source={train}", "data.shuffle=false"])
+    assert [e.prompt for e in load_data(unshuffled, tiny_dir)(1)] == [
+        "i:",
+        "j:",
+        "a:",
+        "b:",
+        "c:",
+        "d:",
+        "e:",
+        "f:",
+    ]

@@ -276,7 +276,8 @@ class TrainerSection:
     total_epochs: int | None = None
     """Passes over a data file (verl's key): sets ``trainer.steps`` to this times the whole
     batches of ``data.train_batch_size`` its rows make (as verl's loader, which drops a
-    partial last one; the batches walk the rows in order, wrapping around).
+    partial last one; the batches walk the rows epoch after epoch, each epoch in the
+    order ``data.shuffle`` gives).
     ``trainer.steps`` (verl's ``total_training_steps``) given as well wins; a built-in task
     has no epochs."""
     seed: int = 0

@@ -288,7 +288,6 @@ _VERL_SECTIONS = (
 # verl keys in sections both share, for features rlwire-train does not have
 _VERL_SHARED = {
     "data.return_raw_chat",
-    "data.shuffle",
     "algorithm.lam",
     "trainer.critic_warmup",
 }

@@ -51,6 +51,11 @@ class DataConfig:
     filter_overlong_prompts: bool = False
     """Drop the rows of a data file whose prompt is over the limit above (the count is
     logged) instead of stopping the run: verl's key."""
+    shuffle: bool = True
+    """Walk a data file's rows in a new order each epoch (verl's key and default; TRL
+    shuffles too), drawn from ``trainer.seed`` and the epoch: the same seed gives the same
+    order, and a resumed run continues it exactly. False: the file's order, every epoch.
+    A built-in task draws fresh prompts every step either way."""
 
     def __post_init__(self) -> None:
         check(

@@ -6,6 +6,8 @@ the source from the configuration themselves (the pipeline, :mod:`.pipeline`, on
 from __future__ import annotations
 
 import dataclasses
+import functools
+import random
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +19,7 @@ from .sources import Source, resolve_source
 if TYPE_CHECKING:
     from ..config.root import TrainerConfig
 
-__all__ = ["Batches", "batches_of", "held_out", "load_data", "load_validation"]
+__all__ = ["Batches", "batches_of", "epoch_order", "held_out", "load_data", "load_validation"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,12 +50,30 @@ def batches_of(source: Source, config: TrainerConfig, rules: RowRules, model_pat
 
         return Batches(size, generated)
     examples = examples_of(source, rules, model_path, config.data.subset, config.data.split)
+    order = epoch_order(len(examples), seed) if config.data.shuffle else None
 
     def batch(step: int) -> list[Example]:
-        start = step * size
-        return [examples[(start + i) % len(examples)] for i in range(size)]
+        start = step * size  # positions run on through the epochs: the rows, epoch after epoch
+        count = len(examples)
+        if order is None:
+            return [examples[(start + i) % count] for i in range(size)]
+        return [examples[order((start + i) // count)[(start + i) % count]] for i in range(size)]
 
     return Batches(size, batch, examples)
+
+
+def epoch_order(count: int, seed: int) -> Callable[[int], list[int]]:
+    """``epoch -> the order its rows are walked in``: a permutation of ``range(count)``
+    drawn from ``seed`` and the epoch alone (the last few kept), so that any step's batch
+    is the same however the run got there."""
+
+    @functools.lru_cache(maxsize=4)
+    def order(epoch: int) -> list[int]:
+        rows = list(range(count))
+        random.Random(f"rlwire data order {seed} {epoch}").shuffle(rows)
+        return rows
+
+    return order
 
 
 def held_out(
