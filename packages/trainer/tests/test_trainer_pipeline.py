@@ -148,3 +148,25 @@ def test_rows_are_shuffled_each_epoch_from_the_seed_alone(tmp_path, tiny_dir):
         "e:",
         "f:",
     ]
+
+
+def test_several_files_are_one_data_set_and_errors_name_the_file(tmp_path, tiny_dir):
+    first = _jsonl(tmp_path / "a.jsonl", [{"prompt": "a:", "answer": "a"}])
+    second = _jsonl(tmp_path / "b.jsonl", [{"prompt": "b:", "answer": "b"}, {"prompt": "c:"}])
+    files = f"data.train_files=[{first},{second}]"  # verl's key, as its scripts pass it
+    config = load_config(overrides=[files, "data.shuffle=false", "data.train_batch_size=4"])
+    assert config.data.source == [str(first), str(second)]
+    with pytest.raises(RunError) as err:  # the second file's row 2 lacks its answer
+        load_data(config, tiny_dir)
+    assert str(err.value) == (
+        f"data.source: {second} line 2 lacks 'prompt' or 'answer' or 'reward_model.ground_truth'"
+    )
+    _jsonl(second, [{"prompt": "b:", "answer": "b"}, {"prompt": "c:", "answer": "c"}])
+    rows = load_data(config, tiny_dir)
+    assert [e.prompt for e in rows(0)] == ["a:", "b:", "c:", "a:"] and rows.epoch_steps() == 0
+    with pytest.raises(RunError, match=r"^data.source: a built-in task cannot be read beside"):
+        resolve_source(["builtin:count", str(first)], "data.source")
+    from rlwire.trainer.config.root import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^data.source: \['builtin:count', .*not allowed"):
+        load_config(overrides=[f"data.source=[builtin:count,{first}]"])

@@ -37,11 +37,9 @@ def _choices(mapping: Mapping[Any, Any]) -> Callable[[str, Any], Any]:
     return convert
 
 
-def _one_file(key: str, value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        if len(value) != 1:
-            raise ConfigError(f"{key}: rlwire-train reads one file; got {len(value)}: {value!r}")
-        return value[0]
+def _files(key: str, value: Any) -> Any:
+    if isinstance(value, (list, tuple)):  # one file as itself; several read as one data set
+        return value[0] if len(value) == 1 else list(value)
     return value
 
 
@@ -88,7 +86,7 @@ _NO_SYNC = _choices({True: "defer", False: "every"})
 _ONE = "rollout's and ref's: one value (set both alike)"
 
 ALIASES: tuple[Alias, ...] = (
-    Alias("data.train_files", "data.source", _one_file, "one file"),
+    Alias("data.train_files", "data.source", _files, "several files: one data set"),
     Alias("data.max_response_length", "rollout.max_new_tokens"),
     Alias("data.truncation", "", _no_cut, "'error' only: data.filter_overlong_prompts drops"),
     Alias("data.filter_overlong_prompts_workers", "", _same_none, "tokenized in the driver"),
@@ -219,7 +217,7 @@ ALIASES: tuple[Alias, ...] = (
     ),
     Alias("algorithm.adv_estimator", "algorithm.adv_estimator"),
     Alias("algorithm.gamma", "", _choices({1: None}), "only 1 (outcome rewards)"),
-    Alias("data.val_files", "validation.source", _one_file, "one file"),
+    Alias("data.val_files", "validation.source", _files, "several files: one data set"),
     Alias("trainer.test_freq", "validation.every", _freq, "-1 -> 0"),
     Alias("trainer.val_before_train", "validation.before_train"),
     *(

@@ -16,9 +16,24 @@ from ..rollout import Sampling
 __all__ = ["DataConfig", "RewardConfig", "ValidationConfig"]
 
 
+def check_sources(value: str | list[str], key: str) -> None:
+    """A source is one name, or a non-empty list of files or Hub ids (no built-in task:
+    a task's prompts are generated, never read alongside a file's)."""
+    if isinstance(value, str):
+        return
+    check(
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(v, str) and not v.startswith("builtin:") for v in value),
+        key,
+        value,
+        "use one source, or a non-empty list of files or Hub dataset ids (not builtin:)",
+    )
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class DataConfig:
-    source: str = "builtin:repeat"
+    source: list[str] | str = "builtin:repeat"
     """``builtin:repeat`` (the built-in verifiable task: answer a letter with that
     letter, partial credit per character), ``builtin:count`` (answer a letter and a count,
     ``c3:``, with the letter that many times and stop: response lengths with a long tail;
@@ -26,7 +41,9 @@ class DataConfig:
     what it returned; with its own ``agent`` settings and primed model), a JSONL/Parquet
     file, or a Hub dataset id (``org/name``, with ``subset`` and ``split``: downloaded
     through ``huggingface_hub`` on first use, from its cache after that and with
-    ``HF_HUB_OFFLINE=1``, read with ``datasets``; extra ``rlwire-trainer[datasets]``)."""
+    ``HF_HUB_OFFLINE=1``, read with ``datasets``; extra ``rlwire-trainer[datasets]``).
+    A list of files or Hub ids (verl's ``data.train_files``) is read as one data set, in
+    the order given."""
     subset: str | None = None
     """A Hub dataset's configuration (``datasets``' ``name``, TRL's ``dataset_config``:
     ``main`` for ``openai/gsm8k``)."""
@@ -58,6 +75,7 @@ class DataConfig:
     A built-in task draws fresh prompts every step either way."""
 
     def __post_init__(self) -> None:
+        check_sources(self.source, "data.source")
         check(
             self.train_batch_size >= 1,
             "data.train_batch_size",
@@ -125,7 +143,7 @@ class RewardConfig:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ValidationConfig:
-    source: str | None = None
+    source: list[str] | str | None = None
     """Held-out prompts (verl's ``data.val_files``): a JSONL or Parquet file or a Hub
     dataset read like ``data.source``, or ``builtin:<task>`` (``prompts`` of them, apart
     from the training ones). None: no validation."""
@@ -147,6 +165,8 @@ class ValidationConfig:
     """With ``builtin:<task>``: how many held-out prompts."""
 
     def __post_init__(self) -> None:
+        if self.source is not None:
+            check_sources(self.source, "validation.source")
         check(self.every >= 0, "validation.every", self.every, "use an int >= 0 (0: never)")
         check(self.n >= 1, "validation.n", self.n, "use an int >= 1")
         check(self.prompts >= 1, "validation.prompts", self.prompts, "use an int >= 1")

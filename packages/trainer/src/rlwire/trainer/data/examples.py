@@ -200,6 +200,8 @@ def examples_of(
     """Every row of ``source`` (``subset`` and ``split``: a Hub dataset's) as an example,
     checked; those whose prompt is too long dropped with ``rules.filter_overlong``.
     ``model_path``: its tokenizer renders chat messages and measures the prompts."""
+    if source.parts:  # one data set, each part checked as itself (errors name its file)
+        return [e for p in source.parts for e in examples_of(p, rules, model_path, subset, split)]
     render = _Renderer(model_path, source)
     read = source.read(subset, split)
     rows = [(where, _example(row, where, rules, render)) for where, row in read]

@@ -18,9 +18,9 @@ __all__ = ["Source", "resolve_source"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Source:
-    """One source of rows, exactly one of ``task``, ``path``, ``hub_id`` and ``rows`` set.
-    ``key`` is the setting it came from (``data.source``: named in every error), ``spec``
-    what was given there (a label when ``rows`` are given)."""
+    """One source of rows, exactly one of ``task``, ``path``, ``hub_id``, ``rows`` and
+    ``parts`` set. ``key`` is the setting it came from (``data.source``: named in every
+    error), ``spec`` what was given there (a label when ``rows`` are given)."""
 
     key: str
     spec: str
@@ -32,6 +32,8 @@ class Source:
     """A Hub dataset (``org/name``)."""
     rows: tuple[Mapping[str, Any], ...] | None = None
     """The rows themselves (the Python API's ``train_dataset``/``eval_dataset``)."""
+    parts: tuple[Source, ...] = ()
+    """Several files or Hub datasets read as one data set, in this order."""
 
     @property
     def label(self) -> str:
@@ -44,18 +46,28 @@ class Source:
         """Every row, ``(where, row)`` (``where``: "line 3", "row 3"), of a file, a Hub
         dataset or the given rows (``subset`` and ``split``: a Hub dataset's)."""
         assert self.task is None, f"{self.key}: a built-in task's examples are generated"
+        assert not self.parts, f"{self.key}: several sources are read one by one"
         if self.rows is not None:
             return [(f"row {i}", row) for i, row in enumerate(self.rows, 1)]
         found: Path | str = self.path if self.path is not None else str(self.hub_id)
         return read_rows(found, self.key, subset, split)
 
 
-def resolve_source(spec: str, key: str, rows: Sequence[Mapping[str, Any]] | None = None) -> Source:
-    """The source ``spec`` names (``builtin:<name>``, a file, or a Hub dataset id), or
-    ``rows`` given in its place (``spec`` is then only a label). Raises RunError naming
-    ``key`` for anything else."""
+def resolve_source(
+    spec: str | Sequence[str], key: str, rows: Sequence[Mapping[str, Any]] | None = None
+) -> Source:
+    """The source ``spec`` names (``builtin:<name>``, a file, or a Hub dataset id; a list
+    of files and Hub ids: one data set), or ``rows`` given in its place (``spec`` is then
+    only a label). Raises RunError naming ``key`` for anything else."""
     if rows is not None:
-        return Source(key, spec, rows=tuple(rows))
+        return Source(key, spec if isinstance(spec, str) else ", ".join(spec), rows=tuple(rows))
+    if not isinstance(spec, str):
+        if len(spec) == 1:
+            return resolve_source(spec[0], key)
+        parts = tuple(resolve_source(one, key) for one in spec)
+        if any(part.task is not None for part in parts):
+            raise RunError(f"{key}: a built-in task cannot be read beside files: {list(spec)}")
+        return Source(key, ", ".join(spec), parts=parts)
     task = builtin_task(spec)
     if task is not None:
         return Source(key, spec, task=task)

@@ -64,10 +64,8 @@ BUILTIN_TASKS: dict[str, Task] = {
 """``data.source=builtin:<name>``; ``reward.function=builtin`` is the task's reward."""
 
 
-def builtin_task(source: str) -> Task | None:
-    """The task ``source`` names (``builtin:<name>``), or None."""
-    return (
-        BUILTIN_TASKS.get(source.removeprefix("builtin:"))
-        if source.startswith("builtin:")
-        else None
-    )
+def builtin_task(source: str | list[str]) -> Task | None:
+    """The task ``source`` names (``builtin:<name>``), or None (a list of files is none)."""
+    if not isinstance(source, str) or not source.startswith("builtin:"):
+        return None
+    return BUILTIN_TASKS.get(source.removeprefix("builtin:"))
