@@ -170,3 +170,45 @@ def test_several_files_are_one_data_set_and_errors_name_the_file(tmp_path, tiny_
 
     with pytest.raises(ConfigError, match=r"^data.source: \['builtin:count', .*not allowed"):
         load_config(overrides=[f"data.source=[builtin:count,{first}]"])
+
+
+def test_a_named_experiment_gets_its_own_directory():
+    from rlwire.trainer.checks import ConfigError
+
+    assert load_config().trainer.run_directory == "runs/default"
+    named = load_config(overrides=["trainer.project_name=gsm8k", "trainer.experiment_name=lr1e-6"])
+    assert named.trainer.run_directory == "runs/gsm8k/lr1e-6"
+    given = load_config(overrides=["trainer.experiment_name=x", "trainer.output_dir=/tmp/mine"])
+    assert given.trainer.run_directory == "/tmp/mine"
+    with pytest.raises(ConfigError, match=r"^trainer.experiment_name: 'a/b' is not allowed; use"):
+        load_config(overrides=["trainer.experiment_name=a/b"])
+
+
+def test_a_resume_into_another_model_or_data_is_refused_naming_the_difference(tmp_path):
+    from rlwire.trainer.outputs.checkpoint import (
+        finish_checkpoint,
+        read_trainer_state,
+        run_identity,
+        write_trainer_state,
+    )
+
+    model = tmp_path / "model"
+    model.mkdir()
+    data = _jsonl(tmp_path / "d.jsonl", [{"prompt": "a:", "answer": "a"}])
+    saved = load_config(overrides=[f"model.path={model}", f"data.source={data}"])
+    step = tmp_path / "step_3"
+    step.mkdir()
+    state = {"step": 3, "strategy": "fsdp2", "lora_rank": 0, "run": run_identity(saved)}
+    write_trainer_state(step, state)
+    finish_checkpoint(step, 3)
+    assert read_trainer_state(step, saved)["step"] == 3
+    other = load_config(overrides=[f"model.path={model}", "data.source=builtin:count"])
+    with pytest.raises(RunError) as err:
+        read_trainer_state(step, other)
+    assert str(err.value) == (
+        f"trainer.resume: {step} was written for another run: data.source {str(data)!r} (now "
+        "'builtin:count'). For a new run choose another trainer.output_dir or "
+        "trainer.experiment_name; to continue from it anyway, set trainer.resume_anyway=true"
+    )
+    anyway = load_config(overrides=["data.source=builtin:count", "trainer.resume_anyway=true"])
+    assert read_trainer_state(step, anyway)["step"] == 3

@@ -73,7 +73,7 @@ def run(config: TrainerConfig, *, progress: bool = True, inputs: Inputs = Inputs
     """
     ray_environment()
 
-    run_dir = Path(config.trainer.output_dir).resolve()  # workers may run elsewhere
+    run_dir = Path(config.trainer.run_directory).resolve()  # workers may run elsewhere
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(run_dir)  # one live run per directory, or one line naming the other
     try:

@@ -282,8 +282,11 @@ class TrainerSection:
     has no epochs."""
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
-    output_dir: str = "runs/default"
-    """Run directory: config, metrics.jsonl, plot, log, checkpoints."""
+    output_dir: str | None = None
+    """Run directory: config, metrics.jsonl, plot, log, checkpoints (verl's
+    ``default_local_dir``). None: ``runs/<project_name>/<experiment_name>`` when the
+    experiment is named (as verl's ``checkpoints/{project}/{experiment}``), else
+    ``runs/default``: a named experiment never resumes another's checkpoints."""
     rollout_data_dir: str | None = None
     """Write every step's trained samples here as JSONL (verl's key), ``<step>.jsonl``: one
     line a sample (a trajectory), with the prompt and the conversation as text, the token
@@ -296,7 +299,13 @@ class TrainerSection:
     older ones, and unfinished ones older than the newest complete one, are removed only
     after a newer checkpoint is complete. Null: keep all."""
     resume: str = "auto"
-    """``auto`` (latest checkpoint in output_dir, if any), ``never``, or a checkpoint path."""
+    """``auto`` (latest checkpoint in output_dir, if any), ``never``, or a checkpoint path.
+    A checkpoint written for another model, data source or advantage estimator is refused,
+    naming what differs (see ``resume_anyway``)."""
+    resume_anyway: bool = False
+    """Resume from a checkpoint written for another model, data source or advantage
+    estimator (a model moved to another folder, a data file renamed): only the actor
+    strategy and the LoRA rank must still match."""
     checkpoint_manifest: str = "require"
     """What a resume does with a checkpoint that has no ``MANIFEST.json`` (each file's size
     and SHA-256; written by rlwire since manifests exist): ``require`` refuses it, since a
@@ -308,9 +317,10 @@ class TrainerSection:
     ``rlwire-trainer[tensorboard]``) and ``wandb`` (extra ``rlwire-trainer[wandb]``; offline
     unless ``WANDB_API_KEY`` is set)."""
     project_name: str = "rlwire"
-    """The wandb project."""
+    """The wandb project, and the run directory's parent when ``experiment_name`` is set."""
     experiment_name: str | None = None
-    """The wandb run name (None: the run directory's name)."""
+    """The wandb run name and the run directory's name (``output_dir``). None: the run
+    directory's name is the wandb run's."""
     balance_batch: bool = False
     """verl's key: give every actor rank the same number of samples with near-equal real
     tokens (prompt + response; :func:`rlwire.trainer.algorithms.micro_batches.rank_shares`) rather
@@ -318,6 +328,15 @@ class TrainerSection:
     consecutive rows, so that no rank waits for one holding the long responses. Off by
     default here (verl's default is on): it reorders the samples over the ranks, which
     changes a multi-rank run's floating-point sums."""
+
+    @property
+    def run_directory(self) -> str:
+        """``output_dir``, or the one the names give when it is unset."""
+        if self.output_dir is not None:
+            return self.output_dir
+        if self.experiment_name is not None:
+            return f"runs/{self.project_name}/{self.experiment_name}"
+        return "runs/default"
 
     @property
     def off_policy(self) -> bool:
@@ -329,6 +348,14 @@ class TrainerSection:
     def __post_init__(self) -> None:
         self.mode = _MODE_ALIASES.get(self.mode, self.mode)
         check_choice(self.mode, "trainer.mode", MODES)
+        for key in ("project_name", "experiment_name"):
+            name = getattr(self, key)
+            check(
+                name is None or (name not in ("", ".", "..") and "/" not in name),
+                f"trainer.{key}",
+                name,
+                "use a name without '/' (it names a folder of the run directory's path)",
+            )
         if isinstance(self.logger, str):  # one name, or verl's list
             self.logger = [self.logger]
         check(

@@ -9,8 +9,10 @@ process saves and restores.
                               rank that held a shard, resharded on load to any world size
       rng/actor_rank<r>.pt    actor rank r's RNG states (torch CPU and CUDA, Python's)
       trainer_state.json      format, step (= the weight version), the actor's world size,
-                              strategy and LoRA rank, the mode; fully async: the data position
-                              and the prompt groups started but not trained
+                              strategy and LoRA rank, the mode, what the run trained (model,
+                              data source, advantage estimator: a resume must match it);
+                              fully async: the data position and the prompt groups started
+                              but not trained
       MANIFEST.json           every file above with its size and SHA-256: a file damaged
                               since (a flipped byte in a tensor loads silently otherwise) is
                               named when the checkpoint is resumed; a checkpoint without one
@@ -55,6 +57,7 @@ __all__ = [
     "load_actor",
     "load_checkpoint",
     "read_trainer_state",
+    "run_identity",
     "save_actor",
     "save_checkpoint",
     "write_manifest",
@@ -186,6 +189,18 @@ def read_trainer_state(directory: Path, config) -> dict[str, Any]:
             f"trainer.resume: {directory} is checkpoint format {state.get('format')!r}; this "
             f"version reads format {FORMAT}"
         )
+    identity = state.get("run")  # none in a checkpoint older than the check
+    if identity is not None and not config.trainer.resume_anyway:
+        ours = run_identity(config)
+        differs = [
+            f"{k} {v!r} (now {ours.get(k)!r})" for k, v in identity.items() if ours.get(k) != v
+        ]
+        if differs:
+            raise RunError(
+                f"trainer.resume: {directory} was written for another run: {', '.join(differs)}. "
+                "For a new run choose another trainer.output_dir or trainer.experiment_name; "
+                "to continue from it anyway, set trainer.resume_anyway=true"
+            )
     actor = config.actor
     saved, now = (state["strategy"], state["lora_rank"]), (actor.strategy, actor.lora.rank)
     if saved != now:
@@ -195,6 +210,24 @@ def read_trainer_state(directory: Path, config) -> dict[str, Any]:
             "strategy and LoRA rank it was saved with (the world size may change)"
         )
     return state
+
+
+def run_identity(config) -> dict[str, Any]:
+    """What a checkpoint was trained for, which a resume must match: the model, the data
+    source (local paths resolved, so a relative and an absolute name agree) and the
+    advantage estimator."""
+
+    def where(value: Any) -> Any:
+        if isinstance(value, list):
+            return [where(v) for v in value]
+        path = Path(value).expanduser()
+        return str(path.resolve()) if value != "tiny" and path.exists() else value
+
+    return {
+        "model.path": where(config.model.path),
+        "data.source": where(config.data.source),
+        "algorithm.adv_estimator": config.algorithm.adv_estimator,
+    }
 
 
 def save_actor(engine, directory: Path, rank: int) -> None:
@@ -267,6 +300,7 @@ def save_checkpoint(job, done: int, **state: Any) -> None:
             "actor_world_size": job.world,
             "strategy": actor.strategy,
             "lora_rank": actor.lora.rank,
+            "run": run_identity(config),
             **state,
         },
     )
