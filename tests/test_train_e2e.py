@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlwire.trainer.outputs.metric_names import ALIASES
 from rlwire.trainer.outputs.metrics import StepMetrics
 
 # The schema both modes write (rlwire.trainer.outputs.metrics.StepMetrics): a colocated run without
@@ -77,7 +78,10 @@ def test_two_steps_then_resume_continue_the_count_and_the_optimizer(tmp_path):
     records = _metrics(run)
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
-        fields = {k for k in r if not k.startswith("reward_extra/")}  # the reward's, and ours
+        # the reward's, ours, and verl's and TRL's names for some of ours (the same values)
+        aliased = {name: ours for ours, names in ALIASES.items() for name in names}
+        assert all(r[name] == r[ours] for name, ours in aliased.items() if name in r)
+        fields = {k for k in r if not k.startswith(("reward_extra/", "rewards/"))} - set(aliased)
         assert METRIC_KEYS <= fields <= METRIC_KEYS | OPTIONAL_KEYS
         assert r["weight_sync_bytes"] > 0  # colocated: a sync after every step
         assert r["grad_sync_policy"] == "defer" and r["retained_grad_bytes"] > 0

@@ -314,8 +314,8 @@ class TrainerSection:
     logger: list[str] = dataclasses.field(default_factory=lambda: ["jsonl"])
     """Where each step's metrics go (verl's key): any of ``console`` (a line per step),
     ``jsonl`` (``metrics.jsonl``, always written), ``tensorboard`` (extra
-    ``rlwire-trainer[tensorboard]``) and ``wandb`` (extra ``rlwire-trainer[wandb]``; offline
-    unless ``WANDB_API_KEY`` is set)."""
+    ``rlwire-trainer[tensorboard]``) and ``wandb`` (extra ``rlwire-trainer[wandb]``; online
+    with the user's ``wandb login`` or ``WANDB_API_KEY``, else offline, said in one line)."""
     project_name: str = "rlwire"
     """The wandb project, and the run directory's parent when ``experiment_name`` is set."""
     experiment_name: str | None = None

@@ -7,8 +7,12 @@ and resumed runs read it): ``trainer.logger``, verl's key, lists ``console``, ``
 - ``tensorboard``: event files under ``<run dir>/tensorboard`` (extra
   ``rlwire-trainer[tensorboard]``);
 - ``wandb``: a Weights & Biases run (extra ``rlwire-trainer[wandb]``) in the run directory,
-  offline unless ``WANDB_API_KEY`` is set or ``WANDB_MODE`` says otherwise
-  (``wandb sync`` uploads it later).
+  online with the login the user has (``WANDB_API_KEY``, or the key ``wandb login`` wrote
+  to ``~/.netrc``), offline (said in one line; ``wandb sync`` uploads it later) without
+  one, or as ``WANDB_MODE`` says.
+
+Each step's line carries verl's and TRL's names for the metrics they share
+(:mod:`.metric_names`), so every logger gets them too.
 
 Only numbers are logged to the trackers; the run's whole record stays in ``metrics.jsonl``.
 """
@@ -16,14 +20,16 @@ Only numbers are logged to the trackers; the run's whole record stays in ``metri
 from __future__ import annotations
 
 import abc
+import netrc
 import os
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from ..errors import RunError
 
-__all__ = ["LOGGERS", "Tracker", "open_trackers"]
+__all__ = ["LOGGERS", "Tracker", "open_trackers", "wandb_mode"]
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 _CONSOLE_KEYS = (
@@ -92,9 +98,9 @@ class _WandB(Tracker):
             raise RunError(
                 "trainer.logger: wandb needs the wandb package: pip install 'rlwire-trainer[wandb]'"
             ) from None
-        mode = os.environ.get("WANDB_MODE") or (
-            "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        )
+        mode, note = wandb_mode(os.environ, run_dir)
+        if note is not None:
+            print(f"rlwire-train: {note}", file=sys.stderr)
         section = config.trainer
         self.run = wandb.init(
             project=section.project_name,
@@ -109,6 +115,29 @@ class _WandB(Tracker):
 
     def close(self) -> None:
         self.run.finish()
+
+
+def wandb_mode(environ: Any, run_dir: Path) -> tuple[str, str | None]:
+    """The mode a wandb run starts in: ``WANDB_MODE`` when set, else ``online`` with a login
+    (``WANDB_API_KEY``, or an entry for the wandb host, ``WANDB_BASE_URL``'s or
+    ``api.wandb.ai``, in the netrc file ``wandb login`` writes: ``NETRC`` or ``~/.netrc``),
+    else ``offline``, with the line that says so (None when not offline for want of one)."""
+    if environ.get("WANDB_MODE"):
+        return environ["WANDB_MODE"], None
+    if environ.get("WANDB_API_KEY"):
+        return "online", None
+    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    file = environ.get("NETRC") or str(Path(environ.get("HOME") or Path.home()) / ".netrc")
+    try:
+        if netrc.netrc(file).authenticators(host) is not None:
+            return "online", None
+    except (OSError, netrc.NetrcParseError):
+        pass  # no file, or one wandb could not read either
+    return "offline", (
+        f"trainer.logger=wandb: no wandb login ({host} in {file}, or WANDB_API_KEY): "
+        f"logging offline to {run_dir / 'wandb'}; upload it with `wandb sync`, or run "
+        "`wandb login` first"
+    )
 
 
 def open_trackers(config: Any, run_dir: Path, settings: dict[str, Any]) -> list[Tracker]:

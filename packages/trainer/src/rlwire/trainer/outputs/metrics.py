@@ -7,6 +7,7 @@ from typing import Any
 
 from ..agent.trajectory import trajectory_metrics
 from ..rollout import Rollout, response_lengths
+from .metric_names import with_aliases
 
 __all__ = ["StepMetrics", "UpdateMetrics", "step_record", "update_metrics"]
 
@@ -170,14 +171,15 @@ class StepMetrics(UpdateMetrics):
     which rank each engine received from."""
 
     def to_json(self) -> dict[str, Any]:
-        """The line written to ``metrics.jsonl`` (step first, no ``None``, no ``tokens``)."""
+        """The line written to ``metrics.jsonl`` (step first, no ``None``, no ``tokens``;
+        then verl's and TRL's names for the metrics they share: :mod:`.metric_names`)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values.pop("tokens")
         extra = values.pop("reward_extra")
         line = {"step": values.pop("step")}
         line.update({f"reward_extra/{k}": v for k, v in extra.items()})
         line.update({k: v for k, v in values.items() if v is not None})
-        return line
+        return with_aliases(line)
 
 
 # What the actor ranks report and the step records as their mean.
