@@ -16,7 +16,9 @@ from rlwire.trainer.rollout import Example, Rollout
 
 ALLOWED = "return a number (a float) or a dict with 'score' holding one"
 BATCH_ALLOWED = "a batch function returns a list of one number (a float) per response"
-FILTER = "or set data.filter_overlong_prompts=true to drop such rows"
+FILTER = (
+    "or set data.filter_overlong_prompts=true to drop such rows (or data.truncation to cut them)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +111,11 @@ def test_verls_prompt_length_keys():
         ]
     )
     assert (verl.data.max_prompt_length, verl.data.filter_overlong_prompts) == (512, True)
+    assert load_config(overrides=["data.truncation=left"]).data.truncation == "left"  # cuts
     with pytest.raises(ConfigError) as err:
-        load_config(overrides=["data.truncation=left"])
+        load_config(overrides=["data.truncation=start"])
     assert str(err.value) == (
-        "data.truncation: 'left' is not allowed; rlwire-train never cuts a prompt: use 'error' "
-        "(a prompt over data.max_prompt_length stops the run naming its row) and "
-        "data.filter_overlong_prompts=true to drop such rows instead"
+        "data.truncation: 'start' is not allowed; use one of ['error', 'left', 'right', 'middle']"
     )
     with pytest.raises(ConfigError, match=r"^data.max_prompt_length: 0 is not allowed; use an"):
         load_config(overrides=["data.max_prompt_length=0"])

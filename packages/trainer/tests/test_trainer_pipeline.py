@@ -212,3 +212,47 @@ def test_a_resume_into_another_model_or_data_is_refused_naming_the_difference(tm
     )
     anyway = load_config(overrides=["data.source=builtin:count", "trainer.resume_anyway=true"])
     assert read_trainer_state(step, anyway)["step"] == 3
+
+
+@pytest.mark.parametrize(
+    ("side", "kept"),
+    [("left", "b" * 55 + ":"), ("right", "b" * 56), ("middle", "b" * 55 + ":")],
+)
+def test_an_over_long_prompt_is_cut_as_data_truncation_says(tmp_path, tiny_dir, side, kept):
+    # the tiny model: 64 positions, less rollout.max_new_tokens=8, leaves 56 (one per char)
+    data = _jsonl(
+        tmp_path / "d.jsonl",
+        [{"prompt": "a:", "answer": "a"}, {"prompt": "b" * 60 + ":", "answer": "b"}],
+    )
+    config = load_config(
+        overrides=[f"data.source={data}", f"data.truncation={side}", "data.shuffle=false"]
+    )
+    prompts = [e.prompt for e in load_data(config, tiny_dir)(0)]
+    assert prompts[:2] == ["a:", kept] and len(kept) == 56
+    with pytest.raises(
+        RunError, match=r"line 2: the prompt is 61 tokens, over the 56 .* cut them\)$"
+    ):
+        load_data(load_config(overrides=[f"data.source={data}"]), tiny_dir)  # verl's 'error'
+
+
+def test_verls_hydra_overrides_and_interpolations_load(tmp_path):
+    from rlwire.trainer.checks import ConfigError
+
+    yaml = tmp_path / "ppo.yaml"
+    yaml.write_text(
+        "data:\n  max_response_length: 16\n  train_batch_size: 4\n"
+        "actor_rollout_ref:\n  rollout:\n    n: 4\n"
+        "trainer:\n  experiment_name: len-${data.max_response_length}\n"
+    )
+    config = load_config(
+        yaml, ["+trainer.total_training_steps=3", "++actor_rollout_ref.actor.optim.lr=1e-6"]
+    )
+    assert (config.rollout.max_new_tokens, config.trainer.steps) == (16, 3)
+    assert (config.actor.optim.lr, config.trainer.experiment_name) == (1e-6, "len-16")
+    with pytest.raises(ConfigError) as err:
+        load_config(yaml, ["trainer.project_name=${nope.key}"])
+    assert str(err.value) == (
+        "trainer.project_name: cannot resolve '${nope.key}': Interpolation key 'nope.key' not found"
+    )
+    with pytest.raises(ConfigError, match=r"^override '~trainer.seed': Hydra's ~key removes"):
+        load_config(overrides=["~trainer.seed"])

@@ -191,6 +191,44 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def resolve_interpolations(flat: dict[str, Any]) -> dict[str, Any]:
+    """``flat`` (dotted keys, verl's names or ours, from the file and the command line) with
+    every ``${...}`` interpolation resolved by OmegaConf, as verl's Hydra loading resolves
+    it (``${data.max_response_length}``, ``${oc.env:HOME}``); unchanged without one.
+    Raises ConfigError naming the key whose interpolation fails."""
+    if not any(isinstance(v, str) and "${" in v for v in _leaves(flat)):
+        return flat
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    tree = OmegaConf.create(nest(flat))
+    resolved: dict[str, Any] = {}
+    for key, value in flat.items():
+        if not any(isinstance(v, str) and "${" in v for v in _leaves({key: value})):
+            resolved[key] = value
+            continue
+        try:
+            node = OmegaConf.select(tree, key, throw_on_missing=True)
+            is_node = OmegaConf.is_config(node)
+            resolved[key] = OmegaConf.to_container(node, resolve=True) if is_node else node
+        except OmegaConfBaseException as err:
+            first = str(err).strip().splitlines()[0]
+            raise ConfigError(f"{key}: cannot resolve {value!r}: {first}") from None
+    return resolved
+
+
+def _leaves(flat: Mapping[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for value in flat.values():
+        if isinstance(value, list):
+            out.extend(value)
+        elif isinstance(value, Mapping):
+            out.extend(_leaves(value))
+        else:
+            out.append(value)
+    return out
+
+
 def parse_item(text: str) -> tuple[str, Any]:
     """``dotted.key=value`` (a preset's or a task's own override) as its key and value."""
     key, _, value = text.partition("=")

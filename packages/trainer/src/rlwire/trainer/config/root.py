@@ -23,7 +23,16 @@ from ..checks import check
 from ..data.config import ValidationConfig
 from ..data.tasks import builtin_task
 from ..rollout.base import rollout_engine_class
-from .overrides import flatten, joined, merge, nest, parse_item, parse_scalar, to_dict
+from .overrides import (
+    flatten,
+    joined,
+    merge,
+    nest,
+    parse_item,
+    parse_scalar,
+    resolve_interpolations,
+    to_dict,
+)
 from .sections import (
     ActorConfig,
     AlgorithmConfig,
@@ -318,9 +327,17 @@ def load_config(
         flat.update(flatten(loaded))
     for item in overrides:
         key, sep, text = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if key.startswith("~"):
+            raise ConfigError(
+                f"override {item!r}: Hydra's ~key removes a key from verl's defaults; here "
+                "every key has a default: leave it out, or set it"
+            )
+        key = key.removeprefix("++").removeprefix("+")  # Hydra's add (+) and add-or-set (++)
+        if not sep or not key:
             raise ConfigError(f"override {item!r}: expected dotted.key=value")
-        flat[key.strip()] = parse_scalar(text)
+        flat[key] = parse_scalar(text)
+    flat = resolve_interpolations(flat)
     ours, problems, notes = translate(flat)
     for note in notes:
         log.warning("%s", note)

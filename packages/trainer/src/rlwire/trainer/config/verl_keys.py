@@ -59,16 +59,6 @@ def _instead(what: str) -> Callable[[str, Any], Any]:
     return convert
 
 
-def _no_cut(key: str, value: Any) -> Any:
-    if value != "error":
-        raise ConfigError(
-            f"{key}: {value!r} is not allowed; rlwire-train never cuts a prompt: use 'error' "
-            "(a prompt over data.max_prompt_length stops the run naming its row) and "
-            "data.filter_overlong_prompts=true to drop such rows instead"
-        )
-    return None
-
-
 def _freq(key: str, value: Any) -> Any:
     return 0 if value == -1 else value  # verl's -1: never periodically (ours: 0)
 
@@ -88,7 +78,6 @@ _ONE = "rollout's and ref's: one value (set both alike)"
 ALIASES: tuple[Alias, ...] = (
     Alias("data.train_files", "data.source", _files, "several files: one data set"),
     Alias("data.max_response_length", "rollout.max_new_tokens"),
-    Alias("data.truncation", "", _no_cut, "'error' only: data.filter_overlong_prompts drops"),
     Alias("data.filter_overlong_prompts_workers", "", _same_none, "tokenized in the driver"),
     Alias("actor_rollout_ref.model.path", "model.path"),
     Alias("actor_rollout_ref.model.lora_rank", "actor.lora.rank"),

@@ -16,6 +16,9 @@ from ..rollout import Sampling
 __all__ = ["DataConfig", "RewardConfig", "ValidationConfig"]
 
 
+TRUNCATIONS = ("error", "left", "right", "middle")
+
+
 def check_sources(value: str | list[str], key: str) -> None:
     """A source is one name, or a non-empty list of files or Hub ids (no built-in task:
     a task's prompts are generated, never read alongside a file's)."""
@@ -63,11 +66,17 @@ class DataConfig:
     longer row stops the run naming it, or is dropped with ``filter_overlong_prompts``.
     In any case a prompt must leave ``rollout.max_new_tokens`` of the model's context
     (``max_position_embeddings``, or ``rollout.vllm.max_model_len`` with vLLM). None: that
-    bound only. Every row is tokenized at start to check; prompts are never cut (verl's
-    ``data.truncation`` must be ``error``)."""
+    bound only. Every row is tokenized at start to check; ``truncation`` says what a longer
+    one does."""
     filter_overlong_prompts: bool = False
     """Drop the rows of a data file whose prompt is over the limit above (the count is
     logged) instead of stopping the run: verl's key."""
+    truncation: str = "error"
+    """What a prompt over the limits above does when ``filter_overlong_prompts`` is off
+    (verl's key): ``error`` stops the run naming its row; ``left`` keeps its last tokens,
+    ``right`` its first, ``middle`` both ends (the count is logged). A cut prompt is text
+    from then on: a cut chat-message row is refused with the agent on, whose conversations
+    start from the messages."""
     shuffle: bool = True
     """Walk a data file's rows in a new order each epoch (verl's key and default; TRL
     shuffles too), drawn from ``trainer.seed`` and the epoch: the same seed gives the same
@@ -76,6 +85,12 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_sources(self.source, "data.source")
+        check(
+            self.truncation in TRUNCATIONS,
+            "data.truncation",
+            self.truncation,
+            f"use one of {list(TRUNCATIONS)}",
+        )
         check(
             self.train_batch_size >= 1,
             "data.train_batch_size",

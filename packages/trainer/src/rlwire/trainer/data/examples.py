@@ -72,6 +72,11 @@ class RowRules:
     max_new_tokens: int = 8
     engine_context: tuple[int, str] | None = None
     """The engine's context and its setting (vLLM's ``max_model_len``); None: the model's."""
+    truncation: str = "error"
+    """``error``, ``left``, ``right`` or ``middle``: what an over-long prompt does when it
+    is not dropped (``data.truncation``)."""
+    agent: bool = False
+    """Multi-turn rollouts start from a row's chat messages (a cut one is refused)."""
 
     @classmethod
     def of(cls, config: TrainerConfig, *, needs_answer: bool = True) -> RowRules:
@@ -87,6 +92,8 @@ class RowRules:
             filter_overlong=data.filter_overlong_prompts,
             max_new_tokens=rollout.max_new_tokens,
             engine_context=engine_context,
+            truncation=data.truncation,
+            agent=config.agent.enable,
         )
 
 
@@ -210,6 +217,30 @@ def examples_of(
     return _fitting(rules, rows, render, model_path, f"{source.key}: {source.label}")
 
 
+def _cut(example: Example, most: int, rules: RowRules, render: _Renderer, where: str) -> Example:
+    """``example`` with its prompt cut to ``most`` tokens as ``rules.truncation`` says
+    (decoded back to text: a few tokens more are cut where the text tokenizes longer)."""
+    if rules.agent and example.messages is not None:
+        raise RunError(
+            f"{where}: the prompt is over {most} tokens, and data.truncation cuts the rendered "
+            "text while agent conversations start from the row's chat messages; shorten them, "
+            "or set data.filter_overlong_prompts=true to drop such rows"
+        )
+    tokenizer = render.tokenizer
+    ids = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
+    for keep in range(most, max(most - 8, 0), -1):
+        if rules.truncation == "left":
+            part = ids[len(ids) - keep :]
+        elif rules.truncation == "right":
+            part = ids[:keep]
+        else:  # middle: the first and the last halves
+            part = ids[: (keep + 1) // 2] + ids[len(ids) - keep // 2 :]
+        text = tokenizer.decode(part, skip_special_tokens=False)
+        if text.strip() and render.lengths([text])[0] <= most:
+            return dataclasses.replace(example, prompt=text, messages=None)
+    raise RunError(f"{where}: the prompt cannot be cut to {most} tokens (data.truncation)")
+
+
 def _context(rules: RowRules, model_path: Path) -> tuple[int, str] | None:
     """The model's context in tokens and where it is set; None when it is not known."""
     if rules.engine_context is not None:
@@ -265,17 +296,32 @@ def _fitting(
     if not bounds:
         return [example for _, example in rows]
     lengths = render.lengths([example.prompt for _, example in rows])
-    kept = []
+    most = min(m for m, _ in bounds)
+    kept, cut = [], 0
     for (where, example), length in zip(rows, lengths, strict=True):
         over = next((text for most, text in bounds if length > most), None)
         if over is None:
             kept.append(example)
-        elif not rules.filter_overlong:
+        elif rules.filter_overlong:
+            continue
+        elif rules.truncation != "error":
+            kept.append(_cut(example, most, rules, render, f"{source} {where}"))
+            cut += 1
+        else:
             raise RunError(
                 f"{source} {where}: the prompt is {length} tokens, {over}, or set "
-                "data.filter_overlong_prompts=true to drop such rows"
+                "data.filter_overlong_prompts=true to drop such rows (or data.truncation "
+                "to cut them)"
             )
-    most = min(m for m, _ in bounds)
+    if cut:
+        log.warning(
+            "%s: cut %d of %d prompts to %d tokens (data.truncation=%s)",
+            source,
+            cut,
+            len(rows),
+            most,
+            rules.truncation,
+        )
     if not kept:
         raise RunError(
             f"{source}: every prompt is over {most} tokens (data.filter_overlong_prompts "
