@@ -413,6 +413,9 @@ def test_grpo_trainer_trains_a_datasets_dataset_with_trl_rewards(ray_cluster, tm
     for r in rows:  # the weighted sum of the two functions' means
         length, letter = r["reward_extra/length_reward"], r["reward_extra/letter_reward"]
         assert -1.5 <= length <= 0 and 0 <= letter <= 1
+    trainer.save_model(str(tmp_path / "saved"))  # TRL's: the model, loadable by transformers
+    saved = sorted(p.name for p in (tmp_path / "saved").iterdir())
+    assert "config.json" in saved and "model.safetensors" in saved
 
 
 # --- what a real model needs ----------------------------------------------------------------

@@ -73,20 +73,42 @@ TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "weight_decay": ("actor.optim.weight_decay", float),
     "max_grad_norm": ("actor.optim.grad_clip", float),
     "num_iterations": ("actor.ppo_epochs", int),
-    "use_vllm": ("rollout.backend", lambda v: "vllm" if v else "hf"),
+    "run_name": ("trainer.experiment_name", str),
+    "save_total_limit": ("trainer.max_checkpoints_to_keep", lambda v: v),
+    "eval_steps": ("validation.every", int),
+    "vllm_server_base_url": ("rollout.server_urls", lambda v: None if v is None else [str(v)]),
 }
-"""TRL's ``GRPOConfig`` name -> (our key, conversion). ``max_steps`` (-1: unset) and the batch
-shape (``per_device_train_batch_size``, ``gradient_accumulation_steps``) are combined below;
-``logging_steps`` changes nothing (every step is logged)."""
+"""TRL's ``GRPOConfig`` name -> (our key, conversion). ``max_steps`` (-1: unset), the batch
+shape (``per_device_train_batch_size``, ``gradient_accumulation_steps``) and ``use_vllm``
+with ``vllm_mode`` are combined below; ``logging_steps`` changes nothing (every step is
+logged); ``hub_model_id`` is where :meth:`GRPOTrainer.push_to_hub` pushes."""
 
 _BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps")
-_NO_EFFECT = ("logging_steps",)
+_VLLM = ("use_vllm", "vllm_mode")
+_NO_EFFECT = ("logging_steps", "hub_model_id")
+_VLLM_MODES = {"colocate": "vllm", "server": "vllm_server"}
+
+TRL_DEFAULTS: dict[str, Any] = {
+    "learning_rate": 1e-6,
+    "max_completion_length": 256,
+    "num_generations": 8,
+    "beta": 0.0,
+    "num_train_epochs": 3,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "seed": 42,
+}
+"""TRL's own defaults (``GRPOConfig``, ``TrainingArguments``) for the names a user leaves
+out, so that a TRL script means here what it means there; ``bf16`` is on where the GPU has
+bfloat16 (TRL's default, off on a CPU). ``num_train_epochs`` applies when a dataset is given
+and ``max_steps`` is not. ``rlwire-train`` keeps the tiny model's defaults."""
 
 
 class GRPOConfig:
     """TRL's ``GRPOConfig`` names (:data:`TRL_KEYS`), plus ``overrides``: dotted keys of ours
-    or verl's, applied last. A name not given keeps our default (``rlwire-train
-    --help-config``), not TRL's; the batch: ``per_device_train_batch_size`` completions
+    or verl's, applied last. A name not given takes TRL's default (:data:`TRL_DEFAULTS`);
+    every other key ours (``rlwire-train --help-config``). The batch:
+    ``per_device_train_batch_size`` completions
     per forward on each actor rank, times ``gradient_accumulation_steps`` times
     ``actor.world_size``, over ``num_generations``, prompts per step (TRL's generation
     batch, one optimizer step).
@@ -96,23 +118,42 @@ class GRPOConfig:
     """
 
     def __init__(self, *, overrides: Sequence[str] = (), **kwargs: Any) -> None:
-        unknown = sorted(set(kwargs) - set(TRL_KEYS) - {"max_steps", *_BATCH, *_NO_EFFECT})
+        taken = {*TRL_KEYS, "max_steps", *_BATCH, *_VLLM, *_NO_EFFECT}
+        unknown = sorted(set(kwargs) - taken)
         if unknown:
             raise ConfigError(
                 f"GRPOConfig: {', '.join(unknown)} not taken here; the names taken: "
-                f"{', '.join(sorted([*TRL_KEYS, 'max_steps', *_BATCH]))}; any key of "
-                "rlwire-train's goes in overrides=['section.key=value', ...]"
+                f"{', '.join(sorted(taken))}; any key of rlwire-train's goes in "
+                "overrides=['section.key=value', ...]"
+            )
+        mode = kwargs.get("vllm_mode", "colocate")
+        if mode not in _VLLM_MODES:
+            raise ConfigError(
+                f"GRPOConfig.vllm_mode: {mode!r} is not allowed; use one of {list(_VLLM_MODES)}"
             )
         self.given = dict(kwargs)
         self.overrides = list(overrides)
 
+    def with_defaults(self, has_dataset: bool) -> dict[str, Any]:
+        """The names given, over TRL's defaults for the others (:data:`TRL_DEFAULTS`)."""
+        defaults = dict(TRL_DEFAULTS)
+        if not has_dataset or self.given.get("max_steps", -1) not in (None, -1):
+            defaults.pop("num_train_epochs")  # steps: max_steps, or ours without rows
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            defaults["bf16"] = True
+        return {**defaults, **self.given}
+
     def __repr__(self) -> str:
         return f"GRPOConfig({self.given!r}, overrides={self.overrides!r})"
 
-    def settings(self, world_size: int) -> dict[str, Any]:
-        """Our dotted keys and values for ``actor.world_size`` ranks."""
+    def settings(self, world_size: int, *, has_dataset: bool = True) -> dict[str, Any]:
+        """Our dotted keys and values for ``actor.world_size`` ranks (``has_dataset``: a
+        dataset is given, whose epochs set the steps when ``max_steps`` is not)."""
         out: dict[str, Any] = {}
-        for name, value in self.given.items():
+        given = self.with_defaults(has_dataset)
+        for name, value in given.items():
             if name in TRL_KEYS:
                 key, convert = TRL_KEYS[name]
                 try:
@@ -124,14 +165,18 @@ class GRPOConfig:
                         f"GRPOConfig.{name}: {value!r} is not allowed; it sets {key} "
                         "(rlwire-train --help-config)"
                     ) from None
-        steps = self.given.get("max_steps", -1)
+        steps = given.get("max_steps", -1)
         if steps is not None and steps > 0:  # TRL: max_steps wins over num_train_epochs
             out["trainer.steps"] = int(steps)
             out.pop("trainer.total_epochs", None)
-        if any(name in self.given for name in _BATCH):
-            per_device = int(self.given.get(_BATCH[0], 8))
-            accumulation = int(self.given.get(_BATCH[1], 1))
-            n = int(out.get("rollout.n", self.given.get("num_generations", 8)))
+        if given.get("use_vllm"):  # TRL: vllm_mode only with use_vllm
+            out["rollout.backend"] = _VLLM_MODES[given.get("vllm_mode", "colocate")]
+        elif "use_vllm" in given:
+            out["rollout.backend"] = "hf"
+        if any(name in given for name in _BATCH):
+            per_device = int(given.get(_BATCH[0], 8))
+            accumulation = int(given.get(_BATCH[1], 1))
+            n = int(out.get("rollout.n", given.get("num_generations", 8)))
             completions = per_device * accumulation * world_size
             if completions % n:
                 raise ConfigError(
@@ -244,21 +289,91 @@ class GRPOTrainer:
             items.append("validation.source=eval_dataset")
         names = [f if isinstance(f, str) else _name(f) for f in funcs]
         items.append(f"reward.function={_text(names)}")
-        world = 1  # the batch shape's TRL names count completions over every rank
-        if any(name in args.given for name in _BATCH):
-            world = load_config(overrides=[*items, *args.overrides]).actor.world_size
-        settings = [f"{key}={_text(value)}" for key, value in args.settings(world).items()]
+        # the batch shape's TRL names count completions over every rank
+        world = load_config(overrides=[*items, *args.overrides]).actor.world_size
+        has_dataset = self.train_rows is not None or any(
+            o.startswith("data.source=") for o in args.overrides
+        )
+        chosen = args.settings(world, has_dataset=has_dataset)
+        settings = [f"{key}={_text(value)}" for key, value in chosen.items()]
         self.config: TrainerConfig = load_config(overrides=[*items, *settings, *args.overrides])
+        self.args = args
+        self.result: RunResult | None = None
 
-    def train(self, *, progress: bool = True) -> RunResult:
-        """Run the job; the run directory and a summary of the steps trained."""
+    def train(
+        self, resume_from_checkpoint: bool | str | None = None, *, progress: bool = True
+    ) -> RunResult:
+        """Run the job; the run directory and a summary of the steps trained. As TRL's: a
+        new run unless ``resume_from_checkpoint`` is true (the run directory's last
+        checkpoint) or a checkpoint directory (``checkpoints/step_N``); the earlier run's
+        checkpoints are moved aside, not deleted (``trainer.resume=never``)."""
+        import dataclasses
+
         callables = any(not isinstance(f, str) for f in self.reward_funcs)
         inputs = Inputs(
             train_rows=self.train_rows,
             eval_rows=self.eval_rows,
             reward_functions=self.reward_funcs if callables else None,
         )
-        return run(self.config, progress=progress, inputs=inputs)
+        if isinstance(resume_from_checkpoint, str):
+            resume = resume_from_checkpoint
+        else:
+            resume = "auto" if resume_from_checkpoint else "never"
+        if not any(o.startswith("trainer.resume=") for o in self.args.overrides):
+            trainer = dataclasses.replace(self.config.trainer, resume=resume)
+            self.config = dataclasses.replace(self.config, trainer=trainer)
+        self.result = run(self.config, progress=progress, inputs=inputs)
+        return self.result
+
+    def _model_dir(self):
+        if self.result is None:
+            raise ConfigError("GRPOTrainer: train() first: there is no trained model yet")
+        return self.result.run_dir / "hf_model"
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Write the trained model (weights, config, tokenizer) to ``output_dir`` (None: the
+        run directory, as TRL's ``args.output_dir``), loadable by ``transformers`` and vLLM.
+        The run already holds it in ``hf_model/``: this copies that folder's files."""
+        import shutil
+        from pathlib import Path
+
+        source = self._model_dir()
+        target = Path(output_dir) if output_dir is not None else source.parent
+        target.mkdir(parents=True, exist_ok=True)
+        for path in source.iterdir():
+            if path.is_file():
+                shutil.copy2(path, target / path.name)
+
+    def push_to_hub(self, repo_id: str | None = None, *, private: bool | None = None) -> str:
+        """Upload the trained model (``hf_model/``) to the Hub repository ``repo_id`` (None:
+        ``hub_model_id``, else the experiment's name), with the login ``hf auth login`` left;
+        returns the commit's URL. One line where the Hub cannot be reached."""
+        import os
+
+        folder = self._model_dir()
+        repo = repo_id or self.args.given.get("hub_model_id") or self.config.trainer.experiment_name
+        if not repo:
+            raise ConfigError(
+                "GRPOTrainer.push_to_hub: no repository: give repo_id, or hub_model_id or "
+                "run_name in GRPOConfig"
+            )
+        if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+            raise ConfigError(
+                f"GRPOTrainer.push_to_hub: HF_HUB_OFFLINE is set, so the Hub cannot be "
+                f"reached; the model stays in {folder} (unset it, or upload that folder later)"
+            )
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        try:
+            api.create_repo(repo, private=private, exist_ok=True)
+            info = api.upload_folder(folder_path=str(folder), repo_id=repo)
+        except Exception as err:  # network, auth: one line naming the repository
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(
+                f"GRPOTrainer.push_to_hub: cannot upload {folder} to {repo!r}: {first}"
+            ) from None
+        return str(getattr(info, "commit_url", info))
 
 
 def _name(fn: Callable[..., Any]) -> str:
