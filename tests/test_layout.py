@@ -102,7 +102,7 @@ TRAINER_LAYERS = [
     {"config"},
     {"runtime"},
     {"modes"},
-    {"driver", "cli", "api", "__init__"},  # the entry points
+    {"driver", "cli", "api", "hf_export", "__init__"},  # the entry points
     {"tools", "bench"},  # bench: the `python -m rlwire.trainer.bench` entry of tools.bench
 ]
 TRAINER_SUBPACKAGES = {

@@ -393,6 +393,7 @@ def test_grpo_trainer_trains_a_datasets_dataset_with_trl_rewards(ray_cluster, tm
         reward_weights=[0.5, 2.0],
         warmup_steps=2,
         lr_scheduler_type="linear",
+        save_steps=2,  # TRL's: a checkpoint and a model every 2 steps
         # in file order: every batch holds rows letter_reward scores (not all None)
         overrides=[f"ray.address={ray_cluster}", "ray.startup_timeout=300", "data.shuffle=false"],
     )
@@ -413,6 +414,8 @@ def test_grpo_trainer_trains_a_datasets_dataset_with_trl_rewards(ray_cluster, tm
     for r in rows:  # the weighted sum of the two functions' means
         length, letter = r["reward_extra/length_reward"], r["reward_extra/letter_reward"]
         assert -1.5 <= length <= 0 and 0 <= letter <= 1
+    models = sorted(p.name for p in (result.run_dir / "hf_models").iterdir())
+    assert models == ["step_2", "step_4"]  # written during the run, as TRL's checkpoint-N
     trainer.save_model(str(tmp_path / "saved"))  # TRL's: the model, loadable by transformers
     saved = sorted(p.name for p in (tmp_path / "saved").iterdir())
     assert "config.json" in saved and "model.safetensors" in saved

@@ -63,7 +63,7 @@ TRL_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "scale_rewards": ("algorithm.norm_adv_by_std", _choice(_SCALE, "scale_rewards")),
     "reward_weights": ("reward.weights", lambda v: None if v is None else list(v)),
     "seed": ("trainer.seed", int),
-    "save_steps": ("trainer.save_every", int),
+    "save_steps": ("trainer.save_every", int),  # and save_hf_every: below
     "report_to": ("trainer.logger", _logger),
     "bf16": ("model.dtype", lambda v: "bfloat16" if v else "float32"),
     "gradient_checkpointing": ("model.enable_gradient_checkpointing", bool),
@@ -169,6 +169,8 @@ class GRPOConfig:
         if steps is not None and steps > 0:  # TRL: max_steps wins over num_train_epochs
             out["trainer.steps"] = int(steps)
             out.pop("trainer.total_epochs", None)
+        if "trainer.save_every" in out:  # TRL writes a model in every checkpoint-N/
+            out["trainer.save_hf_every"] = out["trainer.save_every"]
         if given.get("use_vllm"):  # TRL: vllm_mode only with use_vllm
             out["rollout.backend"] = _VLLM_MODES[given.get("vllm_mode", "colocate")]
         elif "use_vllm" in given:

@@ -37,6 +37,10 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["export"]:  # a checkpoint as a Hugging Face folder, offline
+        from .hf_export import main as export
+
+        return export(argv[1:])
     if argv[:1] == ["plot"]:
         if len(argv) != 2:
             return _fail("usage: rlwire-train plot RUN_DIR")

@@ -294,6 +294,11 @@ class TrainerSection:
     tool calls, the reward and the advantage. None: not written."""
     save_every: int = 25
     """Checkpoint every this many steps (0: only at the end)."""
+    save_hf_every: int = 0
+    """Write ``hf_models/step_<N>``, the weights as a Hugging Face folder ``transformers``
+    and vLLM load (LoRA merged), every this many steps (TRL's model in every
+    ``checkpoint-N``); 0: only ``hf_model/`` at the end. Any checkpoint can be exported
+    afterwards too: ``rlwire-train export RUN_DIR --step N``."""
     max_checkpoints_to_keep: int | None = None
     """Complete checkpoints kept in ``checkpoints/`` (verl's ``max_actor_ckpt_to_keep``):
     older ones, and unfinished ones older than the newest complete one, are removed only
@@ -372,6 +377,9 @@ class TrainerSection:
         )
         check_choice(self.checkpoint_manifest, "trainer.checkpoint_manifest", MANIFEST_POLICIES)
         check(self.save_every >= 0, "trainer.save_every", self.save_every, "use an int >= 0")
+        check(
+            self.save_hf_every >= 0, "trainer.save_hf_every", self.save_hf_every, "use an int >= 0"
+        )
         keep = self.max_checkpoints_to_keep
         check(
             keep is None or keep >= 1,

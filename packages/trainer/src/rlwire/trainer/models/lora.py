@@ -30,10 +30,13 @@ __all__ = [
     "LoraSection",
     "adapter_name",
     "adapter_targets",
+    "base_name",
     "describe",
     "is_adapter",
+    "merge_delta",
     "merged_weights",
     "save_adapter",
+    "unwrapped_name",
     "wrap",
 ]
 
@@ -219,7 +222,7 @@ def merged_weights(
                 base = parts.pop("base")
                 yield (
                     base_name(f"{module}.weight"),
-                    (base + _delta(**parts, scaling=scaling)).to(base.dtype),
+                    (base + merge_delta(parts["A"], parts["B"], scaling)).to(base.dtype),
                 )
                 del pending[module]
         elif ".base_layer.weight" in name:
@@ -230,7 +233,7 @@ def merged_weights(
         raise ValueError(f"adapted weights without both adapter halves: {sorted(pending)[:3]}")
 
 
-def _delta(*, A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
+def merge_delta(A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tensor:
     """``(B @ A) x scaling`` as PEFT computes it for a merge (in float32 for half-precision
     adapters on the CPU, then back)."""
     if A.device.type == "cpu" and A.dtype in (torch.float16, torch.bfloat16):

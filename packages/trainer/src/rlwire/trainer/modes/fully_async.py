@@ -203,6 +203,7 @@ def run_fully_async(job: Job, bar) -> None:
             if due:  # the actor saves after its push: the weights of this update
                 position = queue.position.remote(step + 1)
                 job.save(step + 1, queue=watch.get(position, timeout=wait_s, what="checkpoint"))
+            job.export_if_due(step + 1)
         if pending is not None:
             write_synced(*pending)
         steps = config.trainer.steps

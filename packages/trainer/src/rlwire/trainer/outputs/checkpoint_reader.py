@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ..errors import RunError
 
-__all__ = ["SafeLoadPlanner", "SafeReader", "failure", "load", "refusal", "save"]
+__all__ = ["SafeLoadPlanner", "SafeReader", "failure", "load", "read_state", "refusal", "save"]
 
 _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Size"): torch.Size,
@@ -160,6 +160,31 @@ def load(state: dict[str, Any], directory: Path) -> None:
             f"{directory}: torch.distributed.checkpoint cannot read it ({failure(err)}); is a "
             "file damaged? resume from another checkpoint (trainer.resume=PATH)"
         ) from None
+
+
+def read_state(directory: Path) -> dict[str, Any]:
+    """Every entry of the DCP checkpoint ``directory`` as full CPU tensors and plain data,
+    in one process and without a process group (an offline export, a comparison), through
+    :class:`SafeReader` and :class:`SafeLoadPlanner`: nothing in it is unpickled beyond
+    tensors and plain data."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    class _WholeState(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
+        """The state built from the metadata (every entry whole), read safely."""
+
+    state: dict[str, Any] = {}
+    reader = SafeReader(directory)
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=_WholeState(), no_dist=True)
+    except (CheckpointException, OSError, ValueError) as err:
+        if reader.refused is not None:
+            raise reader.refused from None
+        reason = failure(err) if isinstance(err, CheckpointException) else str(err)
+        raise RunError(
+            f"{directory}: torch.distributed.checkpoint cannot read it ({reason})"
+        ) from None
+    return state
 
 
 def save(state: dict[str, Any], directory: Path) -> None:

@@ -408,6 +408,17 @@ class Job(JobStart):
     def save_if_due(self, done: int) -> None:
         if self.save_due(done):
             self.save(done)
+        self.export_if_due(done)
+
+    def export_if_due(self, done: int) -> None:
+        """``hf_models/step_<done>``, a Hugging Face folder of the weights after ``done``
+        updates, every ``trainer.save_hf_every`` updates (``hf_model/`` is the last's)."""
+        every = self.config.trainer.save_hf_every
+        if every and done % every == 0:
+            target = self.run_dir / "hf_models" / f"step_{done}"
+            target.parent.mkdir(exist_ok=True)
+            refs = [a.export_hf.remote(str(target), None) for a in self.actors]
+            self.call(refs, f"writing hf_models/{target.name}")
 
 
 def _seed(config, step: int, worker: int) -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -55,15 +54,11 @@ NO_SURVIVOR = "the replacement (no worker held the batch's weights"
 
 def actor_state(checkpoint: Path) -> dict[str, Any]:
     """The actor state of a ``checkpoints/step_<n>`` (``{"model": ..., "optimizer": ...}``,
-    full CPU tensors), converted through a temporary file outside the checkpoint (whose
-    bytes the campaign checks)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    full CPU tensors), read in place with the checkpoint reader's safe unpickling (never
+    ``torch.load(weights_only=False)``: a checkpoint directory can come from elsewhere)."""
+    from ..outputs.checkpoint_reader import read_state
 
-    with tempfile.TemporaryDirectory(prefix="rlwire-faults-") as scratch:
-        whole = Path(scratch) / "actor.pt"
-        dcp_to_torch_save(checkpoint / "actor", whole)
-        return torch.load(whole, weights_only=False)
+    return read_state(checkpoint / "actor")
 
 
 def _entries(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:

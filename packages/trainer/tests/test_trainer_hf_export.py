@@ -1,0 +1,100 @@
+"""Any checkpoint as a Hugging Face folder, offline (``rlwire-train export``): full weights
+as saved, LoRA merged exactly as PEFT merges or as PEFT's adapter, each loading in
+transformers with the trained model's log-probs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rlwire.trainer.cli import main
+from rlwire.trainer.config.root import load_config, to_dict
+from rlwire.trainer.errors import RunError
+from rlwire.trainer.hf_export import export_checkpoint
+from rlwire.trainer.outputs import checkpoint_reader
+from rlwire.trainer.outputs.checkpoint import finish_checkpoint, write_trainer_state
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from rlwire.trainer.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def _run(run: Path, overrides: list[str], steps: dict[int, dict]) -> None:
+    """A run directory as rlwire-train leaves it: config.yaml and complete checkpoints."""
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(overrides=overrides))))
+    for step, model in steps.items():
+        directory = run / "checkpoints" / f"step_{step}"
+        checkpoint_reader.save({"model": model, "optimizer": {}}, directory / "actor")
+        write_trainer_state(directory, {"step": step})
+        finish_checkpoint(directory, step)
+
+
+def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(ids).logits.float(), dim=-1)
+
+
+def test_a_full_weight_checkpoint_exports_as_saved_at_any_step(tmp_path, tiny_dir, capsys):
+    from transformers import AutoModelForCausalLM
+
+    trained = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.01, alpha=1.0)
+    state = {k: v.clone() for k, v in trained.state_dict().items()}
+    run = tmp_path / "run"
+    _run(run, [f"model.path={tiny_dir}"], {2: state, 4: {k: v + 1 for k, v in state.items()}})
+    assert main(["export", str(run), "--step", "2"]) == 0
+    folder = Path(capsys.readouterr().out.strip())
+    assert folder == run / "hf_models" / "step_2"
+    exported = AutoModelForCausalLM.from_pretrained(folder)
+    for name, value in exported.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    ids = torch.tensor([[5, 9, 12, 3, 7]])
+    assert torch.equal(_logprobs(exported, ids), _logprobs(trained, ids))
+    assert export_checkpoint(run) == run / "hf_models" / "step_4"  # the last by default
+    capsys.readouterr()  # transformers' progress bars
+    assert main(["export", str(run), "--step", "3"]) == 2
+    assert capsys.readouterr().err == (
+        f"rlwire-train: error: export: --step 3: {run} has no complete checkpoint of that step "
+        "(it has 2, 4)\n"
+    )
+    with pytest.raises(RunError, match=r"--adapter: the run trained every weight"):
+        export_checkpoint(run, adapter=True)
+
+
+def test_a_lora_checkpoint_exports_merged_as_peft_merges_or_as_its_adapter(tmp_path, tiny_dir):
+    from peft import PeftModel
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from rlwire.trainer.models import lora
+
+    overrides = [f"model.path={tiny_dir}", "actor.lora.rank=4", "actor.lora.alpha=8"]
+    section = load_config(overrides=overrides).actor.lora
+    wrapped = lora.wrap(AutoModelForCausalLM.from_pretrained(tiny_dir), section)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if lora.is_adapter(name):
+                p.copy_(torch.randn_like(p) * 0.05)
+    adapter = {k: v for k, v in get_model_state_dict(wrapped).items() if lora.is_adapter(k)}
+    run = tmp_path / "run"
+    _run(run, overrides, {3: adapter})
+    ids = torch.tensor([[5, 9, 12, 3, 7]])
+    want = _logprobs(wrapped, ids)
+    merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(run))
+    peft_merged = wrapped.merge_and_unload().state_dict()
+    for name, value in merged.state_dict().items():
+        assert torch.equal(value, peft_merged[name]), name
+    assert torch.allclose(_logprobs(merged, ids), want, atol=1e-5, rtol=0)
+    folder = export_checkpoint(run, adapter=True, out=tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    loaded = PeftModel.from_pretrained(base, folder)
+    assert torch.allclose(_logprobs(loaded, ids), want, atol=1e-5, rtol=0)
