@@ -123,9 +123,21 @@ class RewardConfig:
     per completion) or a batch ``f(prompts, responses, answers) -> list[float]``; the
     signature is checked at start. verl's ``custom_reward_function.path`` and ``.name`` are
     accepted."""
+    model: str | None = None
+    """A reward model (verl's ``reward_model.model.path``): a sequence-classification
+    model's directory or Hub id, one label, scoring each prompt + completion as TRL scores
+    with a model in ``reward_funcs`` (:mod:`rlwire.trainer.data.reward_model`). It counts
+    after the functions (``weights``); with ``function`` unset it scores alone. A model
+    directory or Hub id given in ``function`` (or TRL's ``reward_funcs``) is one too."""
+    model_batch_size: int = 32
+    """Texts per forward pass of a reward model."""
+    model_device: str = "auto"
+    """Where a reward model runs, in the driver: ``auto`` (its first GPU, else the CPU),
+    ``cpu`` or ``cuda:<i>``."""
     weights: list[float] | None = None
-    """One weight per function of a list (TRL's ``reward_weights``): the reward is
-    ``sum(weight x value)``, a None (not applicable) left out. None: 1 each."""
+    """One weight per function of a list (TRL's ``reward_weights``), then one for
+    ``model``: the reward is ``sum(weight x value)``, a None (not applicable) left out.
+    None: 1 each."""
     overlong_buffer: OverlongBufferConfig = dataclasses.field(default_factory=OverlongBufferConfig)
 
     def __post_init__(self) -> None:
@@ -137,16 +149,33 @@ class RewardConfig:
             "use a name, package.module:function, or a list of them",
         )
         weights = self.weights
+        count = (len(specs) if self.function is not None or not self.model else 0) + bool(
+            self.model
+        )
         check(
             weights is None
             or (
                 isinstance(weights, list)
                 and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
-                and len(weights) == len(specs)
+                and len(weights) == count
             ),
             "reward.weights",
             weights,
-            f"use a list of {len(specs)} number(s), one per reward.function",
+            f"use a list of {count} number(s), one per reward.function (then reward.model)",
+        )
+        check(
+            self.model_batch_size >= 1,
+            "reward.model_batch_size",
+            self.model_batch_size,
+            "use an int >= 1",
+        )
+        check(
+            self.model_device == "auto"
+            or self.model_device == "cpu"
+            or self.model_device.startswith("cuda"),
+            "reward.model_device",
+            self.model_device,
+            "use auto, cpu or cuda:<index>",
         )
 
     def specs(self) -> list[str]:

@@ -36,6 +36,7 @@ import torch
 
 from ..errors import RunError
 from ..rollout import Example
+from .reward_model import RewardModel, is_model_spec, model_device
 from .scorers import MATH_INSTALL_HINT, SCORERS, by_data_source, known_sources, unscored_sources
 from .tasks import Task, builtin_task
 
@@ -360,7 +361,28 @@ def _one(spec: str, config: TrainerConfig, task: Task | None) -> Reward:
         if spec == "math" and importlib.util.find_spec("math_verify") is None:
             raise RunError(MATH_INSTALL_HINT)
         return Reward(SCORERS[spec], spec)
+    if is_model_spec(spec):
+        return _model_reward(spec, config)
     return Reward(_imported(spec), spec)
+
+
+def _model_reward(spec: str, config: TrainerConfig) -> Reward:
+    """The reward model ``spec`` names (a directory, or a Hub id's snapshot), loaded now."""
+    from ..models.hub import snapshot
+
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        path = snapshot(spec, "reward.model")
+    section = config.reward
+    model = RewardModel(
+        path,
+        device=model_device(section.model_device),
+        batch_size=section.model_batch_size,
+        dtype=config.model.dtype,
+    )
+    reward = Reward(model, spec)
+    reward.name = Path(spec.rstrip("/")).name  # TRL's: the model's name
+    return reward
 
 
 _UNRESOLVED: Any = object()
@@ -388,11 +410,13 @@ def load_reward(
         ]
     else:
         specs = config.reward.specs()
-        if not specs:  # unset: the task's own, or each row's data_source
+        if not specs and config.reward.model is None:  # the task's own, or by data_source
             if task is not None:
                 return Rewards([Reward(task.reward, "builtin")])
             return Rewards([Reward(by_data_source, "data_source")])
         rewards = [_one(spec, config, task) for spec in specs]
+    if config.reward.model is not None:
+        rewards.append(_model_reward(config.reward.model, config))
     if weights is not None and len(weights) != len(rewards):
         raise RunError(
             f"reward.weights: {len(weights)} weights for {len(rewards)} reward functions; "
