@@ -816,6 +816,26 @@ def test_delta_payload_that_does_not_fit_its_metadata_is_refused():
             decode(f, changed, shape[0] if shape else (2000,), torch.bfloat16, data)
 
 
+def test_a_zstd_frame_over_the_tensors_size_is_refused_before_it_is_inflated():
+    """python-zstandard ignores ``max_output_size`` when a frame records its size: a 275-byte
+    frame of 8 MiB is refused by what it claims, as is one that records no size."""
+    zstd = pytest.importorskip("zstandard")
+    from rlwire.ckpt_engine._delta import decode
+
+    def frame(data: bytes, **kwargs) -> torch.Tensor:
+        raw = zstd.ZstdCompressor(**kwargs).compress(data)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+    bomb = frame(b"\0" * (8 << 20))
+    assert bomb.numel() < 300
+    with pytest.raises(CheckpointEngineError) as err:
+        decode("gaps1.zst", 23, (2000,), torch.bfloat16, bomb)
+    assert "a zstd frame of 8388608 bytes, over the 4000 the tensor's layout allows" in str(err)
+    sizeless = frame(b"\1" * 64, write_content_size=False)
+    with pytest.raises(CheckpointEngineError, match="a zstd frame that does not record its size"):
+        decode("gaps1.zst", 23, (2000,), torch.bfloat16, sizeless)
+
+
 def _with(payload: torch.Tensor, at: int, value: int) -> torch.Tensor:
     out = payload.clone()
     out[at] = value

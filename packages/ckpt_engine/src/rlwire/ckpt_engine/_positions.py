@@ -205,12 +205,31 @@ def decompress(frame: torch.Tensor, limit: int) -> torch.Tensor:
         CheckpointEngineError: the frame is not zstd or would hold more than ``limit``.
     """
     zstd = _zstd()
+    raw = frame.cpu().numpy().tobytes()
+    # python-zstandard ignores max_output_size when the frame states its size: the size a
+    # frame claims is checked against the bound before anything is allocated for it
     try:
-        data = zstd.ZstdDecompressor().decompress(
-            frame.cpu().numpy().tobytes(), max_output_size=limit
+        declared = zstd.frame_content_size(raw)
+    except zstd.ZstdError as err:
+        raise CheckpointEngineError(f"delta payload: not a zstd frame ({err})") from err
+    if declared < 0:  # unknown (-1): compress() always records the size
+        raise CheckpointEngineError(
+            "delta payload: a zstd frame that does not record its size; refused (the sender's "
+            "frames do)"
         )
+    if declared > limit:
+        raise CheckpointEngineError(
+            f"delta payload: a zstd frame of {declared} bytes, over the {limit} the tensor's "
+            "layout allows"
+        )
+    try:
+        data = zstd.ZstdDecompressor().decompress(raw, max_output_size=limit)
     except zstd.ZstdError as err:
         raise CheckpointEngineError(
             f"delta payload: not a zstd frame of at most {limit} bytes ({err})"
         ) from err
+    if len(data) != declared:
+        raise CheckpointEngineError(
+            f"delta payload: a zstd frame stating {declared} bytes holds {len(data)}"
+        )
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(frame.device)
