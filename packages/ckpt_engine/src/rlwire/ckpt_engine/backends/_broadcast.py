@@ -118,7 +118,8 @@ class BroadcastEngine(StoreControlledEngine):
     @property
     def _module(self) -> ModuleType:
         """``torch.cuda``, ``torch.npu`` or ``torch.cpu``."""
-        return torch.get_device_module(self.device_type)
+        module: ModuleType = torch.get_device_module(self.device_type)  # untyped before 2.15
+        return module
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """A context that makes ``self.device`` current (nothing to do on the CPU)."""

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +60,8 @@ def build_model(directory: Path, *, layers: int, hidden: int, vocab: int) -> Pat
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
-    Qwen2ForCausalLM(config).save_pretrained(directory)
+    build: Any = Qwen2ForCausalLM  # (untyped in transformers before 5.24)
+    build(config).save_pretrained(directory)
     return directory
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,10 +41,11 @@ def set_gradient_checkpointing(model: PreTrainedModel, enable: bool) -> None:
     requires a gradient (a LoRA model's frozen embeddings) and runs under FSDP."""
     # transformers 5.24 renamed them activation_checkpointing_* (the old names warn)
     if hasattr(model, "activation_checkpointing_enable"):
+        renamed: Any = model  # (the names transformers before 5.24 lacks, for mypy)
         if enable:
-            model.activation_checkpointing_enable({"use_reentrant": False})
+            renamed.activation_checkpointing_enable({"use_reentrant": False})
         else:
-            model.activation_checkpointing_disable()
+            renamed.activation_checkpointing_disable()
     elif enable:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
