@@ -26,7 +26,12 @@ from .modes.colocated import run_colocated
 from .modes.fully_async import run_fully_async
 from .modes.one_step_off import run_one_step_off
 from .outputs.checkpoint import read_trainer_state
-from .outputs.checkpoint_dirs import checkpoint_step, latest_checkpoint, set_aside_checkpoints
+from .outputs.checkpoint_dirs import (
+    checkpoint_step,
+    completed_step,
+    latest_checkpoint,
+    set_aside_checkpoints,
+)
 from .outputs.export import exported_step
 from .outputs.loggers import open_trackers
 from .outputs.plot import plot_run
@@ -118,6 +123,15 @@ def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -
         resume_from = Path(config.trainer.resume).resolve()
         if not (resume_from / "COMPLETE").exists():
             raise RunError(f"trainer.resume: {resume_from} is not a complete checkpoint")
+        # the steps after it are a branch this run abandons: out of pruning's and auto's way
+        step = completed_step(resume_from)
+        aside = set_aside_checkpoints(run_dir, after=step) if step is not None else None
+        if aside is not None:
+            print(
+                f"rlwire-train: trainer.resume={resume_from}: the checkpoints after step "
+                f"{step} are moved to {aside}",
+                file=sys.stderr,
+            )
     resume = None
     if resume_from is not None:  # one that this run can continue from, or one line why not
         resume = (resume_from, read_trainer_state(resume_from, config))

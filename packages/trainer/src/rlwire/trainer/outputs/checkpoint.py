@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from ..errors import RunError
+from ..models.modeling import replace_directory
 from .checkpoint_dirs import prune_checkpoints
 
 __all__ = [
@@ -286,9 +287,11 @@ def save_checkpoint(job, done: int, **state: Any) -> None:
     ``trainer.max_checkpoints_to_keep``. A directory of that step already there (a cut-off
     save, or one of a run resumed earlier) is replaced."""
     config = job.config
-    target = job.run_dir / "checkpoints" / f"step_{done}"
-    if target.exists():
-        shutil.rmtree(target)
+    final = job.run_dir / "checkpoints" / f"step_{done}"
+    # written beside, then renamed into place: a complete step directory already there (a
+    # run resumed from an earlier step) stays until its replacement is complete
+    target = final.with_name(f"{final.name}.partial")
+    shutil.rmtree(target, ignore_errors=True)  # a save of this step cut off earlier
     target.mkdir(parents=True)
     job.call([a.save.remote(str(target)) for a in job.actors], "saving")
     actor = config.actor
@@ -305,6 +308,8 @@ def save_checkpoint(job, done: int, **state: Any) -> None:
         },
     )
     finish_checkpoint(target, done)
+    replace_directory(target, final)
+    _fsync(final.parent)
     keep = config.trainer.max_checkpoints_to_keep
     if keep is not None:
         prune_checkpoints(job.run_dir, keep)

@@ -8,7 +8,13 @@ import re
 import shutil
 from pathlib import Path
 
-__all__ = ["checkpoint_step", "latest_checkpoint", "prune_checkpoints", "set_aside_checkpoints"]
+__all__ = [
+    "checkpoint_step",
+    "completed_step",
+    "latest_checkpoint",
+    "prune_checkpoints",
+    "set_aside_checkpoints",
+]
 
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -25,19 +31,27 @@ def _checkpoints(run_dir: Path) -> list[tuple[int, bool, Path]]:
     return sorted(found)
 
 
-def set_aside_checkpoints(run_dir: Path) -> Path | None:
-    """``trainer.resume=never`` on a directory holding an earlier run's checkpoints: move
-    its ``checkpoints/`` to ``checkpoints.before-<n>/`` (the first free ``n``) and return
-    where, so that the new run's pruning, and a later ``resume=auto``, see the new run's
-    checkpoints only (left in place, the earlier run's higher steps would count as the
-    newest: pruning would remove each new checkpoint as it is saved). None: nothing there."""
-    if not _checkpoints(run_dir):
+def set_aside_checkpoints(run_dir: Path, after: int | None = None) -> Path | None:
+    """Move an earlier run's checkpoints out of the way and return where: all of them
+    (``trainer.resume=never``), or with ``after`` those of steps after it (a
+    ``trainer.resume=PATH`` of that step: the branch abandoned), into
+    ``checkpoints.before-<n>/`` (the first free ``n``), so that the new run's pruning, and a
+    later ``resume=auto``, see the new run's checkpoints only (left in place, the earlier
+    run's higher steps would count as the newest: pruning would remove each new checkpoint
+    as it is saved). None: nothing to move."""
+    moved = [path for step, _, path in _checkpoints(run_dir) if after is None or step > after]
+    if not moved:
         return None
     number = 1
     while (run_dir / f"checkpoints.before-{number}").exists():
         number += 1
     target = run_dir / f"checkpoints.before-{number}"
-    (run_dir / "checkpoints").rename(target)
+    if after is None:
+        (run_dir / "checkpoints").rename(target)
+        return target
+    target.mkdir()
+    for path in moved:
+        path.rename(target / path.name)
     return target
 
 
@@ -62,6 +76,16 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
         (path / "COMPLETE").unlink(missing_ok=True)
         shutil.rmtree(path)
     return doomed
+
+
+def completed_step(checkpoint: Path) -> int | None:
+    """The step a complete checkpoint's ``COMPLETE`` marker records (any directory name);
+    None when it records none."""
+    try:
+        text = (checkpoint / "COMPLETE").read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def checkpoint_step(checkpoint: Path) -> int:

@@ -1,0 +1,68 @@
+"""Checkpoints survive every resume: a resume from an earlier step sets the later ones
+aside (pruning and resume=auto then see the new branch only), and a step directory already
+there stays until its replacement is complete."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+from rlwire.trainer.config.root import load_config
+from rlwire.trainer.outputs.checkpoint import save_checkpoint
+from rlwire.trainer.outputs.checkpoint_dirs import (
+    completed_step,
+    latest_checkpoint,
+    prune_checkpoints,
+    set_aside_checkpoints,
+)
+
+
+def _complete(run: Path, step: int, mark: str = "x") -> Path:
+    directory = run / "checkpoints" / f"step_{step}"
+    directory.mkdir(parents=True)
+    (directory / "weights").write_text(mark)
+    (directory / "COMPLETE").write_text(str(step))
+    return directory
+
+
+def test_a_resume_from_an_earlier_step_sets_the_later_branch_aside(tmp_path):
+    # reproduced: 30 steps saved every 10, resumed from step_20 to 25 saving every 5 with
+    # max_checkpoints_to_keep=1 left only the abandoned step_30 (the new step_25 pruned)
+    for step in (10, 20, 30):
+        _complete(tmp_path, step)
+    resumed = tmp_path / "checkpoints" / "step_20"
+    assert completed_step(resumed) == 20
+    aside = set_aside_checkpoints(tmp_path, after=20)
+    assert aside == tmp_path / "checkpoints.before-1"
+    assert sorted(p.name for p in aside.iterdir()) == ["step_30"]
+    _complete(tmp_path, 25)  # the new branch's save
+    assert prune_checkpoints(tmp_path, keep=1) == [
+        tmp_path / "checkpoints" / "step_10",
+        tmp_path / "checkpoints" / "step_20",
+    ]
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_25"
+    assert set_aside_checkpoints(tmp_path, after=25) is None  # nothing after it
+
+
+def test_a_step_directory_is_replaced_only_once_its_replacement_is_complete(tmp_path):
+    old = _complete(tmp_path, 5, "old")
+    seen = []
+
+    class Actor:
+        class save:  # noqa: N801  (a Ray method's shape: .remote)
+            @staticmethod
+            def remote(directory: str) -> None:
+                seen.append((old / "COMPLETE").exists())  # the old one intact meanwhile
+                (Path(directory) / "weights").write_text("new")
+
+    job = types.SimpleNamespace(
+        config=load_config(),
+        run_dir=tmp_path,
+        actors=[Actor()],
+        world=1,
+        call=lambda refs, what: list(refs),
+    )
+    save_checkpoint(job, 5)
+    assert seen == [True]
+    assert (old / "weights").read_text() == "new" and completed_step(old) == 5
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_5"]
