@@ -73,6 +73,10 @@ class AgentConfig:
     the next prompt's, as ``algorithm.filter_groups`` replaces a group). Counted
     (``agent_failures`` with ``zero``, ``filtered_groups`` with ``drop``) and named in the
     rollout worker's log either way."""
+    max_failed_steps: int = 3
+    """Steps in a row in which every session failed before the model answered (nothing to
+    train on: each such step is skipped, ``update_skipped`` in its metrics line) before the
+    run stops with one line naming the agent and its last error."""
     endpoint_host: str = "127.0.0.1"
     """Where each rollout worker's OpenAI-compatible endpoint listens (``agent.function``):
     loopback, for agents in the worker's process; every call needs its session's key."""
@@ -101,6 +105,12 @@ class AgentConfig:
                 "'package.module:function'"
             )
         check(self.timeout > 0, "agent.timeout", self.timeout, "use seconds > 0")
+        check(
+            self.max_failed_steps >= 1,
+            "agent.max_failed_steps",
+            self.max_failed_steps,
+            "use an int >= 1",
+        )
         check(self.failure in ("zero", "drop"), "agent.failure", self.failure, "use zero or drop")
         if self.function is not None:
             self._check_function(self.function)

@@ -42,6 +42,9 @@ class UpdateMetrics:
     rollout_rs_masked_fraction: float
     """Fraction of response tokens dropped from the loss by ``rollout_rs``."""
     optimizer_steps: int
+    update_skipped: bool | None = None
+    """True when no sample held a token to train on (every agent session failed before the
+    model answered): no update ran (the actor's weights and optimizer are as they were)."""
     """Optimizer steps this update took (mini-batches x epochs)."""
     lr_scale: float
     """The factor on ``actor.optim.lr`` this update took: below 1 where the

@@ -146,6 +146,8 @@ class Rollout:
         """``(B,)``: newest minus oldest token version of each sample (0 unless the sample
         was continued across a weight sync)."""
         real = self.response_mask.bool()
+        if real.shape[1] == 0:  # no sample holds a response token (every agent session failed)
+            return torch.zeros(len(real), dtype=torch.int64)
         newest = torch.where(real, self._versions(), torch.iinfo(torch.int64).min).max(dim=1).values
         return newest - self.sample_versions()
 
