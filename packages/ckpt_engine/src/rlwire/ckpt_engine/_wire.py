@@ -38,6 +38,12 @@ __all__ = [
 ]
 
 ALIGN = 256
+MAX_DELTA_OVERHEAD = 4096
+"""A delta payload is at most twice its tensor's bytes and this (its positions and values
+cost less than the dense tensor, or it is sent dense): a larger claim is refused."""
+MAX_META_BYTES = 64 << 20
+"""Bucket metadata larger than this is refused before it is received (a bucket holding a
+million tensors' entries takes about 100 MB less)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -143,13 +149,61 @@ class BucketMeta:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> BucketMeta:
-        index, version, nbytes, last, crc, rows, *base = json.loads(data)
-        entries = []
-        for r in rows:
-            arena = r[6] if len(r) > 6 else None
-            delta = tuple(r[7]) if len(r) > 7 else None
-            entries.append(Entry(r[0], r[1], tuple(r[2]), r[3], r[4], r[5], arena, delta))
-        return cls(index, version, nbytes, last, entries, crc, *base)
+        """The metadata in ``data``, every field's type and range checked.
+
+        Raises:
+            CheckpointEngineError: not this format, or a size, offset or shape that is
+                negative or not an integer (nothing is allocated from it before).
+        """
+        try:
+            index, version, nbytes, last, crc, rows, *base = json.loads(data)
+            entries = []
+            for r in rows:
+                arena = r[6] if len(r) > 6 else None
+                delta = tuple(r[7]) if len(r) > 7 else None
+                entry = Entry(r[0], r[1], tuple(r[2]), r[3], r[4], r[5], arena, delta)
+                _check_entry(entry)
+                entries.append(entry)
+            meta = cls(index, version, nbytes, last, entries, crc, *base)
+        except (ValueError, TypeError, IndexError, KeyError) as err:
+            raise CheckpointEngineError(f"bucket metadata: malformed ({err})") from None
+        for value in (meta.index, meta.version, meta.nbytes):
+            _natural(value, "bucket metadata: index, version and size")
+        if not isinstance(meta.last, bool) or len(base) > 1:
+            raise CheckpointEngineError("bucket metadata: malformed (its header)")
+        return meta
+
+
+def _natural(value: Any, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointEngineError(f"{what}: {value!r} is not an integer >= 0")
+
+
+def _check_entry(e: Entry) -> None:
+    """An entry's fields as the sender writes them: a name, a known dtype, a shape of
+    integers >= 0, offsets and sizes >= 0, a delta ``(format, changes, bytes)``."""
+    if not isinstance(e.name, str) or not isinstance(e.dtype, str):
+        raise CheckpointEngineError("bucket metadata: an entry without a name or dtype")
+    what = f"bucket metadata: {e.name!r}"
+    dtype_from_name(e.dtype)
+    for value in (*e.shape, e.offset, e.chunk_offset, e.chunk_nbytes):
+        _natural(value, what)
+    if e.arena is not None:
+        _natural(e.arena, what)
+    if e.delta is not None:
+        if len(e.delta) != 3 or not isinstance(e.delta[0], str):
+            raise CheckpointEngineError(f"{what}: a malformed delta {e.delta!r}")
+        _natural(e.delta[1], what)
+        _natural(e.delta[2], what)
+        if e.delta[2] > 2 * e.nbytes + MAX_DELTA_OVERHEAD:
+            raise CheckpointEngineError(
+                f"{what}: a delta payload of {e.delta[2]} bytes for a tensor of {e.nbytes}"
+            )
+    if e.chunk_offset + e.chunk_nbytes > e.payload_nbytes:
+        raise CheckpointEngineError(
+            f"{what}: a chunk of bytes {e.chunk_offset}-{e.chunk_offset + e.chunk_nbytes} of "
+            f"a payload of {e.payload_nbytes}"
+        )
 
 
 def verify_bucket(meta: BucketMeta, buf: torch.Tensor) -> None:
@@ -273,11 +327,21 @@ class Unpacker:
                     f"{e.name!r} refers to a shared arena this backend does not have"
                 )
             source = arenas(e.arena)
+        if e.offset + e.chunk_nbytes > source.numel():  # the metadata's own ranges: from_bytes
+            raise CheckpointEngineError(
+                f"{e.name!r}: a chunk at bytes {e.offset}-{e.offset + e.chunk_nbytes} of a "
+                f"{'shared arena' if e.arena is not None else 'bucket'} of {source.numel()}"
+            )
         chunk = source[e.offset : e.offset + e.chunk_nbytes]
         total = e.payload_nbytes
+        target, have = self._partial.get(e.name, (None, 0))
+        if e.chunk_offset != have:  # chunks come in order: no overlap, no gap
+            raise CheckpointEngineError(
+                f"{e.name!r}: a chunk at byte {e.chunk_offset} where byte {have} comes next "
+                "(chunks that overlap or leave a gap)"
+            )
         if e.chunk_offset == 0 and e.chunk_nbytes == total:
             return (chunk.clone(), False) if copy else (chunk, True)
-        target, have = self._partial.get(e.name, (None, 0))
         if target is None:
             target = torch.empty(total, dtype=torch.uint8, device=buf.device)
         target[e.chunk_offset : e.chunk_offset + e.chunk_nbytes].copy_(chunk)

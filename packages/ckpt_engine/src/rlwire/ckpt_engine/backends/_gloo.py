@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 
 from .._bucketed import BucketedEngine
+from .._errors import CheckpointEngineError
 from .._store import SignedStore, blocking, connect_store, master_store, peer_errors
-from .._wire import BucketMeta, to_bytes
+from .._wire import MAX_META_BYTES, BucketMeta, to_bytes
 
 __all__ = ["GlooEngine"]
 
@@ -136,10 +137,20 @@ class GlooEngine(BucketedEngine):
         def recv() -> BucketMeta:
             header = torch.empty(2, dtype=torch.int64)
             self._wait(self._bcast(header))
-            body = torch.empty(int(header[0]), dtype=torch.uint8)
+            size = int(header[0])
+            if not 0 < size <= MAX_META_BYTES:  # before anything is allocated for it
+                raise CheckpointEngineError(
+                    f"gloo: bucket {seq}'s metadata claims {size} bytes (at most {MAX_META_BYTES})"
+                )
+            body = torch.empty(size, dtype=torch.uint8)
             self._wait(self._bcast(body))
             assert self._store is not None  # made or reached in init_process_group()
             meta = BucketMeta.from_bytes(self._store.verify(f"meta/{seq}", to_bytes(body)))
+            if meta.nbytes > buf.numel():
+                raise CheckpointEngineError(
+                    f"gloo: bucket {seq} claims {meta.nbytes} bytes, over this receiver's "
+                    f"bucket of {buf.numel()}"
+                )
             self._wait(self._bcast(buf[: meta.nbytes]))
             return meta
 
