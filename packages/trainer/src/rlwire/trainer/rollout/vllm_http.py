@@ -79,7 +79,7 @@ class VLLMServer:
         wait = self.timeout if timeout is None else timeout
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
-        if self.token:
+        if self.token and path != "/health":  # /health is open: asked without the token
             headers["Authorization"] = f"Bearer {self.token}"
         request = urllib.request.Request(
             self.url + path, data=data, method="GET" if body is None else "POST", headers=headers

@@ -29,6 +29,7 @@ from typing import IO, Any
 
 from rlwire.ckpt_engine import WEIGHT_TRANSFER_TOKEN_ENV
 
+from .listeners import foreign_listeners
 from .vllm import CPU_KV_CACHE_BYTES, INSTALL_HINT, RPC_PATH_ENV, rpc_dir
 from .vllm_http import EXTENSION, GUARD, VLLMServer
 
@@ -147,20 +148,41 @@ class ServerProcess:
         return "\n".join(raw.decode(errors="replace").splitlines()[-lines:])
 
     def wait_ready(self, server: VLLMServer, timeout: float) -> None:
+        """Wait until the server answers ``/health`` (which is asked without the token) and
+        the socket listening on its port is its own; only then is the token sent.
+
+        Raises:
+            RuntimeError: the server exited or did not answer in time, or another process
+                listens on its port (it bound the port first: nothing is sent to it).
+        """
         deadline = time.monotonic() + timeout
-        while not server.healthy():
-            code = self.process.poll()
+        while True:
+            code = self.process.poll()  # first: a stranger's /health must not pass for it
             if code is not None:
                 raise RuntimeError(
                     f"vllm_server: the server for {self.url} exited with code {code}:\n"
                     + self.tail()
                 )
+            if server.healthy():
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"vllm_server: the server for {self.url} did not answer /health within "
                     f"{timeout:g} s (ray.startup_timeout):\n{self.tail()}"
                 )
             time.sleep(0.5)
+        self.check_listener()
+
+    def check_listener(self) -> None:
+        """Refuse a port where a socket not held by the server's own processes listens."""
+        port = int(self.url.rsplit(":", 1)[1])
+        foreign = foreign_listeners(port, self.process.pid)
+        if foreign:
+            self.stop()
+            raise RuntimeError(
+                f"vllm_server: another process listens on port {port}, where the server this "
+                "worker started should (it bound the port first); nothing was sent to it"
+            )
 
     def stop(self) -> None:
         if self.process.poll() is None:
