@@ -391,7 +391,10 @@ def test_an_actor_killed_while_saving_leaves_the_last_checkpoint_to_resume_from(
     cut = [p for p in (out / "checkpoints").iterdir() if not (p / "COMPLETE").exists()]
     assert len(cut) == 1, killed  # the save that was cut off, never marked complete
     last = latest_checkpoint(out)
-    assert last is not None and int(last.name.split("_")[1]) < int(cut[0].name.split("_")[1])
+    # (a save is written as step_<n>.partial and renamed once complete)
+    assert cut[0].name.endswith(".partial")
+    cut_step = int(cut[0].name.removesuffix(".partial").split("_")[1])
+    assert last is not None and int(last.name.split("_")[1]) < cut_step
     # The same command resumes from the last complete one; the cut-off save is replaced.
     done = int(last.name.split("_")[1])
     records, _ = train_cli(out, *overrides, f"trainer.steps={done + 2}", cluster=ray_cluster)

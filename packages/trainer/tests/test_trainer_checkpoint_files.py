@@ -163,10 +163,14 @@ def test_every_file_and_directory_is_flushed_before_complete(tmp_path, monkeypat
     files = [p for p in target.rglob("*") if p.is_file() and p.name != "COMPLETE"]
     assert {p.name for p in files} >= {"__0_0.distcp", ".metadata", "actor_rank0.pt"}
     assert {p.name for p in files} >= {"trainer_state.json", "MANIFEST.json"}
-    directories = [target, target.parent, target / "actor", target / "rng"]
-    assert {str(p) for p in files + directories} <= before
-    assert str(target / "COMPLETE.partial") in before  # COMPLETE: written, flushed, renamed
-    assert (str(target), True) in synced  # and the rename flushed
+    # written as step_3.partial, renamed step_3 once complete: flushed under that name
+    partial = target.with_name("step_3.partial")
+    written = [partial / p.relative_to(target) for p in files]
+    directories = [partial, target.parent, partial / "actor", partial / "rng"]
+    assert {str(p) for p in written + directories} <= before
+    assert str(partial / "COMPLETE.partial") in before  # COMPLETE: written, flushed, renamed
+    assert (str(partial), False) in synced  # and that rename flushed
+    assert (str(target.parent), True) in synced  # then the rename into place, flushed
     assert sorted(p.name for p in target.iterdir()) == [
         "COMPLETE",
         "MANIFEST.json",

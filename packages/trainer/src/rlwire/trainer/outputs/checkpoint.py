@@ -129,7 +129,7 @@ def check_manifest(directory: Path, *, missing: str) -> None:
             )
 
 
-def finish_checkpoint(directory: Path, step: int) -> None:
+def finish_checkpoint(directory: Path, step: int, into: Path | None = None) -> None:
     """The driver's end of a save of ``step`` to ``directory``, once every rank returned and
     ``trainer_state.json`` is written: ``MANIFEST.json``; every file and directory of the
     checkpoint (and its entry in ``checkpoints/``) flushed to disk; then ``COMPLETE``,
@@ -137,7 +137,8 @@ def finish_checkpoint(directory: Path, step: int) -> None:
     pages back in any order: without the flushes, a power loss after the save could leave
     ``COMPLETE`` on disk and a file it vouches for empty or short. (The ranks' files are
     written in their processes; an ``fsync`` from here flushes them on the same
-    filesystem.)"""
+    filesystem.) ``into``: then renamed there (a save written as ``step_<n>.partial``),
+    the directory it replaces removed only after."""
     write_manifest(directory)
     for path in sorted(directory.rglob("*"), reverse=True):  # files, then their directories
         if path.is_file() or path.is_dir():
@@ -151,6 +152,9 @@ def finish_checkpoint(directory: Path, step: int) -> None:
         os.fsync(file.fileno())
     partial.replace(directory / "COMPLETE")
     _fsync(directory)
+    if into is not None:  # a save written beside: renamed into place, the old one gone after
+        replace_directory(directory, into)
+        _fsync(into.parent)
 
 
 def _fsync(path: Path) -> None:
@@ -307,9 +311,7 @@ def save_checkpoint(job, done: int, **state: Any) -> None:
             **state,
         },
     )
-    finish_checkpoint(target, done)
-    replace_directory(target, final)
-    _fsync(final.parent)
+    finish_checkpoint(target, done, into=final)
     keep = config.trainer.max_checkpoints_to_keep
     if keep is not None:
         prune_checkpoints(job.run_dir, keep)

@@ -18,16 +18,21 @@ __all__ = [
 
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_PARTIAL_DIR = re.compile(r"^step_(\d+)\.partial$")  # a save being written (or cut off)
 
 
 def _checkpoints(run_dir: Path) -> list[tuple[int, bool, Path]]:
-    """``(step, complete, directory)`` of every ``checkpoints/step_<n>``, oldest first."""
+    """``(step, complete, directory)`` of every ``checkpoints/step_<n>``, and of every save
+    being written or cut off (``step_<n>.partial``, never complete: it becomes ``step_<n>``
+    once it is), oldest first."""
     root = run_dir / "checkpoints"
     found = []
     if root.is_dir():
         for child in root.iterdir():
             if m := _STEP_DIR.match(child.name):
                 found.append((int(m[1]), (child / "COMPLETE").exists(), child))
+            elif m := _PARTIAL_DIR.match(child.name):
+                found.append((int(m[1]), False, child))
     return sorted(found)
 
 

@@ -181,10 +181,15 @@ def _wrap_init(method: Callable[..., None]) -> Callable[..., None]:
     return init
 
 
+def _step_dir(directory: Any) -> str:
+    """``step_N`` of a save's directory (written as ``step_N.partial``, then renamed)."""
+    return os.path.basename(os.fspath(directory)).removesuffix(".partial")
+
+
 def _pausing(function: Callable[..., Any], step_dir: str) -> Callable[..., Any]:
     @functools.wraps(function)
     def call(directory: Any, *args: Any, **kwargs: Any) -> Any:
-        if os.path.basename(os.fspath(directory)) == step_dir:
+        if _step_dir(directory) == step_dir:
             emit(role="driver", ev="pause", path=os.fspath(directory))
             time.sleep(PAUSE_S)
         return function(directory, *args, **kwargs)
@@ -196,7 +201,7 @@ def _stopping(function: Callable[..., Any], step_dir: str) -> Callable[..., Any]
     @functools.wraps(function)
     def call(directory: Any, *args: Any, **kwargs: Any) -> Any:
         result = function(directory, *args, **kwargs)
-        if os.path.basename(os.fspath(directory)) == step_dir:
+        if _step_dir(directory) == step_dir:
             emit(role="driver", ev="stop", path=os.fspath(directory))
             # the driver's handler raises its stop in the main thread at the next bytecode
             # (the sleep is interrupted): nothing after this save runs, its pruning included

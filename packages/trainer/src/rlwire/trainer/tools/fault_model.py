@@ -203,6 +203,7 @@ class References:
         complete = sorted(
             int(p.parent.name.removeprefix("step_"))
             for p in (run.run_dir / "checkpoints").glob("step_*/COMPLETE")
+            if ".partial" not in p.parent.name  # (renamed step_<n> once complete)
         )
         if not stopped or run.proc.returncode == 0 or not complete or complete[-1] != at:
             return (

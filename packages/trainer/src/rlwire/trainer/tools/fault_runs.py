@@ -193,6 +193,8 @@ class Watched:
 def digest_new(run_dir: Path, digests: dict[str, dict[str, str]]) -> None:
     """Digest every checkpoint newly complete (``COMPLETE`` is written last)."""
     for complete in sorted((run_dir / "checkpoints").glob("step_*/COMPLETE")):
+        if ".partial" in complete.parent.name:  # complete only once renamed step_<n>
+            continue
         if complete.parent.name not in digests:
             try:
                 digests[complete.parent.name] = checks.digest_checkpoint(complete.parent)

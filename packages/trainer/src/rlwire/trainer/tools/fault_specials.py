@@ -55,7 +55,8 @@ class Special:
 
 
 def _enospc_fault(trial: Trial, env: dict[str, str]) -> None:
-    env["RLWIRE_FAULT_ENOSPC"] = f"/checkpoints/step_{trial.occurrence * SAVE_EVERY}/"
+    # a save is written as step_<n>.partial, then renamed step_<n> once complete
+    env["RLWIRE_FAULT_ENOSPC"] = f"/checkpoints/step_{trial.occurrence * SAVE_EVERY}.partial/"
 
 
 def _enospc_between(trial: Trial, run: Watched, digests: dict) -> dict[str, Any]:
@@ -88,7 +89,8 @@ def _corrupt_fault(trial: Trial, env: dict[str, str]) -> Callable[[Watched], dic
 
 def _corrupt_between(trial: Trial, run: Watched, digests: dict) -> dict[str, Any]:
     """Flip 16 bytes (seeded place) of the file in the latest complete checkpoint."""
-    latest = max((run.run_dir / "checkpoints").glob("step_*/COMPLETE"), key=_step_of).parent
+    saved = (run.run_dir / "checkpoints").glob("step_*/COMPLETE")
+    latest = max((p for p in saved if ".partial" not in p.parent.name), key=_step_of).parent
     path = latest / trial.phase.removeprefix("resume ")
     data = bytearray(path.read_bytes())
     at = random.Random(trial.seed).randrange(max(1, len(data) - 16))
