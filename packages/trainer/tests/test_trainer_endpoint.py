@@ -188,3 +188,33 @@ def test_a_chat_call_to_a_model_without_a_chat_template_is_refused_naming_it():
     with pytest.raises(_Refused, match="has no chat template") as refused:
         asyncio.run(endpoint._chat(session, body))
     assert refused.value.status == 400 and session.calls == []
+
+
+def test_bad_token_ids_and_a_prompt_past_the_context_are_refused_before_the_engine():
+    """400 naming the limit; the engine is never asked (a bad id in a shared batch would fail
+    every session's request in it, and on CUDA kill the worker)."""
+    import asyncio
+
+    from rlwire.trainer.agent.endpoint import _Refused
+
+    asked = []
+
+    def submit(request):
+        asked.append(request)
+        raise AssertionError("the engine must not see it")
+
+    tokenizer = build_lookup_tokenizer()
+    endpoint = Endpoint(submit, tokenizer, HermesParser(), temperature=1.0, max_new_tokens=8,
+                        timeout=1, context=16)  # type: ignore[arg-type]  # fmt: skip
+    session = endpoint.sessions.open(seed=0)
+    vocabulary = len(tokenizer)
+    for prompt, message in [
+        ([5, -1], f"prompt: token id -1 is outside the vocabulary (0 to {vocabulary - 1})"),
+        ([5, vocabulary], f"prompt: token id {vocabulary} is outside the vocabulary"),
+        ([True, 5], "prompt: token id True is outside the vocabulary"),
+        ([5] * 16, "prompt: 16 tokens; the model's context is 16, which must leave room"),
+    ]:
+        with pytest.raises(_Refused) as err:
+            asyncio.run(endpoint._sample(session, prompt, {}))
+        assert err.value.status == 400 and err.value.message.startswith(message)
+    assert asked == []

@@ -65,6 +65,8 @@ class Endpoint:
         temperature, max_new_tokens: the run's sampling (``rollout.*``).
         timeout: seconds a call may wait for its completion (``rollout.request_timeout``).
         model: the name ``/v1/models`` gives and answers carry.
+        context: the model's context in tokens, where the engine tells it: a prompt that
+            leaves no room for one token is refused (400), and ``max_tokens`` is cut to fit.
     """
 
     def __init__(
@@ -79,8 +81,11 @@ class Endpoint:
         model: str = "rlwire-policy",
         top_p: float = 1.0,
         top_k: int = 0,
+        context: int | None = None,
     ) -> None:
         self.submit, self.tokenizer, self.parser = submit, tokenizer, parser
+        self.context = context
+        self.vocabulary = len(tokenizer)
         self.temperature, self.max_new_tokens, self.timeout = temperature, max_new_tokens, timeout
         self.model, self.top_p, self.top_k = model, top_p, top_k
         self.sessions = SessionStore()
@@ -171,6 +176,21 @@ class Endpoint:
     async def _sample(self, session: Session, prompt: list[int], body: dict):
         if not prompt:
             raise _Refused(400, "the prompt is empty")
+        # the engine sees only ids it can embed, and a prompt it can answer: one session's bad
+        # call never reaches a batch it shares with others (a device-side assert on CUDA)
+        vocabulary = self.vocabulary
+        bad = next((t for t in prompt if isinstance(t, bool) or not 0 <= t < vocabulary), None)
+        if bad is not None:
+            raise _Refused(
+                400, f"prompt: token id {bad!r} is outside the vocabulary (0 to {vocabulary - 1})"
+            )
+        room = None if self.context is None else self.context - len(prompt)
+        if room is not None and room < 1:
+            raise _Refused(
+                400,
+                f"prompt: {len(prompt)} tokens; the model's context is {self.context}, which "
+                "must leave room for at least one token of answer",
+            )
         asked = body.get("max_completion_tokens")
         if asked is None:
             asked = body.get("max_tokens")
@@ -181,7 +201,7 @@ class Endpoint:
         calls = len(session.calls)
         request = Request(
             tuple(prompt),
-            min(asked, self.max_new_tokens),
+            min(asked, self.max_new_tokens, *([] if room is None else [room])),
             self.temperature,
             seed=request_seed(session.seed, calls),
             top_p=self.top_p,

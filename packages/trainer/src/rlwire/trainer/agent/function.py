@@ -134,6 +134,7 @@ class FunctionRunner:
             temperature=rollout.temperature,
             max_new_tokens=rollout.max_new_tokens,
             timeout=rollout.request_timeout,
+            context=engine_context(engine),
             **rollout.truncation(),
         )
         self.url = self.endpoint.start(host=agent.endpoint_host)
@@ -257,3 +258,17 @@ def _span_ends(mask: list[int]) -> list[int]:
 def _short(value: Any, width: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def engine_context(engine) -> int | None:
+    """The model's context in tokens as the rollout engine holds it (its model's config,
+    or vLLM's ``max_model_len``), or None where it does not say."""
+    for value in (
+        getattr(engine, "max_model_len", None),
+        getattr(
+            getattr(getattr(engine, "model", None), "config", None), "max_position_embeddings", None
+        ),
+    ):
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
