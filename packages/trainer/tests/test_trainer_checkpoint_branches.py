@@ -66,3 +66,23 @@ def test_a_step_directory_is_replaced_only_once_its_replacement_is_complete(tmp_
     assert seen == [True]
     assert (old / "weights").read_text() == "new" and completed_step(old) == 5
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_5"]
+
+
+def test_the_run_lock_follows_no_link_and_truncates_nothing_it_points_to(tmp_path):
+    import pytest
+
+    from rlwire.trainer.errors import RunError
+    from rlwire.trainer.outputs.run_lock import RunLock
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").symlink_to(precious)
+    with pytest.raises(RunError, match=r"^trainer.output_dir: cannot take .*\.lock .*a link"):
+        RunLock(run)
+    assert precious.read_text() == "keep me\n"  # was truncated to the run's pid
+    (run / ".lock").unlink()
+    lock = RunLock(run)
+    assert (run / ".lock").read_text() == f"{__import__('os').getpid()}\n"
+    lock.release()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from pathlib import Path
 from typing import IO
 
@@ -21,7 +22,17 @@ class RunLock:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / ".lock"
-        self._file: IO[str] | None = open(self.path, "a+")  # noqa: SIM115  # held open
+        try:  # never through a link: a planted .lock -> elsewhere is not followed, nor cut
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            raise RunError(
+                f"trainer.output_dir: cannot take {self.path} ({err.strerror}); a link there "
+                "is refused: remove it"
+            ) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RunError(f"trainer.output_dir: {self.path} is not a regular file; remove it")
+        self._file: IO[str] | None = os.fdopen(fd, "r+")
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
