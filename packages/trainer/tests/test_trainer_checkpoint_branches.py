@@ -86,3 +86,31 @@ def test_the_run_lock_follows_no_link_and_truncates_nothing_it_points_to(tmp_pat
     lock = RunLock(run)
     assert (run / ".lock").read_text() == f"{__import__('os').getpid()}\n"
     lock.release()
+
+
+def test_an_export_is_flushed_then_swapped_in_whole(tmp_path, monkeypatch):
+    """hf_model/ (and a checkpoint put in place): every file flushed before the swap, the
+    target present at every moment (one exchange where the kernel has it), the old gone."""
+    import os
+
+    from rlwire.trainer.models.modeling import replace_directory
+
+    target, staging = tmp_path / "hf_model", tmp_path / "hf_model.tmp"
+    for folder, text in ((target, "old"), (staging, "new")):
+        (folder / "sub").mkdir(parents=True)
+        (folder / "sub" / "weights").write_text(text)
+    real_fsync, flushed = os.fsync, []
+
+    def spy(fd: int) -> None:
+        flushed.append(
+            (os.readlink(f"/proc/self/fd/{fd}"), (target / "sub" / "weights").read_text())
+        )
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    replace_directory(staging, target)
+    before_swap = {path for path, seen in flushed if seen == "old"}
+    assert {str(staging / "sub" / "weights"), str(staging / "sub"), str(staging)} <= before_swap
+    assert (str(tmp_path), "new") in flushed  # the swap itself flushed
+    assert (target / "sub" / "weights").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_model"]

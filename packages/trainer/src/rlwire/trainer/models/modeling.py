@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -84,11 +85,44 @@ def save_hf_model(
 
 
 def replace_directory(staging: Path, target: Path) -> None:
-    """``staging`` renamed to ``target``, whose old contents are removed (``target`` is
-    complete at every moment a rename can be observed: the old one or the new one)."""
+    """``staging`` (complete) put in place of ``target``, durably: every file and directory
+    of it flushed to disk first; then the two swapped in one step where the kernel can
+    (``renameat2`` with ``RENAME_EXCHANGE``: ``target`` exists at every moment, the old
+    one or the new one), else the old one renamed aside first; the old one removed after and
+    the rename flushed."""
+    for path in sorted(staging.rglob("*"), reverse=True):  # files, then their directories
+        _fsync(path)
+    _fsync(staging)
     old = target.with_name(target.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
-    if target.exists():
-        target.rename(old)
-    staging.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
+    if target.exists() and _exchange(staging, target):
+        shutil.rmtree(staging, ignore_errors=True)  # (now the old contents)
+    else:
+        if target.exists():
+            target.rename(old)
+        staging.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync(target.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux's ``renameat2(..., RENAME_EXCHANGE)``); False
+    where the kernel, libc or filesystem cannot."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
