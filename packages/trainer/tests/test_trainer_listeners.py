@@ -109,3 +109,55 @@ def test_health_is_asked_without_the_token():
         assert client.healthy()
         thread.join(timeout=10)
     assert seen["request"].startswith("GET /health") and "secret-token" not in seen["request"]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"GARBAGE\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nnot"],
+    ids=["not-http", "cut-short"],
+)
+def test_a_malformed_health_answer_is_no_answer_never_an_escaping_error(answer):
+    """The health watcher's thread died on http.client's exceptions: a server that hung
+    later went unnoticed."""
+    import threading
+
+    from rlwire.trainer.rollout.vllm_http import VLLMServer
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+
+        def reply():
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+        thread = threading.Thread(target=reply)
+        thread.start()
+        assert VLLMServer(f"http://127.0.0.1:{port}", timeout=5).healthy() is False
+        thread.join(timeout=10)
+
+
+def test_an_answer_that_is_not_json_is_one_line():
+    import threading
+
+    from rlwire.trainer.rollout.vllm_http import VLLMServer
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+
+        def reply():
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n<html")
+
+        thread = threading.Thread(target=reply)
+        thread.start()
+        with pytest.raises(RuntimeError, match=r"/v1/models answered something other than JSON"):
+            VLLMServer(f"http://127.0.0.1:{port}", timeout=5)._call("/v1/models")
+        thread.join(timeout=10)

@@ -11,6 +11,7 @@ init only with that token, and rlwire's guard (``--middleware``) refuses every r
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import threading
@@ -99,7 +100,18 @@ class VLLMServer:
             raise EngineLost(
                 f"vllm_server {self.url}: no answer to {path}{within} ({reason})", self.index
             ) from None
-        return json.loads(raw) if raw else None
+        except http.client.HTTPException as err:  # a malformed answer: no server's answer
+            raise EngineLost(
+                f"vllm_server {self.url}: {path}: not an HTTP answer ({type(err).__name__})",
+                self.index,
+            ) from None
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            raise RuntimeError(
+                f"vllm_server {self.url}: {path} answered something other than JSON: "
+                f"{raw[:80]!r}"
+            ) from None
 
     def healthy(self) -> bool:
         try:

@@ -114,7 +114,11 @@ class VLLMServerEngine(RequestsEngine, StagingRolloutEngine):
         answered, core = time.monotonic(), self.core
         assert core is not None  # started after it
         while not self._closing.wait(every):
-            if self.server.healthy():
+            try:
+                healthy = self.server.healthy()
+            except Exception:  # never ends the watch silently: counted as no answer
+                healthy = False
+            if healthy:
                 answered = time.monotonic()
             elif time.monotonic() - answered > timeout:
                 core.fail(
