@@ -55,3 +55,31 @@ def test_a_step_of_failed_sessions_is_skipped_then_the_run_stops_naming_the_agen
         "agent.function 'my_agents:solve': every session failed in 2 steps in a row "
         "(agent.max_failed_steps); the last: raised ValueError: broken 3"
     )
+
+
+def test_a_resend_after_a_dead_member_stops_on_a_strangers_message():
+    """resend_push tolerates the failure of the send it replaces (a member died) but not an
+    authentication failure: a stranger wrote to the group's store."""
+    from rlwire.ckpt_engine import CheckpointEngineAuthError, CheckpointEngineError
+    from rlwire.trainer.runtime.weight_push import WeightPush
+
+    sent = []
+
+    def worker(error: Exception):
+        def finish_push():
+            raise error
+
+        stub = types.SimpleNamespace(
+            _sends=[object()],
+            _snapshot=(3, [], 0.0, None),
+            rank=0,
+            finish_push=finish_push,
+            _send_snapshot=lambda: sent.append(3),
+        )
+        return types.MethodType(WeightPush.resend_push, stub)
+
+    worker(CheckpointEngineError("shm: receiver 1 died"))(3)
+    assert sent == [3]  # the dead member's failure: sent again
+    with pytest.raises(CheckpointEngineAuthError, match="fails authentication"):
+        worker(CheckpointEngineAuthError("gloo: message 'meta/0' fails authentication"))(3)
+    assert sent == [3]

@@ -12,7 +12,12 @@ from ._admission import TOKEN_ENV as WEIGHT_TRANSFER_TOKEN_ENV
 from ._apply import StagedUpdate, apply_to_module, stage_update
 from ._base import DEFAULT_TIMEOUT_S, CheckpointEngine, TransferStats
 from ._delta import DELTA_MODES, Delta, diff
-from ._errors import CheckpointEngineAborted, CheckpointEngineError, CheckpointEngineTimeout
+from ._errors import (
+    CheckpointEngineAborted,
+    CheckpointEngineAuthError,
+    CheckpointEngineError,
+    CheckpointEngineTimeout,
+)
 from ._fp8 import FP8_BLOCK, dequantize_fp8_blocks, fp8_weights, quantize_fp8_blocks
 from ._positions import COMPRESS_MODES
 from ._registry import (
@@ -35,6 +40,7 @@ __all__ = [
     "StagedUpdate",
     "CheckpointEngine",
     "CheckpointEngineAborted",
+    "CheckpointEngineAuthError",
     "CheckpointEngineError",
     "CheckpointEngineRegistry",
     "CheckpointEngineTimeout",

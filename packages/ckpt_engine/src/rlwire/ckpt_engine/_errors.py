@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointEngineAborted", "CheckpointEngineError", "CheckpointEngineTimeout"]
+__all__ = [
+    "CheckpointEngineAborted",
+    "CheckpointEngineAuthError",
+    "CheckpointEngineError",
+    "CheckpointEngineTimeout",
+]
 
 
 class CheckpointEngineError(RuntimeError):
@@ -11,6 +16,12 @@ class CheckpointEngineError(RuntimeError):
 
 class CheckpointEngineTimeout(CheckpointEngineError):
     """A peer did not answer within the engine's ``timeout`` (it stalled or died)."""
+
+
+class CheckpointEngineAuthError(CheckpointEngineError):
+    """A message in the group's store was not signed with the group's secret: a process
+    outside the group wrote it. Never a peer's ordinary failure: a caller that tolerates
+    those (a re-send after a member died) still stops on this."""
 
 
 class CheckpointEngineAborted(CheckpointEngineError):

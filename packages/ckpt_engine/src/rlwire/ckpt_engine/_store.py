@@ -28,7 +28,12 @@ from typing import Any, TypeVar
 # (torch.distributed re-exports it without listing it in __all__).
 from torch._C._distributed_c10d import TCPStore
 
-from ._errors import CheckpointEngineAborted, CheckpointEngineError, CheckpointEngineTimeout
+from ._errors import (
+    CheckpointEngineAborted,
+    CheckpointEngineAuthError,
+    CheckpointEngineError,
+    CheckpointEngineTimeout,
+)
 
 __all__ = [
     "SignedStore",
@@ -113,7 +118,7 @@ class SignedStore:
         with this group's secret."""
         tag, value = signed[: self.TAG], signed[self.TAG :]
         if len(signed) < self.TAG or not hmac.compare_digest(tag, self.tag(key, value)):
-            raise CheckpointEngineError(
+            raise CheckpointEngineAuthError(
                 f"{self.name}: message {key!r} fails authentication: it was not written by a "
                 "member of this group (wrong or no secret); the update is aborted and the "
                 "previous version kept"

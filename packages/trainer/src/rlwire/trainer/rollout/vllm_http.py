@@ -109,8 +109,7 @@ class VLLMServer:
             return json.loads(raw) if raw else None
         except ValueError:
             raise RuntimeError(
-                f"vllm_server {self.url}: {path} answered something other than JSON: "
-                f"{raw[:80]!r}"
+                f"vllm_server {self.url}: {path} answered something other than JSON: {raw[:80]!r}"
             ) from None
 
     def healthy(self) -> bool:

@@ -7,7 +7,6 @@ off) or in the background (fully async). Mixed into
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Coroutine
 from contextlib import AbstractContextManager
@@ -214,12 +213,17 @@ class WeightPush:
             raise RuntimeError(
                 f"actor rank {self.rank}: no snapshot of version {version} (holds {held})"
             )
-        from rlwire.ckpt_engine import CheckpointEngineError
+        from rlwire.ckpt_engine import CheckpointEngineAuthError, CheckpointEngineError
 
         # the send this one replaces, if its outcome (aborted, or failed with the member
-        # that died) was not collected
-        with contextlib.suppress(CheckpointEngineError):
+        # that died) was not collected; a message a stranger wrote to the group's store is
+        # no such failure: it stops the run
+        try:
             self.finish_push()
+        except CheckpointEngineAuthError:
+            raise
+        except CheckpointEngineError:
+            pass
         self._send_snapshot()
 
     def _send_snapshot(self) -> None:
