@@ -255,7 +255,7 @@ class Unpacker:
     """
 
     def __init__(self) -> None:
-        self._partial: dict[str, tuple[torch.Tensor, int]] = {}
+        self._partial: dict[str, tuple[list[torch.Tensor], int]] = {}
 
     def unpack(
         self,
@@ -334,7 +334,7 @@ class Unpacker:
             )
         chunk = source[e.offset : e.offset + e.chunk_nbytes]
         total = e.payload_nbytes
-        target, have = self._partial.get(e.name, (None, 0))
+        parts, have = self._partial.get(e.name, ([], 0))
         if e.chunk_offset != have:  # chunks come in order: no overlap, no gap
             raise CheckpointEngineError(
                 f"{e.name!r}: a chunk at byte {e.chunk_offset} where byte {have} comes next "
@@ -342,15 +342,15 @@ class Unpacker:
             )
         if e.chunk_offset == 0 and e.chunk_nbytes == total:
             return (chunk.clone(), False) if copy else (chunk, True)
-        if target is None:
-            target = torch.empty(total, dtype=torch.uint8, device=buf.device)
-        target[e.chunk_offset : e.chunk_offset + e.chunk_nbytes].copy_(chunk)
+        # kept as they come and joined once all are here: nothing is allocated from the
+        # size the metadata claims, only for the bytes that arrived
+        parts = [*parts, chunk.clone()]
         have += e.chunk_nbytes
         if have < total:
-            self._partial[e.name] = (target, have)
+            self._partial[e.name] = (parts, have)
             return None
         self._partial.pop(e.name, None)
-        return target, False
+        return torch.cat(parts), False
 
     def check_complete(self) -> None:
         if self._partial:

@@ -118,8 +118,24 @@ def check_manifest(directory: Path, *, missing: str) -> None:
         entries = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise RunError(f"trainer.resume: {path} is damaged ({err}); {_ELSEWHERE}") from None
+    root = directory.resolve()
+    if not isinstance(entries, dict) or not all(
+        isinstance(name, str)
+        and isinstance(entry, dict)
+        and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("sha256"), str)
+        for name, entry in entries.items()
+    ):
+        raise RunError(
+            f"trainer.resume: {path} is damaged (not a mapping of file -> bytes and sha256); "
+            f"{_ELSEWHERE}"
+        )
     for name, entry in entries.items():
         file = directory / name
+        if not file.resolve().is_relative_to(root):  # ../, an absolute path, a link out
+            raise RunError(
+                f"trainer.resume: {path} names {name!r}, outside the checkpoint; refused"
+            )
         if not file.is_file():
             raise RunError(f"trainer.resume: {file} is missing; {_ELSEWHERE}")
         if file.stat().st_size != entry["bytes"] or _digest(file) != entry["sha256"]:
