@@ -14,7 +14,7 @@ from rlwire.trainer.algorithms.scoring import Scored
 from rlwire.trainer.config.root import load_config
 from rlwire.trainer.errors import RunError
 from rlwire.trainer.rollout import Example, Rollout
-from rlwire.trainer.runtime.job import Job
+from rlwire.trainer.runtime.skipped_steps import SkippedSteps
 
 
 def _failed_batch(rows: int = 4) -> Rollout:
@@ -43,8 +43,7 @@ def test_a_step_of_failed_sessions_is_skipped_then_the_run_stops_naming_the_agen
     assert batch.version_spans().tolist() == [0, 0, 0, 0]  # was an IndexError
     config = load_config(overrides=["agent.max_failed_steps=2"])
     config.agent.function = "my_agents:solve"  # as set at load (the function's check aside)
-    job = types.SimpleNamespace(config=config, failed_in_a_row=0, _last_update=None)
-    skip = types.MethodType(Job._skipped_update, job)
+    skip = SkippedSteps(config.agent).skip  # what Job.start_update calls for such a batch
     scored = Scored(torch.zeros(4), {}, 0.01)
     metrics = skip(batch, scored)
     assert metrics.update_skipped is True and metrics.optimizer_steps == 0

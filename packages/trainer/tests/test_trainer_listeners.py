@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -87,27 +90,32 @@ def test_a_server_whose_port_a_stranger_holds_is_stopped_and_sent_nothing():
             own.wait()
 
 
-def test_health_is_asked_without_the_token():
-    from rlwire.trainer.rollout.vllm_http import VLLMServer
-
-    seen = {}
+@contextlib.contextmanager
+def _answering(answer: bytes) -> Iterator[tuple[str, dict]]:
+    """A loopback server that answers one request with ``answer``: its URL, and what it
+    was sent (``request``) once the block ends."""
+    seen: dict = {}
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
-        port = server.getsockname()[1]
-        client = VLLMServer(f"http://127.0.0.1:{port}", timeout=5, token="secret-token")
-        import threading
 
-        def answer():
+        def reply() -> None:
             conn, _ = server.accept()
             with conn:
-                seen["request"] = conn.recv(65536).decode()
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                seen["request"] = conn.recv(65536).decode(errors="replace")
+                conn.sendall(answer)
 
-        thread = threading.Thread(target=answer)
+        thread = threading.Thread(target=reply)
         thread.start()
-        assert client.healthy()
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", seen
         thread.join(timeout=10)
+
+
+def test_health_is_asked_without_the_token():
+    from rlwire.trainer.rollout.vllm_http import VLLMServer
+
+    with _answering(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n") as (url, seen):
+        assert VLLMServer(url, timeout=5, token="secret-token").healthy()
     assert seen["request"].startswith("GET /health") and "secret-token" not in seen["request"]
 
 
@@ -119,45 +127,16 @@ def test_health_is_asked_without_the_token():
 def test_a_malformed_health_answer_is_no_answer_never_an_escaping_error(answer):
     """The health watcher's thread died on http.client's exceptions: a server that hung
     later went unnoticed."""
-    import threading
-
     from rlwire.trainer.rollout.vllm_http import VLLMServer
 
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
-
-        def reply():
-            conn, _ = server.accept()
-            with conn:
-                conn.recv(65536)
-                conn.sendall(answer)
-
-        thread = threading.Thread(target=reply)
-        thread.start()
-        assert VLLMServer(f"http://127.0.0.1:{port}", timeout=5).healthy() is False
-        thread.join(timeout=10)
+    with _answering(answer) as (url, _):
+        assert VLLMServer(url, timeout=5).healthy() is False
 
 
 def test_an_answer_that_is_not_json_is_one_line():
-    import threading
-
     from rlwire.trainer.rollout.vllm_http import VLLMServer
 
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
-
-        def reply():
-            conn, _ = server.accept()
-            with conn:
-                conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n<html")
-
-        thread = threading.Thread(target=reply)
-        thread.start()
-        with pytest.raises(RuntimeError, match=r"/v1/models answered something other than JSON"):
-            VLLMServer(f"http://127.0.0.1:{port}", timeout=5)._call("/v1/models")
-        thread.join(timeout=10)
+    html = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n<html"
+    refused = pytest.raises(RuntimeError, match=r"/v1/models answered something other than JSON")
+    with _answering(html) as (url, _), refused:
+        VLLMServer(url, timeout=5)._call("/v1/models")

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 __all__ = [
     "load_hf_model",
     "preload_hf",
+    "fsync_path",
     "replace_directory",
     "save_hf_model",
     "set_gradient_checkpointing",
@@ -91,8 +92,8 @@ def replace_directory(staging: Path, target: Path) -> None:
     one or the new one), else the old one renamed aside first; the old one removed after and
     the rename flushed."""
     for path in sorted(staging.rglob("*"), reverse=True):  # files, then their directories
-        _fsync(path)
-    _fsync(staging)
+        fsync_path(path)
+    fsync_path(staging)
     old = target.with_name(target.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if target.exists() and _exchange(staging, target):
@@ -102,7 +103,7 @@ def replace_directory(staging: Path, target: Path) -> None:
             target.rename(old)
         staging.rename(target)
         shutil.rmtree(old, ignore_errors=True)
-    _fsync(target.parent)
+    fsync_path(target.parent)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -119,7 +120,7 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """Flush a file's data, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:

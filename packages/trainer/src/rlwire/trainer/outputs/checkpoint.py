@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from ..errors import RunError
+from ..models.modeling import fsync_path as _fsync
 from ..models.modeling import replace_directory
 from .checkpoint_dirs import prune_checkpoints
 
@@ -171,15 +172,6 @@ def finish_checkpoint(directory: Path, step: int, into: Path | None = None) -> N
     if into is not None:  # a save written beside: renamed into place, the old one gone after
         replace_directory(directory, into)
         _fsync(into.parent)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's data, or a directory's entries, to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_trainer_state(directory: Path, state: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ Only numbers are logged to the trackers; the run's whole record stays in ``metri
 from __future__ import annotations
 
 import abc
+import contextlib
 import netrc
 import os
 import sys
@@ -128,11 +129,9 @@ def wandb_mode(environ: Any, run_dir: Path) -> tuple[str, str | None]:
         return "online", None
     host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
     file = environ.get("NETRC") or str(Path(environ.get("HOME") or Path.home()) / ".netrc")
-    try:
+    with contextlib.suppress(OSError, netrc.NetrcParseError):  # none, or one wandb cannot read
         if netrc.netrc(file).authenticators(host) is not None:
             return "online", None
-    except (OSError, netrc.NetrcParseError):
-        pass  # no file, or one wandb could not read either
     return "offline", (
         f"trainer.logger=wandb: no wandb login ({host} in {file}, or WANDB_API_KEY): "
         f"logging offline to {run_dir / 'wandb'}; upload it with `wandb sync`, or run "

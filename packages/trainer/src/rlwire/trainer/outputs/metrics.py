@@ -9,7 +9,13 @@ from ..agent.trajectory import trajectory_metrics
 from ..rollout import Rollout, response_lengths
 from .metric_names import with_aliases
 
-__all__ = ["StepMetrics", "UpdateMetrics", "step_record", "update_metrics"]
+__all__ = [
+    "StepMetrics",
+    "UpdateMetrics",
+    "skipped_update_metrics",
+    "step_record",
+    "update_metrics",
+]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -236,6 +242,31 @@ def update_metrics(
         tokens=tokens,
         time_reward_s=reward_s,
         **{k: max(r[k] for r in results) for k in _SLOWEST_RANK},
+    )
+
+
+def skipped_update_metrics(
+    rewards, reward_extra: dict[str, float], reward_s: float, previous: UpdateMetrics | None
+) -> UpdateMetrics:
+    """The metrics of an update that did not run (no sample held a token to train on):
+    the batch's scores, zero losses, times and tokens, no correction (ratios 1), and the
+    learning-rate scale and gradient-sync policy of the ``previous`` update (if any)."""
+    return UpdateMetrics(
+        reward_mean=float(rewards.mean()),
+        reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
+        reward_extra=reward_extra,
+        response_length=0.0,
+        **{k: 0.0 for k in (*_MEAN_OVER_RANKS, *_SLOWEST_RANK)} | {"rollout_is_mean": 1.0},
+        rollout_is_max=1.0,
+        optimizer_steps=0,
+        update_skipped=True,
+        lr_scale=previous.lr_scale if previous is not None else 1.0,
+        version_span_max=0,
+        continued_fraction=0.0,
+        retained_grad_bytes=0,
+        grad_sync_policy=previous.grad_sync_policy if previous is not None else "none",
+        tokens=0,
+        time_reward_s=reward_s,
     )
 
 

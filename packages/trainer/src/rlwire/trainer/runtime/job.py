@@ -36,6 +36,7 @@ from .hybrid import HybridWorker
 from .job_start import JobStart
 from .rollout_worker import RolloutWorker
 from .senders import merge_reports
+from .skipped_steps import SkippedSteps
 from .waits import CLOSE_TIMEOUT, RolloutLost, close_workers
 from .workers import ActorWorker
 
@@ -54,6 +55,7 @@ class Job(JobStart):
 
         self.config, self.run_dir, self.model_path = config, run_dir, model_path
         self.gap = GapWatch(config.algorithm.rollout_correction)
+        self.skipped = SkippedSteps(config.agent)  # steps with nothing to train on
         world, workers = config.actor.world_size, config.rollout.num_workers
         self.world = world
         self.hybrid = config.hybrid_engine()  # rollout engines inside the actor ranks
@@ -329,9 +331,9 @@ class Job(JobStart):
         n, algorithm = self.config.rollout.n, self.config.algorithm
         scored = score(self.config, self.data.reward, batch) if scored is None else scored
         if not bool(batch.response_mask.any()):  # nothing to train on: skipped, counted
-            skipped = self._skipped_update(batch, scored)
+            skipped = self.skipped.skip(batch, scored)
             return lambda: skipped
-        self.failed_in_a_row = 0
+        self.skipped.trained()
         rewards, reward_extra, reward_s = scored.rewards, scored.extra, scored.seconds
         batch.rewards = rewards
         penalised = rewards
@@ -354,60 +356,11 @@ class Job(JobStart):
 
         def done() -> UpdateMetrics:
             results = self.call(refs, "update")
-            self._last_update = update_metrics(batch, rewards, reward_extra, reward_s, results)
-            return self._last_update
+            metrics = update_metrics(batch, rewards, reward_extra, reward_s, results)
+            self.skipped.trained(metrics)
+            return metrics
 
         return done
-
-    failed_in_a_row = 0
-    """Updates skipped in a row for want of a token to train on (agent sessions failed)."""
-    _last_update: UpdateMetrics | None = None
-
-    def _skipped_update(self, batch: Rollout, scored: Scored) -> UpdateMetrics:
-        """A step whose samples hold no response token (every agent session failed before
-        the model answered): no update runs; ``agent.max_failed_steps`` of them in a row
-        stop the run in one line naming the agent and its last error."""
-        self.failed_in_a_row += 1
-        errors = [t.error for t in batch.trajectories or () if t.error]
-        last = errors[-1] if errors else "no sample holds a response token"
-        agent = self.config.agent
-        who = f"agent.function {agent.function!r}" if agent.function else "the agent"
-        if self.failed_in_a_row >= agent.max_failed_steps:
-            raise RunError(
-                f"{who}: every session failed in {self.failed_in_a_row} steps in a row "
-                f"(agent.max_failed_steps); the last: {last}"
-            )
-        log.warning("%s: every session of this step failed (the last: %s); skipped", who, last)
-        previous = self._last_update
-        zero = {k: 0.0 for k in ("policy_loss", "clip_fraction", "entropy", "kl_ref")}
-        return UpdateMetrics(
-            reward_mean=float(scored.rewards.mean()),
-            reward_std=float(scored.rewards.std()) if len(scored.rewards) > 1 else 0.0,
-            reward_extra=scored.extra,
-            response_length=0.0,
-            **zero,
-            grad_norm=0.0,
-            kl_rollout=0.0,
-            kl_behaviour_proximal=0.0,
-            rollout_is_mean=1.0,
-            rollout_is_max=1.0,
-            rollout_is_truncated_fraction=0.0,
-            rollout_rs_masked_fraction=0.0,
-            optimizer_steps=0,
-            update_skipped=True,
-            lr_scale=previous.lr_scale if previous is not None else 1.0,
-            version_span_max=0,
-            continued_fraction=0.0,
-            retained_grad_bytes=0,
-            grad_sync_policy=previous.grad_sync_policy if previous is not None else "none",
-            tokens=0,
-            time_reward_s=scored.seconds,
-            time_old_logprob_s=0.0,
-            time_ref_s=0.0,
-            time_forward_backward_s=0.0,
-            time_optimizer_s=0.0,
-            time_actor_s=0.0,
-        )
 
     def record(self, metrics: StepMetrics, bar, batch: Rollout) -> None:
         """A step's line of ``metrics.jsonl``, in the log and to every logger (and its

@@ -7,6 +7,7 @@ off) or in the background (fully async). Mixed into
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Coroutine
 from contextlib import AbstractContextManager
@@ -19,6 +20,8 @@ from ..rollout import WeightsDigest, rollout_engine_class
 from .background import Background, idle_budget
 from .shard_deltas import ShardDeltas
 from .worker_process import host
+
+log = logging.getLogger("rlwire.trainer")
 
 if TYPE_CHECKING:
     from rlwire.ckpt_engine import CheckpointEngine
@@ -220,10 +223,10 @@ class WeightPush:
         # no such failure: it stops the run
         try:
             self.finish_push()
-        except CheckpointEngineAuthError:
-            raise
-        except CheckpointEngineError:
-            pass
+        except CheckpointEngineError as failed:
+            if isinstance(failed, CheckpointEngineAuthError):
+                raise
+            log.info("actor rank %d: the send re-sent ended: %s", self.rank, failed)
         self._send_snapshot()
 
     def _send_snapshot(self) -> None:
