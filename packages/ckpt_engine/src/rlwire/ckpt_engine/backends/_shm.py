@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import stat
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,7 +21,7 @@ from .._control import StoreControlledEngine
 from .._errors import CheckpointEngineError
 from .._segments import SHM_DIR, SHM_PREFIX
 from .._store import blocking
-from .._wire import ALIGN
+from .._wire import ALIGN, BucketMeta
 
 __all__ = ["SHM_PREFIX", "ShmEngine", "attach_segment"]
 
@@ -33,8 +34,13 @@ def _map(path: str, size: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
 
-def attach_segment(path: Any, size: int, what: str) -> torch.Tensor:
-    """Map a segment the master made, read-write and shared, as ``size`` uint8 elements.
+def attach_segment(path: Any, size: int, what: str, *, writable: bool = True) -> torch.Tensor:
+    """Map a segment the master made, shared, as ``size`` uint8 elements.
+
+    ``writable=False`` (a shared arena: every receiver reads the same pages): mapped
+    ``PROT_READ`` from an ``O_RDONLY`` descriptor, so a stray write from this process is a
+    fault (SIGSEGV, the receiver dies) instead of a change every other receiver reads.
+    torch has no read-only tensors: the tensor does not say so itself.
 
     The path comes from the master's metadata, which is as trustworthy as whoever handed it
     over (a vLLM server's init route: any caller on the host). So only a file this backend
@@ -61,7 +67,8 @@ def attach_segment(path: Any, size: int, what: str) -> torch.Tensor:
             "a positive size)"
         )
     try:  # O_NOFOLLOW: a link is refused; O_NONBLOCK: a FIFO does not block the open
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        mode = os.O_RDWR if writable else os.O_RDONLY
+        fd = os.open(path, mode | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         raise CheckpointEngineError(
             f"shm: cannot open the master's {what} {path}: {err.strerror} (it must be an "
@@ -78,10 +85,13 @@ def attach_segment(path: Any, size: int, what: str) -> torch.Tensor:
             wrong = f"{info.st_size} bytes, not the {size} the master announced"
         if wrong is not None:
             raise CheckpointEngineError(f"shm: the master's {what} {path} is refused: {wrong}")
-        mapped = mmap.mmap(fd, size)  # MAP_SHARED, read-write; outlives the descriptor
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mapped = mmap.mmap(fd, size, prot=prot)  # MAP_SHARED; outlives the descriptor
     finally:
         os.close(fd)
-    return torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping alive
+    with warnings.catch_warnings():  # read-only is what was asked for: no warning about it
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        return torch.frombuffer(mapped, dtype=torch.uint8)  # holds the mapping alive
 
 
 def _create(path: str, size: int) -> None:
@@ -205,10 +215,7 @@ class ShmEngine(StoreControlledEngine):
             return self._lay_out_double(weights)
         tensors: dict[int, torch.Tensor] = {}
         for name, tensor in weights:
-            if tensor.device.type != "cpu" or hasattr(tensor, "_local_tensor"):
-                raise CheckpointEngineError(
-                    f"share_weights: {name!r} is not a plain CPU tensor ({tensor.device})"
-                )
+            _check_plain_cpu(name, tensor)
             tensors.setdefault(id(tensor), tensor)
         offsets, total = [], 0
         for t in tensors.values():
@@ -240,19 +247,17 @@ class ShmEngine(StoreControlledEngine):
             )
         layout, total = [], 0
         for name, tensor in weights:
-            if tensor.device.type != "cpu" or hasattr(tensor, "_local_tensor"):
-                raise CheckpointEngineError(
-                    f"share_weights: {name!r} is not a plain CPU tensor ({tensor.device})"
-                )
-            layout.append((name, total, tuple(tensor.shape), tensor.dtype))
-            total += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+            _check_plain_cpu(name, tensor)
+            nbytes = tensor.numel() * tensor.element_size()
+            layout.append((name, total, nbytes, tuple(tensor.shape), tensor.dtype))
+            total += -(-nbytes // ALIGN) * ALIGN
         views = []
         for _ in range(2):
             _, arena = self._new_arena(max(total, 1), double=True)
             views.append(
                 {
-                    name: arena[off : off + _nbytes(shape, dtype)].view(dtype).view(shape)
-                    for name, off, shape, dtype in layout
+                    name: arena[off : off + nbytes].view(dtype).view(shape)
+                    for name, off, nbytes, shape, dtype in layout
                 }
             )
         self._double = _Double(views)
@@ -262,16 +267,33 @@ class ShmEngine(StoreControlledEngine):
         double = getattr(self, "_double", None)
         if double is None:
             return await super()._send(weights, version)
-        target = double.next()
-        if double.versions[double.turn] is not None:
-            # receivers may read `target` until they commit the version in the other arena
+        if double.spoiled is not None:
+            raise CheckpointEngineError(double.spoiled)
+        if not double.free:
+            # receivers may read this arena until they commit the version in the other one
             previous = double.versions[1 - double.turn]
-            assert previous is not None  # sent after the one in `target`
-            await self._wait_released(previous)
-        double.versions[double.turn] = version
-        stats = await super()._send(double.fill(target, weights), version)
-        double.turn = 1 - double.turn
+            assert previous is not None  # sent after the one in this arena
+            await self._wait_released(previous)  # consumes the releases: `free` remembers
+            double.free = True
+        double.published = False
+        try:
+            stats = await super()._send(double.fill(double.next(), weights), version)
+        except BaseException:
+            if double.published:  # some receivers may hold it, the others the one before
+                double.spoiled = (
+                    f"shm: the send of version {version} failed after receivers could take it "
+                    "from its arena (weights used in place): neither arena can be written "
+                    "while some may read it; finalize this engine and join a new group"
+                )
+            raise  # else no receiver saw it: the next send writes the same arena
+        double.sent(version)  # only now: the arena holds `version` for every receiver
         return stats
+
+    async def _emit(self, slot: int, meta: BucketMeta) -> None:
+        double = getattr(self, "_double", None)
+        if double is not None and meta.last:  # first: a failure inside may follow the set
+            double.published = True
+        await super()._emit(slot, meta)
 
     async def _wait_released(self, version: int) -> None:
         keys = [f"released/{version}/{r}" for r in self._receivers]
@@ -337,7 +359,8 @@ class ShmEngine(StoreControlledEngine):
     def _arena(self, arena: int) -> torch.Tensor:
         if arena not in self._mapped:
             path, size, double = json.loads(self._joined_store.get(f"arena/{arena}"))
-            self._mapped[arena] = attach_segment(path, size, "shared arena")
+            # read-only: a receiver's stray write must not reach what every other one reads
+            self._mapped[arena] = attach_segment(path, size, "shared arena", writable=False)
             self._double_mapped = self._double_mapped or bool(double)
             self._joined_store.set(f"arena/{arena}/mapped/{self.rank}", b"1")
         return self._mapped[arena]
@@ -355,24 +378,34 @@ class ShmEngine(StoreControlledEngine):
                 entry[1] = ""
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty(0, dtype=dtype).element_size()
+def _check_plain_cpu(name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type != "cpu" or hasattr(tensor, "_local_tensor"):
+        raise CheckpointEngineError(
+            f"share_weights: {name!r} is not a plain CPU tensor ({tensor.device})"
+        )
 
 
 class _Double:
-    """The master's two arenas of weights used in place: which one the next update is
-    written into (``turn``) and the version each holds."""
+    """The master's two arenas of weights used in place: the one the next update is written
+    into (``turn``; ``free``: no receiver reads it), the version each holds (recorded once
+    its send succeeded), and why they cannot be written any more (``spoiled``)."""
 
     def __init__(self, views: list[dict[str, torch.Tensor]]) -> None:
         self.views = views
         self.versions: list[int | None] = [None, None]
         self.turn = 0
+        self.free = True
+        self.published = False  # the send in progress published its update
+        self.spoiled: str | None = None
 
     def next(self) -> dict[str, torch.Tensor]:
         return self.views[self.turn]
+
+    def sent(self, version: int) -> None:
+        """Every receiver took ``version`` from ``turn``'s arena: the next goes to the other."""
+        self.versions[self.turn] = version
+        self.turn = 1 - self.turn
+        self.free = self.versions[self.turn] is None
 
     async def fill(self, target: dict[str, torch.Tensor], weights: Any) -> Any:
         """Copy each of ``weights`` into its place in ``target`` and yield that place."""

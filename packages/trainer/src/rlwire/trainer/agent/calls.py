@@ -45,28 +45,61 @@ class Call:
         (``asyncio.wrap_future``), instead of a thread that waits."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        self._lock = threading.Lock()
+        """Held by :meth:`stop` while it decides and injects, and by the thread as it
+        begins and as it leaves the call: an exception is injected only while the thread
+        is still inside this call (never into a thread that ended and whose id was reused)."""
+        self._running = False  # the thread is inside the call: stop() may inject into it
+        self._stopping = False  # stop() was called (a call not yet begun never begins)
         self._thread = threading.Thread(
             target=self._guarded, args=(fn, args, kwargs), name=name, daemon=True
         )
         self._thread.start()
 
     def _guarded(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        with contextlib.suppress(CallStopped):  # stopped just as it ended: nothing to report
+        with contextlib.suppress(CallStopped):  # raised past the call's end: nothing to report
             self._run(fn, args, kwargs)
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """The thread: the call, then its end. A :class:`CallStopped` that :meth:`stop`
+        injected lands at any bytecode until the thread left the call (under the lock), so
+        every step up to there expects one; the future is resolved whatever happens."""
         try:
-            if inspect.iscoroutinefunction(fn):
-                self.value = asyncio.run(self._main(fn(*args, **kwargs)))
-            else:
-                self.value = fn(*args, **kwargs)
-        except CallStopped:
-            self.error = CallStopped("stopped past its time")
-        except BaseException as err:  # noqa: BLE001 - the caller reads it
-            self.error = err
+            try:
+                try:
+                    with self._lock:
+                        self._running = not self._stopping
+                    if not self._running:
+                        raise CallStopped  # stopped before it began
+                    if inspect.iscoroutinefunction(fn):
+                        self.value = asyncio.run(self._main(fn(*args, **kwargs)))
+                    else:
+                        self.value = fn(*args, **kwargs)
+                except CallStopped:
+                    self.error = CallStopped("stopped past its time")
+                except BaseException as err:  # noqa: BLE001 - the caller reads it
+                    self.error = err
+                finally:
+                    # Leave the call: no stop() injects from here, and one injected before
+                    # is cleared, or caught where it lands first. Inline, not a method: one
+                    # landing as a method begins would skip it.
+                    while True:
+                        try:
+                            with self._lock:
+                                self._running = False
+                                _set_async_exc(threading.get_ident(), None)
+                            break
+                        except CallStopped:
+                            continue
+            except CallStopped:  # landed in a handler above: the call was stopped
+                if self.error is None:
+                    self.error = CallStopped("stopped past its time")
         finally:
-            self._done.set()
-            self.future.set_result(None)
+            try:
+                self._done.set()
+            finally:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    self.future.set_result(None)  # (InvalidStateError: a waiter cancelled it)
 
     async def _main(self, coro) -> Any:
         self._loop = asyncio.get_running_loop()
@@ -81,21 +114,30 @@ class Call:
         return self._done.is_set()
 
     def stop(self) -> None:
-        """Stop a call that is past its time (see the module docstring); returns at once."""
-        if self._done.is_set():
-            return
-        loop, task = self._loop, self._task
-        if loop is not None and task is not None:
-            try:
-                loop.call_soon_threadsafe(task.cancel)
-            except RuntimeError:  # its loop closed meanwhile: the call ended
+        """Stop a call that is past its time (see the module docstring); returns at once.
+        Nothing is injected once the call's thread left it (under the lock it leaves by)."""
+        with self._lock:
+            self._stopping = True
+            if not self._running:  # not begun (it never will) or left: nothing to stop
                 return
-        ident = self._thread.ident
-        if ident is not None and not self._done.is_set():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(ident), ctypes.py_object(CallStopped)
-            )
+            loop, task = self._loop, self._task
+            if loop is not None and task is not None:
+                try:
+                    loop.call_soon_threadsafe(task.cancel)
+                except RuntimeError:  # its loop closed meanwhile: the call ended
+                    return
+            ident = self._thread.ident
+            assert ident is not None  # started, and running the call
+            _set_async_exc(ident, CallStopped)
 
     def alive(self) -> bool:
         """Whether the thread still runs (a stopped call blocked in a C call, until it returns)."""
         return self._thread.is_alive()
+
+
+def _set_async_exc(ident: int, exc: type[BaseException] | None) -> int:
+    """Raise ``exc`` in thread ``ident`` at its next bytecode, or (None) clear one pending
+    there; how many threads it reached."""
+    return ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), None if exc is None else ctypes.py_object(exc)
+    )

@@ -245,13 +245,24 @@ class HFEngine(RequestsEngine, StagingRolloutEngine):
                 )
 
         def commit() -> int:  # between two decoding steps (between_steps runs it)
+            # Whole or not at all: a swap that fails puts back what it had swapped, so the
+            # model reads the held version's arena alone and nothing is released.
+            swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
             with torch.no_grad():
-                for name, tensor in got.items():
-                    targets[name].data = tensor
-            engine.released(version)
-            self.held = version
+                try:
+                    for name, tensor in got.items():
+                        before = targets[name].data
+                        targets[name].data = tensor
+                        swapped.append((targets[name], before))
+                except BaseException:
+                    for param, before in reversed(swapped):
+                        param.data = before
+                    raise
+            self.held = version  # the model reads this version's arena alone from here
             if self.config.rollout.kv_on_update == "recompute":
                 self.batch.forget()
+            # last: the sender may then write the arena left (a failure here keeps it unwritten)
+            engine.released(version)
             return version
 
         return commit
