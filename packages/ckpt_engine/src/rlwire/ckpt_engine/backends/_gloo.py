@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
 from typing import Any, Protocol
 
 import torch
@@ -14,9 +15,35 @@ from .._errors import CheckpointEngineError
 from .._store import SignedStore, blocking, connect_store, master_store, peer_errors
 from .._wire import MAX_META_BYTES, BucketMeta, to_bytes
 
-__all__ = ["GlooEngine"]
+__all__ = ["GlooEngine", "gloo_options"]
 
 _NONE = -(2**63)  # "holds no usable version" in the version exchange
+
+
+def gloo_options(store_host: str, timeout: float) -> Any:
+    """The gloo group's options: its pairs listen on loopback when the store does.
+
+    gloo's default device listens on the address the machine's hostname resolves to, so a
+    group whose members all reach the store at loopback (one host) would still accept
+    connections from the network, and gloo pairs are not authenticated. Across hosts the
+    default device stays: each member listens on its own routable address. Returns a
+    ``ProcessGroupGloo._Options`` (torch's stub does not declare it)."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stub
+    options._timeout = datetime.timedelta(seconds=timeout)
+    if _is_loopback(store_host):
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=store_host)]
+    else:
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return options
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _GlooGroup(Protocol):
@@ -74,7 +101,7 @@ class GlooEngine(BucketedEngine):
                 PrefixStore("rlwire-ckpt/gloo", self._store.raw),
                 rank,
                 world_size,
-                datetime.timedelta(seconds=self.timeout),
+                gloo_options(self._store.raw.host, self.timeout),
             )
 
     @property

@@ -4,17 +4,27 @@ process of the tree it started), not a stranger's that bound the port first."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 
-__all__ = ["foreign_listeners", "held_sockets", "listening_inodes", "process_tree"]
+__all__ = [
+    "foreign_listeners",
+    "held_sockets",
+    "listening_inodes",
+    "listening_sockets",
+    "process_tree",
+]
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
 
 
-def listening_inodes(port: int, proc: Path = Path("/proc")) -> set[int]:
-    """The socket inodes listening on TCP ``port`` (IPv4 and IPv6, any address)."""
-    found = set()
+def listening_sockets(
+    proc: Path = Path("/proc"),
+) -> dict[int, tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """Every listening TCP socket of this network namespace (IPv4 and IPv6): its inode to
+    the address and port it listens on."""
+    found = {}
     for table in ("tcp", "tcp6"):
         try:
             lines = (proc / "net" / table).read_text().splitlines()[1:]
@@ -24,9 +34,21 @@ def listening_inodes(port: int, proc: Path = Path("/proc")) -> set[int]:
             fields = line.split()
             if len(fields) < 10 or fields[3] != _LISTEN:
                 continue
-            if int(fields[1].rsplit(":", 1)[1], 16) == port:
-                found.add(int(fields[9]))
+            address, port = fields[1].rsplit(":", 1)
+            found[int(fields[9])] = (_address(address), int(port, 16))
     return found
+
+
+def _address(word: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """/proc/net/tcp's hex address: 32-bit words, each in the host's (little-endian) order."""
+    raw = bytes.fromhex(word)
+    host_order = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(host_order)
+
+
+def listening_inodes(port: int, proc: Path = Path("/proc")) -> set[int]:
+    """The socket inodes listening on TCP ``port`` (IPv4 and IPv6, any address)."""
+    return {inode for inode, (_, bound) in listening_sockets(proc).items() if bound == port}
 
 
 def process_tree(root: int, proc: Path = Path("/proc")) -> set[int]:

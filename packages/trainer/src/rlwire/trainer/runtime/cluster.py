@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 from typing import Any
 
 from ..config.root import TrainerConfig
@@ -59,7 +60,54 @@ def ray_environment() -> None:
     constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = env_bool("RAY_ENABLE_UV_RUN_RUNTIME_ENV", True)
 
 
+_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+_auth_before: dict[str, str | None] = {}
+"""The process's Ray authentication variables before :func:`init_ray` set the embedded
+cluster's own; :func:`stop_ray` puts them back."""
+
+
+def _own_token() -> None:
+    """Ray's token authentication (Ray >= 2.52) for the embedded cluster, under a token
+    drawn for this run.
+
+    Ray's servers (the GCS, the raylet, every worker's core-worker port) listen on every
+    interface whatever address the node is given (Ray resolves loopback to the node's IP),
+    and without authentication anyone who reaches one can run code in the job. With a
+    token, every RPC must carry it: the workers inherit it from the environment (never a
+    command line, never ``~/.ray``). Ray reads the mode when it is imported, so a process
+    that imported it already re-reads its configuration here."""
+    _auth_before.update({name: os.environ.get(name) for name in _AUTH_VARIABLES})
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_urlsafe(32)
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    _reread_auth()
+
+
+def _reread_auth() -> None:
+    """Ray's configuration and token cache read again from the environment (Ray's own way,
+    as ``ray.init`` does when it turns token authentication on)."""
+    import importlib
+
+    raylet: Any = importlib.import_module("ray._raylet")  # untyped: Cython
+    raylet.Config.initialize("")  # before the cache: Ray's own order
+    raylet.AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _restore_auth() -> None:
+    if not _auth_before:
+        return
+    for name, value in _auth_before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _auth_before.clear()
+    _reread_auth()
+
+
 def init_ray(config: TrainerConfig) -> None:
+    """Join ``ray.address`` (or ``RAY_ADDRESS``), else start a cluster of the run's own on
+    this machine, under token authentication (:func:`_own_token`)."""
     import ray
 
     address = config.ray.address or os.environ.get("RAY_ADDRESS")
@@ -76,6 +124,7 @@ def init_ray(config: TrainerConfig) -> None:
             # "local": a cluster of its own. Without an address, ray.init joins the cluster
             # whose address `ray start` (or ray.cluster_utils.Cluster) left in /tmp/ray, and
             # refuses num_cpus there; joining one is what ray.address= says.
+            _own_token()
             ray.init(
                 address="local",
                 num_cpus=cpus,
@@ -85,6 +134,7 @@ def init_ray(config: TrainerConfig) -> None:
                 logging_level=logging.ERROR,
             )
     except Exception as err:  # ray raises ConnectionError, RuntimeError, ...
+        _restore_auth()
         raise RunError(
             f"ray: cannot start or reach the cluster ({address or 'local'}): {err}"
         ) from None
@@ -117,6 +167,7 @@ def stop_ray() -> None:
             with contextlib.suppress(OSError, AttributeError):
                 info.process.kill()
     ray.shutdown()
+    _restore_auth()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

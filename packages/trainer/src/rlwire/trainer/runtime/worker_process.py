@@ -11,7 +11,15 @@ import torch
 from ..config.root import TrainerConfig
 from ..models.modeling import preload_hf
 
-__all__ = ["WorkerProcess", "device", "free_port", "host", "seed_everything", "set_threads"]
+__all__ = [
+    "WorkerProcess",
+    "device",
+    "free_port",
+    "host",
+    "is_loopback",
+    "seed_everything",
+    "set_threads",
+]
 
 
 def device() -> torch.device:
@@ -28,6 +36,18 @@ def host() -> str:
     if sum(1 for node in ray.nodes() if node.get("Alive")) <= 1:
         return "127.0.0.1"
     return ray.util.get_node_ip_address()
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` (an IP or ``localhost``) is this machine's loopback."""
+    import ipaddress
+
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def free_port(address: str) -> int:

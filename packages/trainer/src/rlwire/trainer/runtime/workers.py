@@ -34,7 +34,7 @@ from ..outputs.checkpoint import load_actor, save_actor
 from ..rollout import Rollout
 from .background import Background
 from .weight_push import WeightPush
-from .worker_process import WorkerProcess, host, seed_everything, set_threads
+from .worker_process import WorkerProcess, host, is_loopback, seed_everything, set_threads
 
 __all__ = ["ActorWorker"]
 
@@ -53,10 +53,18 @@ def join_group(
     """torch.distributed's default group of the actor ranks, over rank 0's ``store`` (a
     ``rlwire.ckpt_engine.bound_store`` at ``master``: listening on that address only); the
     other ranks connect to it. ``MASTER_ADDR``/``MASTER_PORT`` are set too, for libraries
-    that read them."""
+    that read them.
+
+    On one host (``master`` on loopback) gloo's pairs listen on loopback too
+    (``GLOO_SOCKET_IFNAME=lo`` unless the user set it): gloo's default device listens on
+    the address the hostname resolves to, reachable from the network, and its pairs are
+    not authenticated. torch reads the variable for every gloo group of this process
+    (Megatron's included), as ``init_process_group`` takes no gloo device."""
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
+    if "gloo" in backend and is_loopback(master[0]) and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if store is None:
         store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
