@@ -154,3 +154,18 @@ class LosesServerOnce(PacedDiesOnce):
 
 DOWN_S = 2.0
 """Seconds :class:`LosesServerOnce`'s "server" stays down."""
+
+
+class DiesInSetupOnce(HFEngine):
+    """The ``hf`` engine whose worker 1 SIGKILLs its process as it joins the checkpoint
+    engine's group for the first time (the run's start-up), once per run directory (the file
+    ``rollout-died-in-setup`` there remembers it): a death while the weight group forms."""
+
+    name = "dying_rollout:DiesInSetupOnce"
+
+    def join(self, backend: str, *, rank: int, world_size: int, metadata: dict):
+        marker = Path(self.config.trainer.output_dir) / "rollout-died-in-setup"
+        if self.index == 1 and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().join(backend, rank=rank, world_size=world_size, metadata=metadata)

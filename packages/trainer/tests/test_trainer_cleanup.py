@@ -10,6 +10,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from rlwire.trainer.rollout.scratch import ScratchDir, sweep
 
 PREFIX = "rlwire-test-scratch-"
@@ -174,5 +176,45 @@ def test_close_workers_closes_each_then_kills_all_without_waiting_on_a_stuck_one
         assert len(problems) == 2
         for w in workers:  # every one killed, the one that closed included
             assert _ends_within(ray, w, 60.0), "a worker still answers 60 s after its kill"
+    finally:
+        ray.shutdown()
+
+
+def test_loops_that_end_after_the_last_step_cost_a_line_when_a_worker_died(ray_cluster):
+    """Watch.ends, the fully-async run's last wait (its rollout loops' ends): a worker that
+    died by then is a line for the log, not the run's end (issue 64, item 4b: a worker
+    killed as the loops were stopped used to end a complete run with exit 2); any other
+    failure still raises, naming it."""
+    from rlwire.trainer.errors import RunError
+    from rlwire.trainer.runtime.cluster import ray_environment
+    from rlwire.trainer.runtime.waits import Watch
+
+    ray_environment()
+    import ray
+
+    ray.init(address=ray_cluster, log_to_driver=False, namespace="test-loop-ends")
+    try:
+
+        @ray.remote(num_cpus=0)
+        class Loop:
+            def run(self, how: str) -> str:
+                if how == "dies":
+                    os._exit(1)
+                if how == "fails":
+                    raise ValueError("the loop's own error")
+                return how
+
+        workers = [Loop.remote() for _ in range(3)]
+        names = {w._actor_id.hex(): f"rollout worker {i}" for i, w in enumerate(workers)}
+        watch = Watch([], names, {a: i for i, a in enumerate(names)})
+        ends = [workers[0].run.remote("stop"), workers[1].run.remote("dies")]
+        lines = watch.ends(ends, timeout=120, what="stopping the rollout loops")
+        assert len(lines) == 1
+        assert lines[0].startswith("stopping the rollout loops: rollout worker 1 died (")
+        assert lines[0].endswith("after the run's last step: nothing was lost")
+        with pytest.raises(RunError, match="stopping the rollout loops: ValueError: the loop's"):
+            watch.ends(
+                [workers[2].run.remote("fails")], timeout=120, what="stopping the rollout loops"
+            )
     finally:
         ray.shutdown()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import types
 
 import pytest
+from trainer_cli import train_cli
 
 from rlwire.trainer.config.root import load_config
 from rlwire.trainer.errors import RunError
@@ -126,3 +127,29 @@ def test_restart_settings_are_checked():
         load_config(overrides=["rollout.max_restarts=-1"])
     with pytest.raises(ConfigError, match=r"rollout.restart_window_s: 0.*use seconds > 0"):
         load_config(overrides=["rollout.restart_window_s=0"])
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_a_worker_that_dies_while_the_weight_group_forms_is_replaced(ray_cluster, tmp_path, mode):
+    """Rollout worker 1 dies (SIGKILL, :mod:`dying_rollout`) as it joins the checkpoint
+    engine's group at start-up: it is replaced as a death anywhere else is, the group forms
+    without it and takes its replacement at a later sync; the run trains every step and
+    every engine in a sync holds the actor's weights (issue 64, item 4b: the death used to
+    end the run with 'checkpoint engine setup: rollout worker 1 died')."""
+    run = tmp_path / "run"
+    records, out = train_cli(
+        run,
+        f"trainer.mode={mode}",
+        "rollout.num_workers=2",
+        "trainer.steps=3",
+        "ckpt_engine.digest=true",
+        "rollout.backend=dying_rollout:DiesInSetupOnce",
+        cluster=ray_cluster,
+    )
+    assert (run / "rollout-died-in-setup").exists()  # it did die, in the setup
+    assert "rollout worker 1 died; starting its replacement (restart 1 of 3" in out
+    assert [r["step"] for r in records] == [1, 2, 3]
+    synced = [r for r in records if "weight_digest_actor" in r]
+    assert synced
+    for record in synced:
+        assert set(record["weight_digest_rollout"]) == {record["weight_digest_actor"]}

@@ -19,6 +19,7 @@ update), never by the transfer's deadline."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -32,6 +33,8 @@ from ..runtime.validation import validation_due, validation_metrics, validation_
 from ..runtime.waits import RolloutLost, Watch
 from .async_push import Pushes
 from .sample_queue import SampleQueue
+
+log = logging.getLogger("rlwire.trainer")
 
 __all__ = ["run_fully_async", "sync_due"]
 
@@ -68,23 +71,32 @@ def run_fully_async(job: Job, bar) -> None:
         seed=config.trainer.seed,
         resume=job.resumed.get("queue"),  # groups started before the checkpoint, to redo
     )
+    wait_s = cfg.sample_timeout
+    for index in sorted(job.fleet.joining):  # replaced while the weight group first formed:
+        ray.get(queue.worker_lost.remote(index), timeout=wait_s)  # absent until it joins
     loops = [r.run.remote(queue) for r in job.rollouts]
     watch = Watch(loops, job.watch.names, job.watch.rollouts)
-    wait_s = cfg.sample_timeout
 
-    def heal(lost: RolloutLost) -> Any:
+    def replace(lost: RolloutLost) -> Any:
         """A rollout worker died: its replacement starts (or ``lost`` is raised: the fleet
         does not heal, or the worker used up its restarts), the groups it was generating go
         back to be generated first, and the replacement's loop waits, handed nothing, until
-        it joins the weight group at the next sync (:mod:`rlwire.trainer.runtime.healing`)."""
+        it joins the weight group at a later sync (:mod:`rlwire.trainer.runtime.healing`).
+        The new loop. (A death while the weight group forms: this alone.)"""
         job.fleet.replace(lost)
         lost_groups = ray.get(queue.worker_lost.remote(lost.index), timeout=wait_s)
         job.fleet.requeued(lost.index, lost_groups)
         new_loop = job.rollouts[lost.index].run.remote(queue)
         watch.loops[lost.index] = new_loop  # before any wait below sees the dead one again
-        pushes.member_died(lost)  # a push it was receiving is sent again to the others
         return new_loop
 
+    def heal(lost: RolloutLost) -> Any:
+        """:func:`replace`, and a push it was receiving is sent again to the others."""
+        new_loop = replace(lost)
+        pushes.member_died(lost)
+        return new_loop
+
+    job.setup_lost = replace
     watch.heal = heal
     pushes = Pushes(job, queue, watch, wait_s, heal)
 
@@ -213,7 +225,8 @@ def run_fully_async(job: Job, bar) -> None:
             validate(steps)
         watch.get(queue.stop.remote(), timeout=wait_s, what="stopping the sample queue")
         watch.loops = []  # their ends are expected now: a worker dead by then is named
-        watch.get(loops, timeout=wait_s, what="stopping the rollout loops")
+        for line in watch.ends(loops, timeout=wait_s, what="stopping the rollout loops"):
+            log.warning("%s", line)
     finally:
         ray.kill(queue)
         # No Ray object reference may outlive the run in a reference cycle (heal -> pushes
@@ -222,6 +235,7 @@ def run_fully_async(job: Job, bar) -> None:
         pushes.drop()
         watch.heal = None
         watch.loops = []
+        job.setup_lost = job.fleet.replace
 
 
 class _Refill:

@@ -98,6 +98,7 @@ class Job(JobStart):
         self.members = list(range(len(self.rollouts)))
         """The rollout workers in the checkpoint engine's group, by rank (:mod:`.healing`)."""
         self.fleet = Fleet(self, rollout_worker)
+        self.setup_lost = self.fleet.replace
         # every worker process once
         self.processes = self.actors if self.hybrid else [*self.actors, *self.rollouts]
         self.layout = layout

@@ -7,8 +7,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..algorithms.reward_kl import KLController
 from ..config.root import TrainerConfig
@@ -18,7 +19,10 @@ from ..outputs.checkpoint import load_checkpoint
 from ..outputs.loggers import Tracker
 from .cluster import GpuLayout, Handle, shm_bytes_needed
 from .senders import SendPlan, send_plan
-from .waits import Watch, cause, first_line
+from .waits import RolloutLost, Watch, cause, first_line
+
+if TYPE_CHECKING:
+    from .healing import Fleet
 
 __all__ = ["JobStart"]
 
@@ -39,6 +43,16 @@ class JobStart:
     actors: list[Handle]
     rollouts: list[Handle]
     processes: list[Handle]
+    fleet: Fleet
+    setup_lost: Callable[[RolloutLost], Any]
+    """Replaces a rollout worker that died while the weight group formed (Job sets the
+    fleet's ``replace``; fully async its own, which also hands the replacement's loop the
+    queue)."""
+    _setup_calls: list  # the last checkpoint-engine setup's calls (a failed one settles)
+
+    def settle(self, refs: list, lost: RolloutLost) -> None: ...  # Job's
+
+    def abort_push(self, lost: RolloutLost) -> None: ...  # Job's
 
     def start(self, data: DataPipeline, resume, trackers: list[Tracker]) -> None:
         """Load the model in every worker (``model_path`` exists now), keep ``data`` (the
@@ -131,7 +145,8 @@ class JobStart:
             "the actor ranks" if self.hybrid else [names[n] for n in nodes[world:]],
             *master,
         )
-        self.engine_backend = self._engine_setup(backend)
+        self.engine_backend = backend  # (a replacement started during the setup loads for it)
+        self.engine_backend = self._form_group(backend)
         log.info("%s", self.plan.describe(self.members))  # once: re-formed groups keep it
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if self.metrics_path.exists():  # a fresh run's, or steps after the checkpoint
@@ -165,8 +180,34 @@ class JobStart:
         worker among them), or only the rollout workers ``members`` (the others join at a
         later re-forming): a new master, so the next update is whole."""
         start = time.perf_counter()
-        self.engine_backend = self._engine_setup(self.engine_backend, members)
+        self.engine_backend = self._form_group(self.engine_backend, members)
         log.info("weight group re-formed in %.1f s", time.perf_counter() - start)
+
+    def _form_group(self, backend: str, members: list[int] | None = None) -> str:
+        """:meth:`_engine_setup`, formed again without a rollout worker that died meanwhile
+        (:meth:`_lost_in_setup`); the backend."""
+        while True:
+            try:
+                return self._engine_setup(backend, members)
+            except RolloutLost as lost:
+                members = self._lost_in_setup(lost, members)
+
+    def _lost_in_setup(self, lost: RolloutLost, members: list[int] | None) -> list[int]:
+        """A rollout worker died while the group formed: it is replaced as a death anywhere
+        else is (``lost`` raised when the run does not heal or the worker used up its
+        restarts), the setup's other calls end (aborted: each of their waits otherwise
+        bounded by ``ckpt_engine.timeout``) and the group forms again without it; its
+        replacement joins at a later re-forming, once its engine loaded (with no other
+        member left, that is waited for now). The members to form the group with."""
+        self.setup_lost(lost)
+        self.abort_push(lost)  # the members' waits for the dead one end at once
+        self.settle(self._setup_calls, lost)
+        every = range(len(self.rollouts)) if members is None else members
+        left = [i for i in every if i != lost.index and i in self.fleet.present]
+        if not left:
+            self.fleet.wait_loaded()
+            left = self.fleet.present
+        return left
 
     def _send_plan(self, layout, one_host: bool, model_path: str) -> SendPlan:
         """Who sends to which rollout worker over which backend (:mod:`.senders`): for the
@@ -206,11 +247,12 @@ class JobStart:
         joining = list(range(len(self.rollouts))) if members is None else members
         self.members = joining  # the rollout workers in the groups, by rank
         groups = self.plan.groups(joining)
+        self._setup_calls = [self.actors[rank].engine_prepare.remote(backend) for rank in groups]
         metadata = dict(
             zip(
                 groups,
                 self.watch.get(
-                    [self.actors[rank].engine_prepare.remote(backend) for rank in groups],
+                    self._setup_calls,
                     timeout=config.ray.startup_timeout,
                     what="checkpoint engine setup",
                 ),
@@ -241,6 +283,7 @@ class JobStart:
                     backend, size, metadata.get(rank, {}), sends=rank in groups
                 )
             )
+        self._setup_calls = calls
         self.watch.get(calls, timeout=timeout, what="checkpoint engine setup")
         return backend
 

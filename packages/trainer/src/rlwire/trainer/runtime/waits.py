@@ -107,6 +107,30 @@ class Watch:
                     ) from None
         return values[refs] if single else [values[r] for r in refs]
 
+    def ends(self, refs: list, *, timeout: float, what: str) -> list[str]:
+        """Wait (``timeout`` s in all) for calls whose ends are all that is left of the
+        run's work, such as the rollout loops once the last step is trained: a worker that
+        died by then costs a line (returned, for the caller to log), not the run; any other
+        failure, or no end in time, still raises."""
+        import ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+        if len(ready) < len(refs):
+            raise RunError(f"{what}: no answer within {timeout:g} s")
+        lines = []
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=_READY_GET_S)  # ready: only fetched
+            except Exception as err:
+                reason = cause(err)
+                dead = self._dead(reason)
+                if dead is None:
+                    raise RunError(
+                        f"{what}: {type(reason).__name__}: {first_line(reason)}"
+                    ) from None
+                lines.append(f"{what}: {dead[0]}, after the run's last step: nothing was lost")
+        return lines
+
     def _dead(self, reason: BaseException) -> tuple[str, str] | None:
         """The line naming the worker that ``reason`` says died (``actor rank 1 died
         (ActorDiedError: ...)``), or the rollout worker whose engine it says is lost (its
