@@ -1,6 +1,10 @@
 """The fuzzer over the trainer's parsers of bytes another process (or another machine)
-wrote: a checkpoint's MANIFEST.json. Mutated at random, it is either accepted (only when the
-files match it) or refused with one RunError; it never reads outside the checkpoint."""
+wrote: a checkpoint's MANIFEST.json (mutated at random, it is either accepted, only when the
+files match it, or refused with one RunError; it never reads outside the checkpoint), and the
+agent endpoint's request bodies (below).
+
+Each test runs a fixed, derandomized budget here; ``RLWIRE_FUZZ_EXAMPLES=100000`` runs a long
+one by hand."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from rlwire.trainer.errors import RunError
 from rlwire.trainer.outputs.checkpoint import check_manifest, write_manifest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 EXAMPLES = int(os.environ.get("RLWIRE_FUZZ_EXAMPLES", "300"))
@@ -63,3 +67,183 @@ def test_a_mutated_manifest_is_accepted_only_when_true_or_refused(tmp_path_facto
     except RunError:
         return
     assert json.loads(mutated) == entries  # accepted: it says what the files are
+
+
+# --- the agent endpoint's request bodies ---------------------------------------------------
+# What an agent sends (``/v1/chat/completions``, ``/v1/completions`` with text or token ids),
+# mutated at random as bytes or as JSON: each body is accepted and read as it says, or refused
+# with the endpoint's one error (:class:`~rlwire.trainer.agent.bodies.Refused`, 400); what is
+# accepted is then taken by the next step (:func:`~rlwire.trainer.agent.endpoint._plain`, the
+# token-id checks) without an error of another kind.
+
+VOCABULARY, CONTEXT = 100, 32
+_BODIES = {
+    "chat": {
+        "model": "rlwire-policy",
+        "messages": [
+            {"role": "system", "content": "answer briefly"},
+            {"role": "user", "content": "look up abc"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "lookup", "arguments": '{"key": "abc"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "123"},
+            {"role": "user", "content": [{"type": "text", "text": "and d?"}], "name": "u"},
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "lookup",
+                    "parameters": {"type": "object", "properties": {"key": {"type": "string"}}},
+                },
+            }
+        ],
+        "max_tokens": 16,
+        "temperature": 0.7,
+    },
+    "ids": {"model": "rlwire-policy", "prompt": [5, 6, 7, 8, 99], "max_completion_tokens": 4},
+    "text": {
+        "model": "rlwire-policy",
+        "prompt": "ab:",
+        "max_tokens": 8,
+        "max_completion_tokens": None,
+    },
+}
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def _paths(value, at=()):
+    """Every place in a JSON value: its path of keys and indices."""
+    yield at
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, inner in items:
+        yield from _paths(inner, (*at, key))
+
+
+def _mutated_body(body: dict, draw) -> bytes:
+    """``body`` changed as JSON (a value replaced or removed, wrapped deep) or as bytes
+    (flipped, cut, repeated, a number replaced, nested past the parser's stack)."""
+    kind = draw(
+        st.sampled_from(["replace", "remove", "deep", "flip", "cut", "repeat", "number", "nest"])
+    )
+    if kind in ("replace", "remove", "deep"):
+        changed = json.loads(json.dumps(body))
+        path = draw(st.sampled_from(list(_paths(changed))[1:]))
+        holder = changed
+        for key in path[:-1]:
+            holder = holder[key]
+        if kind == "remove":
+            del holder[path[-1]]
+        elif kind == "deep":
+            value = holder[path[-1]]
+            for _ in range(draw(st.integers(1, 100))):
+                value = [value]
+            holder[path[-1]] = value
+        else:
+            holder[path[-1]] = draw(_JSON)
+        return json.dumps(changed).encode()
+    raw = bytearray(json.dumps(body).encode())
+    if kind == "flip":
+        for _ in range(draw(st.integers(1, 8))):
+            raw[draw(st.integers(0, len(raw) - 1))] = draw(st.integers(0, 255))
+    elif kind == "cut":
+        at = draw(st.integers(0, len(raw)))
+        raw = raw[:at] + raw[at + draw(st.integers(1, 64)) :]
+    elif kind == "repeat":
+        at = draw(st.integers(0, len(raw) - 1))
+        raw = raw[:at] + raw[at : at + draw(st.integers(1, 64))] * 2 + raw[at:]
+    elif kind == "number":
+        digits = [i for i, c in enumerate(raw) if chr(c).isdigit()]
+        at = draw(st.sampled_from(digits))
+        number = draw(st.one_of(st.integers(-(2**70), 2**70), st.floats().map(repr)))
+        raw = raw[:at] + str(number).encode() + raw[at + 1 :]
+    else:
+        depth = draw(st.sampled_from([2, 63, 64, 65, 5000, 100_000]))
+        raw = b'{"x": ' + b"[" * depth + bytes(raw) + b"]" * depth + b"}"
+    return bytes(raw)
+
+
+@FUZZ
+@given(st.data(), st.sampled_from(sorted(_BODIES)))
+def test_a_mutated_endpoint_body_is_read_as_it_says_or_refused(data, which):
+    from rlwire.trainer.agent.bodies import (
+        MAX_DEPTH,
+        Refused,
+        chat_call,
+        check_prompt,
+        completion_call,
+        parse_json,
+    )
+    from rlwire.trainer.agent.endpoint import _plain
+
+    raw = _mutated_body(_BODIES[which], data.draw)
+    try:
+        body = parse_json(raw)
+        call = chat_call(body) if which == "chat" else completion_call(body)
+        if isinstance(getattr(call, "prompt", None), list):
+            room = check_prompt(call.prompt, vocabulary=VOCABULARY, context=CONTEXT)
+            assert room is not None and room >= 1 and len(call.prompt) + room == CONTEXT
+            assert all(not isinstance(t, bool) and 0 <= t < VOCABULARY for t in call.prompt)
+    except Refused as refused:
+        assert refused.status == 400 and refused.message  # a 400 naming what is wrong
+        event(f"{which}: refused")
+        return
+    event(f"{which}: accepted")
+    assert _depth(body) <= MAX_DEPTH
+    asked = body.get("max_completion_tokens")
+    asked = body.get("max_tokens") if asked is None else asked
+    assert call.max_tokens == asked and (asked is None or (type(asked) is int and asked >= 1))
+    if which == "chat":
+        assert call.messages is body["messages"]  # read as it says
+        tools = body.get("tools") or []
+        assert call.tools == [t.get("function", t) for t in tools]
+        assert all(isinstance(t["name"], str) for t in call.tools)
+        for message in call.messages:  # the next step takes them as they are
+            plain = _plain(message)
+            assert isinstance(plain["role"], str) and plain["role"]
+            json.dumps(plain)
+    else:
+        assert call.prompt is body["prompt"]
+        assert isinstance(call.prompt, str) or all(type(t) is int for t in call.prompt)
+
+
+def _depth(value) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+@FUZZ
+@given(st.one_of(st.integers(-5, 2**70).map(str), st.text(max_size=12), st.none()))
+def test_a_content_length_is_taken_within_the_limit_or_refused(declared):
+    from rlwire.trainer.agent.bodies import Refused, check_length
+
+    try:
+        check_length(declared, 1000)
+    except Refused as refused:
+        assert refused.status in (400, 413)
+        assert refused.status == 400 or int(declared) > 1000
+        return
+    assert declared is None or 0 <= int(declared) <= 1000

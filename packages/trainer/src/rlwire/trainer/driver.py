@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .actor.config import OptimConfig
+from .agent.config import endpoint_warnings
 from .config.root import TrainerConfig, to_dict
 from .data.inputs import resolve_model
 from .data.pipeline import build_pipeline
@@ -142,7 +143,7 @@ def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    for warning in real_model_warnings(config):  # in train.log, and on the terminal
+    for warning in run_warnings(config):  # in train.log, and on the terminal
         log.warning("%s", warning)
         print(f"rlwire-train: warning: {warning}", file=sys.stderr)
 
@@ -201,6 +202,11 @@ def _stopped_by_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def run_warnings(config: TrainerConfig) -> list[str]:
+    """What a run is warned about once at start, in ``train.log`` and on stderr."""
+    return [*real_model_warnings(config), *endpoint_warnings(config.agent)]
 
 
 def real_model_warnings(config: TrainerConfig) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import ipaddress
 
 from ..checks import ConfigError, check, check_engine
 from ..rollout.base import rollout_engine_class
@@ -12,7 +13,7 @@ from .environment import environment_class
 from .parsers import TOOL_PARSERS, parser_class
 from .tools import load_tools
 
-__all__ = ["AgentConfig", "check_agent"]
+__all__ = ["AgentConfig", "check_agent", "endpoint_warnings"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -79,7 +80,9 @@ class AgentConfig:
     run stops with one line naming the agent and its last error."""
     endpoint_host: str = "127.0.0.1"
     """Where each rollout worker's OpenAI-compatible endpoint listens (``agent.function``):
-    loopback, for agents in the worker's process; every call needs its session's key."""
+    loopback, for agents in the worker's process; every call needs its session's key.
+    Another address (``0.0.0.0``: every interface) is warned about once at start: the
+    endpoint is then reachable from other machines."""
 
     def __post_init__(self) -> None:
         check_engine(self.format, "agent.format", TOOL_PARSERS, parser_class)
@@ -160,6 +163,29 @@ class AgentConfig:
             raise ConfigError(str(err)) from None
         except ImportError as err:
             raise ConfigError(f"agent.environment: cannot import {value!r}: {err}") from None
+
+
+def endpoint_warnings(agent: AgentConfig) -> list[str]:
+    """What a run is warned about once at start (:func:`~rlwire.trainer.driver.
+    run_warnings`): an agent endpoint listening beyond loopback."""
+    host = agent.endpoint_host
+    if agent.function is None or _loopback(host):
+        return []
+    return [
+        f"agent.endpoint_host={host}: each rollout worker's agent endpoint listens beyond "
+        f"this machine, reachable by whoever can reach {host}; every call needs a session's "
+        "key, but keep it on loopback (127.0.0.1, the default) unless agents call it from "
+        "other machines"
+    ]
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any address
+        return False
 
 
 def check_agent(config) -> None:

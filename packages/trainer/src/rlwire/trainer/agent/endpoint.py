@@ -18,7 +18,9 @@ the model sampled is decoded and encoded again. Otherwise the messages are rende
 Sampling is the run's: ``rollout.temperature`` whatever the call asks (the actor recomputes
 the behaviour log-probs at it), at most ``max_tokens`` (or ``max_completion_tokens``) and
 ``rollout.max_new_tokens`` tokens, seeded per session and call. The server listens on
-loopback unless told otherwise (``host``).
+loopback unless told otherwise (``host``). A body is read only once its session's key is
+known, at most ``max_body`` bytes of it (413 past that), and parsed by :mod:`.bodies`:
+a call it refuses never reaches the engine.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the handlers' annotations as
@@ -36,6 +38,17 @@ from typing import Any
 
 from ..errors import RunError
 from ..rollout.requests import Request, request_seed
+from .bodies import (
+    MAX_BODY_BYTES,
+    chat_call,
+    check_length,
+    check_prompt,
+    completion_call,
+    max_tokens,
+    parse_json,
+    too_large,
+)
+from .bodies import Refused as _Refused  # the name this module's callers and tests know
 from .parsers import ToolCallParser
 from .render import ChatRenderer
 from .sessions import CallRecord, Session, SessionStore
@@ -46,12 +59,6 @@ INSTALL_HINT = (
     "the agent endpoint needs FastAPI and uvicorn (and agents the openai client): "
     "pip install 'rlwire-trainer[openai]'"
 )
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
 
 
 class Endpoint:
@@ -67,6 +74,8 @@ class Endpoint:
         model: the name ``/v1/models`` gives and answers carry.
         context: the model's context in tokens, where the engine tells it: a prompt that
             leaves no room for one token is refused (400), and ``max_tokens`` is cut to fit.
+        max_body: bytes a call's body may hold (:data:`.bodies.MAX_BODY_BYTES`); a longer
+            one is refused (413) before it is read, with or without ``Content-Length``.
     """
 
     def __init__(
@@ -82,50 +91,68 @@ class Endpoint:
         top_p: float = 1.0,
         top_k: int = 0,
         context: int | None = None,
+        max_body: int = MAX_BODY_BYTES,
     ) -> None:
         self.submit, self.tokenizer, self.parser = submit, tokenizer, parser
-        self.context = context
+        self.context, self.max_body = context, max_body
         self.vocabulary = len(tokenizer)
         self.temperature, self.max_new_tokens, self.timeout = temperature, max_new_tokens, timeout
         self.model, self.top_p, self.top_k = model, top_p, top_k
         self.sessions = SessionStore()
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._socket: socket.socket | None = None
         self.url = ""
 
     # --- serving -----------------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> str:
-        """Serve in a thread of this process; the base URL (``http://host:port/v1``)."""
+        """Serve in a thread of this process; the base URL (``http://host:port/v1``). A
+        start that fails (the address taken, the server not up within ``timeout`` seconds)
+        leaves nothing behind: the server thread is stopped and the socket closed."""
         try:
             import uvicorn
         except ImportError as err:
             raise RuntimeError(f"{INSTALL_HINT} ({err})") from None
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        config = uvicorn.Config(self.app(), log_level="warning", access_log=False)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, name="rlwire-endpoint", daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"agent endpoint: did not start on {host}:{port} in {timeout:g} s"
-                )
-            time.sleep(0.02)
+        self._socket = sock
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            config = uvicorn.Config(self.app(), log_level="warning", access_log=False)
+            self._server = uvicorn.Server(config)
+            self._thread = threading.Thread(
+                target=self._server.run,
+                kwargs={"sockets": [sock]},
+                name="rlwire-endpoint",
+                daemon=True,
+            )
+            self._thread.start()
+            deadline = time.monotonic() + timeout
+            while not self._server.started:
+                if not self._thread.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"agent endpoint: did not start on {host}:{port} in {timeout:g} s"
+                    )
+                time.sleep(0.02)
+        except BaseException:
+            self.stop()
+            raise
         bound = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{bound}/v1"
         return self.url
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving (waiting ``timeout`` seconds for the thread) and close the socket."""
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():  # its loop may still use the socket: left to it
+                return
+        if self._socket is not None:
+            self._socket.close()  # the server closed it when it ran; not when it did not
+        self._server = self._thread = self._socket = None
 
     def app(self):
         try:
@@ -140,16 +167,13 @@ class Endpoint:
         async def answer(http: HTTPRequest, handle) -> JSONResponse:
             try:
                 session = self._session(http.headers.get("authorization", ""))
-                try:
-                    body = await http.json()
-                except ValueError:
-                    raise _Refused(400, "the body is not JSON") from None
-                if not isinstance(body, dict):
-                    raise _Refused(400, "the body must be a JSON object")
+                body = parse_json(await self._read(http))
                 return JSONResponse(await handle(session, body))
             except _Refused as refused:
                 error = {"message": refused.message, "type": "invalid_request_error"}
-                return JSONResponse({"error": error}, status_code=refused.status)
+                # a body left unread (413) must not be taken for the next request
+                close = {"Connection": "close"} if refused.status == 413 else None
+                return JSONResponse({"error": error}, status_code=refused.status, headers=close)
 
         @app.get("/v1/models")
         async def models() -> dict:
@@ -166,6 +190,18 @@ class Endpoint:
         return app
 
     # --- calls -------------------------------------------------------------------------
+    async def _read(self, http) -> bytes:
+        """The body, at most :attr:`max_body` bytes: refused (413) on its ``Content-Length``
+        before it is read, or as it arrives where it has none (chunked)."""
+        limit = self.max_body
+        check_length(http.headers.get("content-length"), limit)
+        raw = bytearray()
+        async for chunk in http.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise too_large(limit)
+        return bytes(raw)
+
     def _session(self, authorization: str) -> Session:
         key = authorization.removeprefix("Bearer ").strip()
         session = self.sessions.get(key) if key else None
@@ -174,30 +210,10 @@ class Endpoint:
         return session
 
     async def _sample(self, session: Session, prompt: list[int], body: dict):
-        if not prompt:
-            raise _Refused(400, "the prompt is empty")
-        # the engine sees only ids it can embed, and a prompt it can answer: one session's bad
-        # call never reaches a batch it shares with others (a device-side assert on CUDA)
-        vocabulary = self.vocabulary
-        bad = next((t for t in prompt if isinstance(t, bool) or not 0 <= t < vocabulary), None)
-        if bad is not None:
-            raise _Refused(
-                400, f"prompt: token id {bad!r} is outside the vocabulary (0 to {vocabulary - 1})"
-            )
-        room = None if self.context is None else self.context - len(prompt)
-        if room is not None and room < 1:
-            raise _Refused(
-                400,
-                f"prompt: {len(prompt)} tokens; the model's context is {self.context}, which "
-                "must leave room for at least one token of answer",
-            )
-        asked = body.get("max_completion_tokens")
-        if asked is None:
-            asked = body.get("max_tokens")
+        room = check_prompt(prompt, vocabulary=self.vocabulary, context=self.context)
+        asked = max_tokens(body)
         if asked is None:
             asked = self.max_new_tokens
-        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
-            raise _Refused(400, f"max_tokens: {asked!r}; use an int >= 1")
         calls = len(session.calls)
         request = Request(
             tuple(prompt),
@@ -218,14 +234,8 @@ class Endpoint:
             raise _Refused(401, "the session ended while the call ran; nothing was recorded")
 
     async def _chat(self, session: Session, body: dict) -> dict:
-        messages = body.get("messages")
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(isinstance(m, dict) for m in messages)
-        ):
-            raise _Refused(400, "messages: use a non-empty list of message objects")
-        tools = [t.get("function", t) for t in body.get("tools") or [] if isinstance(t, dict)]
+        call = chat_call(body)
+        messages, tools = call.messages, call.tools
         try:
             prompt = self._chat_prompt(session, messages, tools)
         except RunError as err:  # no chat template, or one that rewrites earlier turns
@@ -284,13 +294,11 @@ class Endpoint:
         return content, calls
 
     async def _completion(self, session: Session, body: dict) -> dict:
-        prompt = body.get("prompt")
+        prompt = completion_call(body).prompt
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
         else:
-            raise _Refused(400, "prompt: use a string or a list of token ids")
+            ids = list(prompt)
         done = await self._sample(session, ids, body)
         self._record(
             session,

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from rlwire.ckpt_engine import WEIGHT_TRANSFER_TOKEN_ENV
+from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, WEIGHT_TRANSFER_TOKEN_ENV
 
 from .base import EngineLost
 from .vllm import transfer_init_info
@@ -66,17 +66,14 @@ class VLLMServer:
         self.progressed_at = time.monotonic()
         """When the update being received last moved (``time.monotonic()``): the server
         answered ``/health`` during it (:meth:`receive_update`)."""
+        self.update_timeout = _update_bound(DEFAULT_TIMEOUT_S)
+        """Seconds one whole update may take (:meth:`receive_update`): twice the
+        checkpoint engine's ``timeout`` and 30 s, set when the server joins its group
+        (:meth:`init_weight_transfer`)."""
 
-    def _call(
-        self,
-        path: str,
-        body: dict | None = None,
-        *,
-        timeout: float | None = None,
-        deadline: bool = True,
-    ):
+    def _call(self, path: str, body: dict | None = None, *, timeout: float | None = None):
         """``path``'s JSON answer, waiting ``timeout`` seconds (``request_timeout`` by
-        default; ``deadline=False``: as long as the connection stays open)."""
+        default)."""
         wait = self.timeout if timeout is None else timeout
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
@@ -86,8 +83,7 @@ class VLLMServer:
             self.url + path, data=data, method="GET" if body is None else "POST", headers=headers
         )
         try:
-            # None: a blocking socket, open as long as the server keeps the connection
-            with urllib.request.urlopen(request, timeout=wait if deadline else None) as answer:
+            with urllib.request.urlopen(request, timeout=wait) as answer:
                 raw = answer.read()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:500]
@@ -96,9 +92,9 @@ class VLLMServer:
             ) from None
         except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
             reason = getattr(err, "reason", err)
-            within = f" within {wait:g} s" if deadline else ""
             raise EngineLost(
-                f"vllm_server {self.url}: no answer to {path}{within} ({reason})", self.index
+                f"vllm_server {self.url}: no answer to {path} within {wait:g} s ({reason})",
+                self.index,
             ) from None
         except http.client.HTTPException as err:  # a malformed answer: no server's answer
             raise EngineLost(
@@ -178,32 +174,44 @@ class VLLMServer:
             token=self.token,
         )
         self._call("/init_weight_transfer_engine", {"init_info": info}, timeout=timeout + 30)
+        self.update_timeout = _update_bound(timeout)
 
     def receive_update(self, *, poll: float = 5.0) -> int:
         """Receive one whole update beside the weights in use; its version.
 
         ``/update_weights`` answers once the whole update arrived, which takes longer in
-        all the larger the model: it has no deadline of its own, since the server's
-        receiver bounds each of its waits by ``ckpt_engine.timeout`` (the init info's) and
-        answers with that error. Meanwhile ``/health`` is asked every ``poll`` seconds:
-        each answer is progress (:attr:`progressed_at`, what the staging caller's wait
-        reads); a server that leaves it unanswered for :attr:`health_timeout` seconds is
-        lost (:class:`~.base.EngineLost`)."""
+        all the larger the model; the server's receiver bounds each of its waits by
+        ``ckpt_engine.timeout`` (the init info's) and answers with that error. Meanwhile
+        ``/health`` is asked every ``poll`` seconds: each answer is progress
+        (:attr:`progressed_at`, what the staging caller's wait reads); a server that leaves
+        it unanswered for :attr:`health_timeout` seconds is lost (:class:`~.base.EngineLost`).
+        ``/health`` answers while a stuck update holds the server's workers, so the whole
+        update is bounded too: a server that has not answered it within
+        :attr:`update_timeout` seconds is lost (the call's own thread ends then as well).
+        A model whose update takes longer needs a larger ``ckpt_engine.timeout``."""
+        bound = self.update_timeout
         self._call("/start_weight_update", {}, timeout=self.health_timeout)
         outcome: list[BaseException | None] = []
 
         def update() -> None:
             try:
-                self._call("/update_weights", {"update_info": {}}, deadline=False)
+                self._call("/update_weights", {"update_info": {}}, timeout=bound)
                 outcome.append(None)
             except BaseException as err:  # re-raised in the caller's thread
                 outcome.append(err)
 
         call = threading.Thread(target=update, name="rlwire-vllm-update", daemon=True)
-        self.progressed_at = time.monotonic()
+        began = self.progressed_at = time.monotonic()
         call.start()
-        call.join(poll)
+        call.join(min(poll, bound))
         while call.is_alive():
+            if time.monotonic() - began > bound:
+                raise EngineLost(
+                    f"vllm_server {self.url}: no answer to /update_weights within {bound:g} s "
+                    "(the whole update's bound: twice ckpt_engine.timeout and 30 s; raise "
+                    "ckpt_engine.timeout for a model whose update takes longer)",
+                    self.index,
+                )
             if self.healthy():
                 self.progressed_at = time.monotonic()
             elif time.monotonic() - self.progressed_at > self.health_timeout:
@@ -213,7 +221,7 @@ class VLLMServer:
                     f"(rollout.vllm.health_timeout: {self.health_timeout:g} s)",
                     self.index,
                 )
-            call.join(poll)
+            call.join(min(poll, max(0.0, began + bound - time.monotonic())))
         if outcome[0] is not None:
             if "the update was aborted" in str(outcome[0]):  # the type is lost over HTTP
                 from rlwire.ckpt_engine import CheckpointEngineAborted
@@ -247,3 +255,10 @@ class VLLMServer:
                 )
             out.append((tokens, values, choice["finish_reason"]))
         return out
+
+
+def _update_bound(timeout: float) -> float:
+    """Seconds a whole update may take where the checkpoint engine bounds each of its waits
+    by ``timeout``: the budget the trainer gives a transfer without progress (two waits and
+    30 s), since an update in a server shows none of its own over HTTP."""
+    return 2 * timeout + 30

@@ -6,9 +6,11 @@ it runs under. The HTTP calls to it: :mod:`.vllm_http`.
 Run as ``python -m rlwire.trainer.rollout.vllm_process PARENT_PID COMMAND...``: a watchdog
 that runs ``COMMAND`` (the server) and stops it when the process ``PARENT_PID`` is gone, so
 that a rollout worker killed outright leaves no server behind; the server also gets SIGTERM
-when the watchdog itself is killed (Linux). The watchdog gives the server a private directory
-for vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``, :func:`~.vllm.rpc_dir`) and removes it
-once the server has exited; a watchdog killed outright leaves it to the next one's sweep.
+when the watchdog itself is killed (Linux). The parent is known by more than its pid, which
+the kernel gives to a new process once it is free (:class:`Parent`). The watchdog gives the
+server a private directory for vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``,
+:func:`~.vllm.rpc_dir`) and removes it once the server has exited; a watchdog killed
+outright leaves it to the next one's sweep.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import IO, Any
 
 from rlwire.ckpt_engine import WEIGHT_TRANSFER_TOKEN_ENV
@@ -33,7 +36,7 @@ from .listeners import foreign_listeners
 from .vllm import CPU_KV_CACHE_BYTES, INSTALL_HINT, RPC_PATH_ENV, rpc_dir
 from .vllm_http import EXTENSION, GUARD, VLLMServer
 
-__all__ = ["ServerProcess", "server_command"]
+__all__ = ["Parent", "ServerProcess", "process_start", "server_command"]
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -204,19 +207,65 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """When process ``pid`` started (clock ticks after boot: field 22 of
+    ``/proc/<pid>/stat``), which a process that takes its pid later does not share; None
+    where there is no such process, it has exited (a zombie) or there is no ``/proc``."""
+    try:
+        raw = (proc / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    # field 2, the command name, may hold spaces and parentheses: the rest follows the last ")"
+    fields = raw[raw.rfind(b")") + 1 :].split()
+    if len(fields) < 20 or fields[0] in (b"Z", b"X") or not fields[19].isdigit():
+        return None
+    return int(fields[19])
+
+
+class Parent:
+    """The process ``pid`` as it is now, not whichever takes its pid once it exits.
+
+    Three checks, the strongest first: a watchdog whose parent it is sees it gone when it is
+    given another (``os.getppid()``: a reparented process never gets the old pid back); on
+    Linux the start time recorded now (:func:`process_start`) must stay the same; elsewhere
+    only ``os.kill(pid, 0)``, which a reused pid fools.
+    """
+
+    def __init__(self, pid: int, proc: Path = Path("/proc")) -> None:
+        self.pid, self.proc = pid, proc
+        self.child = os.getppid() == pid
+        self.started = process_start(pid, proc)
+        self.gone = self.started is None and (proc / str(os.getpid()) / "stat").exists()
+        """It had exited before this was made (``/proc`` works and does not show it)."""
+
+    def alive(self) -> bool:
+        if self.gone or (self.child and os.getppid() != self.pid):
+            return False
+        if self.started is not None:
+            return process_start(self.pid, self.proc) == self.started
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's: it exists
+            return True
+        return True
+
+
 def _watch(parent: int, command: list[str]) -> int:
     """Run ``command`` until it exits, or until ``parent`` is gone or this process is asked
     to stop: then stop it (SIGTERM, SIGKILL after 30 s). Its vLLM sockets go in a directory
     of this process's (``VLLM_RPC_BASE_PATH``), removed once it has exited."""
+    watched = Parent(parent)  # first: before the server's start gives it time to exit
     rpc = rpc_dir()
     try:
         env = {**os.environ, RPC_PATH_ENV: str(rpc.path)}
-        return _serve(parent, subprocess.Popen(command, preexec_fn=_die_with_parent, env=env))
+        return _serve(watched, subprocess.Popen(command, preexec_fn=_die_with_parent, env=env))
     finally:
         rpc.close()
 
 
-def _serve(parent: int, child: subprocess.Popen) -> int:
+def _serve(parent: Parent, child: subprocess.Popen) -> int:
     """Wait for ``child`` (see :func:`_watch`); its exit status."""
     stopping = False
 
@@ -227,9 +276,7 @@ def _serve(parent: int, child: subprocess.Popen) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     while child.poll() is None:
-        try:
-            os.kill(parent, 0)
-        except ProcessLookupError:
+        if not parent.alive():
             stopping = True
         if stopping:
             child.terminate()
