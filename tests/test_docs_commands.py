@@ -29,11 +29,12 @@ def _commands() -> list[tuple[str, list[str]]]:
     """``(where, argv)`` of each ``rlwire-train`` line in a shell block."""
     found = []
     for page in PAGES:
-        inside = False
+        fenced = inside = False  # in a fenced block; in a shell one
         text = re.sub(r"\\\n\s*", " ", page.read_text())  # continued lines, joined
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip().startswith("```"):
-                inside = not inside and line.strip()[3:] in ("bash", "sh", "shell", "")
+                fenced = not fenced  # a block's closing fence ends it, whatever its language
+                inside = fenced and line.strip()[3:] in ("bash", "sh", "shell", "")
                 continue
             if not inside or "rlwire-train" not in line:
                 continue
