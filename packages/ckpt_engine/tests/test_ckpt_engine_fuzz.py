@@ -19,7 +19,7 @@ from rlwire.ckpt_engine import CheckpointEngineError
 from rlwire.ckpt_engine._wire import BucketMeta, Entry, Unpacker
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, event, given, settings, target  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 EXAMPLES = int(os.environ.get("RLWIRE_FUZZ_EXAMPLES", "300"))
@@ -86,6 +86,7 @@ def test_bucket_metadata_is_accepted_and_unpacked_or_refused(data):
     try:
         meta = BucketMeta.from_bytes(raw)
     except CheckpointEngineError:
+        event("refused: metadata")
         return
     buf = torch.zeros(BUCKET, dtype=torch.uint8)
     unpacker = Unpacker()
@@ -95,8 +96,11 @@ def test_bucket_metadata_is_accepted_and_unpacked_or_refused(data):
             if isinstance(value, torch.Tensor):  # what it said: its shape and dtype
                 assert tuple(value.shape) == entry.shape, name
     except CheckpointEngineError:
+        event("refused: unpacking")
         return
+    event("accepted")
     held = sum(sum(p.numel() for p in parts) for parts, _ in unpacker._partial.values())
+    target(float(held), label="bytes held for split tensors")  # the largest: in the statistics
     assert held <= BUCKET  # only bytes that arrived are held, whatever the sizes claimed
 
 
@@ -128,7 +132,9 @@ def test_delta_payloads_decode_exactly_or_are_refused(data, compress):
     try:
         delta = decode(fmt, changed, (3000,), torch.bfloat16, tensor)
     except CheckpointEngineError:
+        event("refused")
         return
+    event("accepted, mutated" if mutated else "accepted, genuine")
     out = delta.apply_(base.clone())
     if not mutated:
         assert torch.equal(out, new)  # the valid payload: bit-exact
@@ -149,5 +155,7 @@ def test_signed_store_messages_verify_or_are_refused(data):
     try:
         got = store.verify(key, forged)
     except CheckpointEngineError:
+        event("refused")
         return
+    event("accepted")
     assert (key, got) == ("meta/0", value) and forged == signed  # only the genuine one passes

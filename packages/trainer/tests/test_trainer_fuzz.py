@@ -65,7 +65,9 @@ def test_a_mutated_manifest_is_accepted_only_when_true_or_refused(tmp_path_facto
     try:
         check_manifest(directory, missing="require")
     except RunError:
+        event("manifest: refused")
         return
+    event("manifest: accepted")
     assert json.loads(mutated) == entries  # accepted: it says what the files are
 
 
