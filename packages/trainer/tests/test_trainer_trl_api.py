@@ -19,6 +19,7 @@ ROWS = [{"prompt": f"{c}:"} for c in "abcdefgh"]
 def test_names_left_out_take_trls_defaults_not_the_toys():
     config = GRPOTrainer(model="tiny", reward_funcs=reward, train_dataset=ROWS).config
     assert config.actor.optim.lr == TRL_DEFAULTS["learning_rate"] == 1e-6
+    assert config.actor.optim.lr_scheduler_type == "linear"  # TrainingArguments' (ours: constant)
     assert config.rollout.max_new_tokens == 256 and config.rollout.n == 8
     assert config.algorithm.kl_coef == 0.0 and config.trainer.seed == 42
     assert config.trainer.total_epochs == 3  # steps from epochs, as TRL's num_train_epochs

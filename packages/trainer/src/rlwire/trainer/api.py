@@ -90,6 +90,7 @@ _VLLM_MODES = {"colocate": "vllm", "server": "vllm_server"}
 
 TRL_DEFAULTS: dict[str, Any] = {
     "learning_rate": 1e-6,
+    "lr_scheduler_type": "linear",  # TrainingArguments': decay to 0 over the run
     "max_completion_length": 256,
     "num_generations": 8,
     "beta": 0.0,

@@ -13,6 +13,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # ours: (verl's, TRL's), each only where that library logs the same quantity
     "reward_mean": ("critic/score/mean", "reward"),
     "response_length": ("response_length/mean", "completions/mean_length"),
+    "response_length_max": ("response_length/max", "completions/max_length"),
+    "response_length_min": ("response_length/min", "completions/min_length"),
     "policy_loss": ("actor/pg_loss",),
     "clip_fraction": ("actor/pg_clipfrac", "clip_ratio/region_mean"),
     "entropy": ("actor/entropy",),

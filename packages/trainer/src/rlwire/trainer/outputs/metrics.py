@@ -28,6 +28,11 @@ class UpdateMetrics:
     """A per-sample reward's other numbers (batch means; written as ``reward_extra/<name>``)."""
     response_length: float
     """Mean response tokens per sample."""
+    response_length_max: int
+    """The most response tokens of a sample in the batch (one that reached
+    ``rollout.max_new_tokens`` was cut there)."""
+    response_length_min: int
+    """The fewest response tokens of a sample in the batch."""
     policy_loss: float
     clip_fraction: float
     entropy: float
@@ -223,7 +228,8 @@ def update_metrics(
     """One update's metrics: ``batch``'s scores (``rewards``, the reward's extras and the
     seconds scoring took) and the actor ranks' reports ``results``, combined (means, or the
     slowest rank's times)."""
-    tokens = int(batch.response_mask.sum())
+    per_sample = batch.response_mask.sum(dim=1)
+    tokens = int(per_sample.sum())
     mean = {k: sum(r[k] for r in results) / len(results) for k in _MEAN_OVER_RANKS}
     spans = batch.version_spans()
     return UpdateMetrics(
@@ -231,6 +237,8 @@ def update_metrics(
         reward_std=rewards.std().item(),
         reward_extra=reward_extra,
         response_length=tokens / len(batch),
+        response_length_max=int(per_sample.max()),
+        response_length_min=int(per_sample.min()),
         **mean,
         rollout_is_max=max(r["rollout_is_max"] for r in results),
         lr_scale=results[0]["lr_scale"],
@@ -256,6 +264,8 @@ def skipped_update_metrics(
         reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0,
         reward_extra=reward_extra,
         response_length=0.0,
+        response_length_max=0,
+        response_length_min=0,
         **{k: 0.0 for k in (*_MEAN_OVER_RANKS, *_SLOWEST_RANK)} | {"rollout_is_mean": 1.0},
         rollout_is_max=1.0,
         optimizer_steps=0,
