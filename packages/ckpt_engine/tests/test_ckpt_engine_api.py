@@ -834,6 +834,9 @@ def test_a_zstd_frame_over_the_tensors_size_is_refused_before_it_is_inflated():
     sizeless = frame(b"\1" * 64, write_content_size=False)
     with pytest.raises(CheckpointEngineError, match="a zstd frame that does not record its size"):
         decode("gaps1.zst", 23, (2000,), torch.bfloat16, sizeless)
+    # a frame of nothing (found by the fuzzer: a ValueError from torch.frombuffer escaped)
+    with pytest.raises(CheckpointEngineError, match="payload of 0 bytes cannot hold 23 gaps1"):
+        decode("gaps1.zst", 23, (2000,), torch.bfloat16, frame(b""))
 
 
 def _with(payload: torch.Tensor, at: int, value: int) -> torch.Tensor:

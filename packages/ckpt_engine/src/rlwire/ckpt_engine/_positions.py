@@ -232,4 +232,6 @@ def decompress(frame: torch.Tensor, limit: int) -> torch.Tensor:
         raise CheckpointEngineError(
             f"delta payload: a zstd frame stating {declared} bytes holds {len(data)}"
         )
+    if not data:  # a frame of nothing (torch.frombuffer refuses an empty buffer)
+        return torch.empty(0, dtype=torch.uint8, device=frame.device)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(frame.device)
