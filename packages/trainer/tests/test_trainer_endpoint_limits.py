@@ -38,10 +38,16 @@ def _endpoint(**kwargs) -> Endpoint:
     )  # fmt: skip
 
 
-def _ours() -> tuple[set[int], set[int]]:
-    """The sockets this process holds, and those of them that listen."""
-    held = held_sockets({os.getpid()})
-    return held, held & set(listening_sockets())
+def _held() -> set[int]:
+    """The sockets this process holds (a bound socket never listened on is in no table of
+    /proc/net: only its descriptor shows it)."""
+    return held_sockets({os.getpid()})
+
+
+def _listening() -> set[int]:
+    """The sockets this process holds that listen (connections the test session's other
+    code opens or closes meanwhile are left out)."""
+    return _held() & set(listening_sockets())
 
 
 def _endpoint_threads() -> list[threading.Thread]:
@@ -49,7 +55,7 @@ def _endpoint_threads() -> list[threading.Thread]:
 
 
 def test_a_start_that_fails_after_binding_leaves_no_socket():
-    endpoint, before = _endpoint(), _ours()
+    endpoint, before = _endpoint(), _held()
 
     def broken():
         raise RuntimeError("no app today")
@@ -57,7 +63,7 @@ def test_a_start_that_fails_after_binding_leaves_no_socket():
     endpoint.app = broken  # type: ignore[method-assign]  # a step after the bind fails
     with pytest.raises(RuntimeError, match="no app today"):
         endpoint.start()
-    assert _ours() == before  # before the fix: one bound socket more, never closed
+    assert _held() == before  # before the fix: one bound socket more, never closed
 
 
 def test_a_start_that_times_out_stops_its_server_and_closes_its_socket(monkeypatch):
@@ -73,13 +79,13 @@ def test_a_start_that_times_out_stops_its_server_and_closes_its_socket(monkeypat
         await startup(self, sockets=sockets)
 
     monkeypatch.setattr(uvicorn.Server, "startup", slow)
-    endpoint, before = _endpoint(), _ours()
+    endpoint, before = _endpoint(), _listening()
     with pytest.raises(
         RuntimeError, match=r"agent endpoint: did not start on 127.0.0.1:0 in 0.1 s"
     ):
         endpoint.start(timeout=0.1)
     time.sleep(1.0)  # past the slow startup: a server left running would listen by now
-    assert _ours() == before and _endpoint_threads() == []
+    assert _listening() == before and _endpoint_threads() == []
 
 
 def _post(url: str, path: str, key: str, body: bytes, *, chunked: bool = False):
