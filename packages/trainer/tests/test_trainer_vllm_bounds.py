@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from vllm_stand_in import StandIn
 
 from rlwire.trainer.rollout import EngineLost
 from rlwire.trainer.rollout.vllm_http import VLLMServer
@@ -106,49 +107,25 @@ def test_the_watchdog_stops_its_server_when_its_parent_exits(tmp_path):
         time.sleep(0.1)
 
 
-class _Stuck:
-    """A server that answers ``/health`` and every route at once, but ``/update_weights``
-    only after ``seconds``."""
-
-    def __init__(self, seconds: float) -> None:
-        import json
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self) -> None:
-                if self.path == "/update_weights":
-                    time.sleep(seconds)
-                body = {"results": [{"held": None, "staged": 5, "rlwire": True}]}
-                raw = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def do_GET(self) -> None:  # noqa: N802
-                self._answer()
-
-            def do_POST(self) -> None:  # noqa: N802
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                self._answer()
-
-            def log_message(self, *args) -> None:
-                """Quiet: no access log in the test's output."""
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
+def _stuck(seconds: float) -> StandIn:
+    """A server that answers ``/health`` and the other routes at once, but
+    ``/update_weights`` only after ``seconds``."""
+    versions = {"results": [{"held": None, "staged": 5, "rlwire": True}]}
+    return StandIn(
+        {
+            "/health": (200, {}),
+            "/start_weight_update": (200, {}),
+            "/update_weights": (200, {}, seconds),
+            "/collective_rpc": (200, versions),
+            "/init_weight_transfer_engine": (200, {}),
+        }
+    )
 
 
 def test_an_update_the_server_never_answers_is_lost_after_its_bound():
     """``/health`` answers all along, ``/update_weights`` not within ``update_timeout``: the
     server is lost (naming the route and the bound), and the call's thread ends too."""
-    stuck = _Stuck(seconds=6.0)
+    stuck = _stuck(6.0)
     try:
         client = VLLMServer(stuck.url, timeout=5, index=2)
         assert client.update_timeout == 2 * 300 + 30  # the library's ckpt_engine.timeout
@@ -166,7 +143,7 @@ def test_an_update_the_server_never_answers_is_lost_after_its_bound():
 
 
 def test_the_update_bound_follows_the_checkpoint_engines_timeout():
-    stuck = _Stuck(seconds=0.0)
+    stuck = _stuck(0.0)
     try:
         client = VLLMServer(stuck.url, timeout=5)
         client.init_weight_transfer(
