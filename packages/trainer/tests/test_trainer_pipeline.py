@@ -4,8 +4,10 @@ from rows to examples for training and validation, and the object the driver bui
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
+from ray import cloudpickle
 
 from rlwire.trainer.config.root import load_config
 from rlwire.trainer.data.dataset import epoch_order, load_data
@@ -137,6 +139,10 @@ def test_rows_are_shuffled_each_epoch_from_the_seed_alone(tmp_path, tiny_dir):
     assert order(1, range(6)) != first  # another seed: another
     assert order(0, range(3, 6)) == first[15:]  # a resumed run (from step 3) continues it
     assert epoch_order(10, 0)(1) == epoch_order(10, 0)(1) != epoch_order(10, 0)(2)
+    # fully async ships the batches to its sample queue's process (Ray pickles them):
+    shuffled = load_data(load_config(overrides=[f"data.source={train}"]), tiny_dir)
+    shipped = pickle.loads(cloudpickle.dumps(shuffled))
+    assert [e.prompt for e in shipped(7)] == [e.prompt for e in shuffled(7)]
     unshuffled = load_config(overrides=[f"data.source={train}", "data.shuffle=false"])
     assert [e.prompt for e in load_data(unshuffled, tiny_dir)(1)] == [
         "i:",
@@ -256,3 +262,42 @@ def test_verls_hydra_overrides_and_interpolations_load(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"^override '~trainer.seed': Hydra's ~key removes"):
         load_config(overrides=["~trainer.seed"])
+
+
+def test_the_tiny_model_exists_before_a_data_file_is_read(tmp_path):
+    """model.path=tiny with a data file: the driver builds the tiny model before the rows
+    are measured with its tokenizer (it was left to actor rank 0, and the run stopped on
+    'cannot load the tokenizer'); a built-in task still leaves it to the rank."""
+    from rlwire.trainer.driver import Inputs, model_for
+
+    train = _jsonl(tmp_path / "train.jsonl", [{"prompt": "2 + 3 =", "answer": "5"}] * 8)
+    config = load_config(overrides=[f"data.source={train}", "data.max_prompt_length=4"])
+    model = model_for(config, tmp_path / "run", Inputs())
+    assert (model / "config.json").is_file()
+    assert load_data(config, model)(0)[0].prompt == "2 + 3 ="
+    builtin = model_for(load_config(), tmp_path / "builtin", Inputs())
+    assert not builtin.exists()
+
+
+def test_plain_prompts_to_a_model_with_a_chat_template_get_one_note(tmp_path, tiny_dir):
+    from transformers import AutoTokenizer
+
+    from rlwire.trainer.data.pipeline import build_pipeline
+
+    chat_model = tmp_path / "chat-model"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(chat_model)
+    chat = [{"role": "user", "content": "b:"}]
+    rows = [{"prompt": "a:", "answer": "a"}, {"prompt": chat, "answer": "b"}]
+    config = load_config(
+        overrides=["data.train_batch_size=2", "trainer.steps=1", "reward.function=gsm8k"]
+    )
+    notes = build_pipeline(config, chat_model, train_rows=rows * 2).notes
+    assert notes == (
+        "2 of 4 prompts are plain text and reach chat-model without its chat template; an "
+        "instruct model answers prompts given as chat messages (a list of "
+        '{"role": "user", "content": ...}, rendered with the template)',
+    )
+    assert build_pipeline(config, chat_model, train_rows=[rows[1]] * 2).notes == ()
+    assert build_pipeline(config, tiny_dir, train_rows=[rows[0]] * 2).notes == ()  # no template

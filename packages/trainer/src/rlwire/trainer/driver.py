@@ -20,7 +20,7 @@ import torch
 from .actor.config import OptimConfig
 from .agent.config import endpoint_warnings
 from .config.root import TrainerConfig, to_dict
-from .data.inputs import resolve_model
+from .data.inputs import reads_rows, resolve_model
 from .data.pipeline import build_pipeline
 from .errors import AlreadyFinished, RunError
 from .modes.colocated import run_colocated
@@ -88,10 +88,17 @@ def run(config: TrainerConfig, *, progress: bool = True, inputs: Inputs = Inputs
         lock.release()
 
 
+def model_for(config: TrainerConfig, run_dir: Path, inputs: Inputs) -> Path:
+    """The run's model directory, before the data is read. The tiny model is built by actor
+    rank 0, which imports transformers anyway (the driver would spend ~2 s importing it, on
+    the cores Ray and the workers start on), unless rows are read now: their prompts need
+    its tokenizer."""
+    rows_given = inputs.train_rows is not None or inputs.eval_rows is not None
+    return resolve_model(config, run_dir, build=reads_rows(config, rows_given))
+
+
 def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -> RunResult:
-    # The tiny model is built by actor rank 0, which imports transformers anyway (the
-    # driver would spend ~2 s importing it, on the cores Ray and the workers start on).
-    model_path = resolve_model(config, run_dir, build=False)
+    model_path = model_for(config, run_dir, inputs)
     data = build_pipeline(  # every row read and checked, the reward's signature too
         config,
         model_path,
@@ -143,7 +150,7 @@ def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    for warning in run_warnings(config):  # in train.log, and on the terminal
+    for warning in [*run_warnings(config), *data.notes]:  # in train.log, and on the terminal
         log.warning("%s", warning)
         print(f"rlwire-train: warning: {warning}", file=sys.stderr)
 

@@ -65,15 +65,25 @@ def batches_of(source: Source, config: TrainerConfig, rules: RowRules, model_pat
 def epoch_order(count: int, seed: int) -> Callable[[int], list[int]]:
     """``epoch -> the order its rows are walked in``: a permutation of ``range(count)``
     drawn from ``seed`` and the epoch alone (the last few kept), so that any step's batch
-    is the same however the run got there."""
+    is the same however the run got there. Picklable (fully async ships the batches to its
+    sample queue's process)."""
+    return _EpochOrder(count, seed)
 
-    @functools.lru_cache(maxsize=4)
-    def order(epoch: int) -> list[int]:
-        rows = list(range(count))
-        random.Random(f"rlwire data order {seed} {epoch}").shuffle(rows)
-        return rows
 
-    return order
+@dataclasses.dataclass(frozen=True)
+class _EpochOrder:
+    count: int
+    seed: int
+
+    def __call__(self, epoch: int) -> list[int]:
+        return _permutation(self.count, self.seed, epoch)
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(count: int, seed: int, epoch: int) -> list[int]:
+    rows = list(range(count))
+    random.Random(f"rlwire data order {seed} {epoch}").shuffle(rows)
+    return rows
 
 
 def held_out(

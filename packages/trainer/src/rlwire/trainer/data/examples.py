@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,14 @@ if TYPE_CHECKING:
 
     from ..config.root import TrainerConfig
 
-__all__ = ["VALIDATION_STEP", "RowRules", "examples_of", "task_examples", "task_seed"]
+__all__ = [
+    "VALIDATION_STEP",
+    "RowRules",
+    "examples_of",
+    "plain_prompt_note",
+    "task_examples",
+    "task_seed",
+]
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -337,3 +344,26 @@ def _fitting(
             most,
         )
     return kept
+
+
+def plain_prompt_note(examples: Sequence[Example], model_path: Path) -> str | None:
+    """A one-line note when prompts given as plain text go to a model whose tokenizer has a
+    chat template: they reach it raw, without the template (as TRL's standard format does),
+    and an instruct model continues the text instead of answering. None otherwise."""
+    plain = sum(example.messages is None for example in examples)
+    if not plain:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        template = getattr(AutoTokenizer.from_pretrained(model_path), "chat_template", None)
+    except Exception:  # a tokenizer that does not load is reported where it is needed
+        return None
+    if not template:
+        return None
+    return (
+        f"{plain} of {len(examples)} prompts are plain text and reach {model_path.name} "
+        "without its chat template; an instruct model answers prompts given as chat messages "
+        '(a list of {"role": "user", "content": ...}, rendered with the template)'
+    )
+

@@ -15,7 +15,7 @@ from .tasks import BUILTIN_TASKS, Task, builtin_task
 if TYPE_CHECKING:
     from ..config.root import TrainerConfig
 
-__all__ = ["build_tiny", "resolve_model"]
+__all__ = ["build_tiny", "reads_rows", "resolve_model"]
 
 
 def tiny_task(config: TrainerConfig) -> Task:
@@ -27,6 +27,19 @@ def tiny_task(config: TrainerConfig) -> Task:
 def build_tiny(config: TrainerConfig, directory: Path) -> Path:
     """Build (once) ``model.path=tiny``'s model for the run's task at ``directory``."""
     return tiny_task(config).build_model(directory, seed=config.trainer.seed)
+
+
+def reads_rows(config: TrainerConfig, rows_given: bool) -> bool:
+    """Whether the run reads rows (a file, a dataset, or ``rows_given`` by the Python API)
+    before its workers start: their chat prompts are rendered and their lengths measured
+    with the model's tokenizer then, so the tiny model must exist by then. A built-in
+    task's prompts are generated: its tiny model can wait for actor rank 0."""
+    validation = config.validation.source
+    return (
+        rows_given
+        or builtin_task(config.data.source) is None
+        or (validation is not None and builtin_task(validation) is None)
+    )
 
 
 def resolve_model(config: TrainerConfig, run_dir: Path, *, build: bool = True) -> Path:

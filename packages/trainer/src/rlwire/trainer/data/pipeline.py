@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import RunError
 from ..rollout import Example
 from .dataset import Batches, batches_of, held_out
-from .examples import RowRules
+from .examples import RowRules, plain_prompt_note
 from .rewards import Rewards, load_reward
 from .sources import Source, resolve_source
 
@@ -38,6 +38,9 @@ class DataPipeline:
     """The held-out examples (none without ``validation.source``)."""
     steps: int
     """The steps to train: ``trainer.steps``, or ``trainer.total_epochs`` whole passes."""
+    notes: tuple[str, ...] = ()
+    """What the run is told once at start about its data (plain-text prompts to a model
+    with a chat template)."""
 
 
 def build_pipeline(
@@ -68,7 +71,8 @@ def build_pipeline(
         reward.check_rows([*(batches.rows or []), *validation], label)
     steps = _steps(config, batches)
     config.trainer.steps = steps
-    return DataPipeline(source, batches, reward, validation, steps)
+    note = plain_prompt_note(batches.rows, model_path) if batches.rows else None
+    return DataPipeline(source, batches, reward, validation, steps, (note,) if note else ())
 
 
 def _steps(config: TrainerConfig, batches: Batches) -> int:
