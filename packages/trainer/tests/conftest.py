@@ -154,3 +154,17 @@ def lookup_core(tmp_path_factory):
     core = EngineCore(HFBatch(model, eos_id=eos, pad_id=tokenizer.pad_token_id), max_num_seqs=8)
     yield core, model, tokenizer
     core.close()
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-rank gloo process group in the test's process (an actor engine built here),
+    met through a file (no port to bind and hand over)."""
+    import torch.distributed as dist
+
+    store = f"file://{tmp_path / 'rank-store'}"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -218,22 +218,6 @@ def test_cast_for_sync_casts_only_what_is_held_in_the_parameter_dtype():
     assert cast_for_sync(same, torch.float32, torch.float32) is same
 
 
-@pytest.fixture
-def one_rank():
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("mixed_precision", [True, False])  # DTensor shards / a plain module
 def test_fsdp2_sends_in_the_engines_dtype_and_the_engine_digests_alike(
     one_rank, tmp_path, mixed_precision

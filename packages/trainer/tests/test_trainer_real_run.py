@@ -482,11 +482,34 @@ def test_the_real_model_preset_and_the_warnings_for_the_toys_settings(monkeypatc
     assert real_model_warnings(load_config()) == []  # the tiny model: its own defaults
     toy = load_config(overrides=["model.path=Qwen/Qwen2.5-0.5B-Instruct"])
     assert real_model_warnings(toy) == [
-        "actor.optim.lr=0.003 is the tiny model's default; real models train at about 1e-6 "
-        "(verl's examples; --preset qwen2.5-0.5b)",
         "model.dtype=float32 on a GPU doubles the memory and time of bfloat16; real models "
-        "train in model.dtype=bfloat16",
+        "train in model.dtype=bfloat16 (bf16 compute over float32 master weights)",
     ]
+
+
+def test_a_real_model_takes_trls_lengths_and_learning_settings_where_left_out(caplog):
+    from rlwire.trainer.api import TRL_DEFAULTS, TRL_KEYS
+    from rlwire.trainer.config.root import REAL_MODEL_DEFAULTS
+
+    for name, (key, convert) in TRL_KEYS.items():  # one set of values: TRL's
+        if key in REAL_MODEL_DEFAULTS:
+            assert convert(TRL_DEFAULTS[name]) == REAL_MODEL_DEFAULTS[key], name
+    tiny = load_config()
+    assert (tiny.rollout.max_new_tokens, tiny.actor.optim.lr) == (8, 3e-3)  # the toy's
+    with caplog.at_level("WARNING", logger="rlwire.trainer"):
+        real = load_config(overrides=["model.path=org/model", "rollout.n=4"])
+    assert (real.rollout.max_new_tokens, real.actor.optim.lr, real.rollout.n) == (256, 1e-6, 4)
+    assert real.actor.optim.lr_scheduler_type == "linear"
+    assert [r.getMessage() for r in caplog.records] == [
+        "model.path=org/model is not the tiny model: rollout.max_new_tokens=256 "
+        "actor.optim.lr=1e-06 actor.optim.lr_scheduler_type=linear (TRL's defaults) for the "
+        "keys left out"
+    ]
+    # over a built-in task's own settings (tuned for the tiny model), under the run's keys
+    task = load_config(overrides=["model.path=org/model", "data.source=builtin:count"])
+    assert task.rollout.max_new_tokens == 256
+    verl = load_config(overrides=["actor_rollout_ref.model.path=org/m", "data.max_response_length=64"])
+    assert (verl.rollout.max_new_tokens, verl.actor.optim.lr) == (64, 1e-6)
 
 
 # --- the examples ---------------------------------------------------------------------------

@@ -41,7 +41,8 @@ def test_fsdp1_on_balanced_ranks_agrees_with_fsdp2_on_the_first_step_and_its_gra
 def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy_by_deltas(ray_cluster, tmp_path):
     """On CPUs on one host ``ckpt_engine.backend=auto`` is ``shm`` with its zero-copy path:
     the weights go through the shared arena laid out on the first sync. With ``delta=on``
-    every sync after the first sends only the bf16 elements the step changed."""
+    every sync after the first sends only the bf16 elements the step changed (the actor keeps
+    float32 master weights: each sync casts them, and the export writes them)."""
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "bf16"
@@ -61,8 +62,8 @@ def test_a_bfloat16_actor_updates_its_bfloat16_rollout_copy_by_deltas(ray_cluste
         assert r["weight_sync_wire_bytes"] < r["weight_sync_bytes"], r
     assert len({r["weight_digest_actor"] for r in records}) == 3
     assert "checkpoint engine: shm" in (run / "train.log").read_text()
-    model = AutoModelForCausalLM.from_pretrained(run / "hf_model")
-    assert next(model.parameters()).dtype == torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(run / "hf_model", dtype="auto")
+    assert next(model.parameters()).dtype == torch.float32  # the master weights, as TRL saves
     state = model.state_dict()  # every tensor sent once, in bfloat16
     assert records[0]["weight_sync_bytes"] == sum(t.numel() * 2 for t in state.values())
 

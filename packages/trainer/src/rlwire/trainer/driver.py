@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from .actor.config import OptimConfig
 from .agent.config import endpoint_warnings
 from .config.root import TrainerConfig, to_dict
 from .data.inputs import reads_rows, resolve_model
@@ -217,20 +216,16 @@ def run_warnings(config: TrainerConfig) -> list[str]:
 
 
 def real_model_warnings(config: TrainerConfig) -> list[str]:
-    """What a run of a real model (not ``tiny``) is warned about: the toy's learning rate,
-    float32 weights on a GPU."""
+    """What a run of a real model (not ``tiny``) is warned about: float32 on a GPU. (The
+    tiny model's lengths and learning rate are not a real model's defaults:
+    :data:`rlwire.trainer.config.root.REAL_MODEL_DEFAULTS`.)"""
     if config.model.path == "tiny":
         return []
     warnings = []
-    if config.actor.optim.lr == OptimConfig().lr:
-        warnings.append(
-            f"actor.optim.lr={config.actor.optim.lr:g} is the tiny model's default; real models "
-            "train at about 1e-6 (verl's examples; --preset qwen2.5-0.5b)"
-        )
     if config.model.dtype == "float32" and torch.cuda.is_available():
         warnings.append(
             "model.dtype=float32 on a GPU doubles the memory and time of bfloat16; real models "
-            "train in model.dtype=bfloat16"
+            "train in model.dtype=bfloat16 (bf16 compute over float32 master weights)"
         )
     return warnings
 

@@ -57,7 +57,7 @@ def export_checkpoint(
             lora.save_adapter(named, section, str(model_path), target)
         else:
             weights = _merged(saved, model_path, config) if section.enabled else saved.items()
-            save_hf_model(weights, str(model_path), target, config.model.dtype)
+            save_hf_model(weights, str(model_path), target, config.held_dtype())
     except ValueError as err:  # names that do not fit the architecture: another model's
         raise RunError(f"export: {checkpoint}: {err}") from None
     return target
@@ -89,7 +89,7 @@ def _merged(saved: dict, model_path: Path, config) -> Iterator[tuple[str, torch.
 
     from .models import lora
 
-    dtype = getattr(torch, config.model.dtype)
+    dtype = getattr(torch, config.held_dtype())
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).state_dict()
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for name, value in saved.items():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -26,6 +26,7 @@ __all__ = [
     "ACTOR_ENGINES",
     "ActorEngine",
     "actor_engine_class",
+    "bf16_lost_share",
     "cast_for_sync",
     "load_hf_model",
 ]
@@ -111,7 +112,7 @@ class ActorEngine(abc.ABC):
 
         Args:
             dtype: the rollout engine's parameter dtype. Each tensor held in the actor's
-                own parameter dtype (``model.dtype``) is cast to it on its device, one at a
+                own parameter dtype (:attr:`param_dtype`) is cast to it on its device, one at a
                 time as it is gathered, before it leaves: an fp32 actor hands a bf16 engine
                 bf16, half the bytes to move, with no fp32 copy beyond the tensor in hand.
                 Tensors in another dtype (integer buffers, modules kept in fp32) go as they
@@ -121,14 +122,18 @@ class ActorEngine(abc.ABC):
 
     @property
     def param_dtype(self) -> torch.dtype:
-        """The dtype the policy's parameters are held in (``model.dtype``)."""
-        return getattr(torch, self.config.model.dtype)
+        """The dtype the policy's parameters are held in (the master weights:
+        ``TrainerConfig.held_dtype``)."""
+        return getattr(torch, self.config.held_dtype())
 
-    def local_shards(self) -> Iterator[tuple[str, torch.Tensor, int]] | None:
+    def local_shards(
+        self, *, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor, int]] | None:
         """``(name, this rank's part, flat offset of its first element in the whole
-        tensor)`` for every tensor :meth:`named_sync_weights` yields, in its order and
-        without any communication (the part may be empty); None when this engine cannot
-        say (a sync then compares whole tensors: ``ckpt_engine.delta_sharded``)."""
+        tensor)`` for every tensor :meth:`named_sync_weights` yields, in its order, in the
+        dtype it sends (``dtype`` as there) and without any communication (the part may be
+        empty); None when this engine cannot say (a sync then compares whole tensors:
+        ``ckpt_engine.delta_sharded``)."""
         return None
 
     # --- between phases -----------------------------------------------------------------
@@ -162,6 +167,22 @@ class ActorEngine(abc.ABC):
     def describe(self) -> dict[str, list[str]]:
         """What the driver logs once at start: ``{"info": [...], "warnings": [...]}``."""
         return {"info": [], "warnings": []}
+
+
+def bf16_lost_share(params: Iterable[torch.Tensor], lr: float) -> float:
+    """The share of the elements of bf16 ``params`` (this rank's shards) that an update of
+    size ``lr`` (AdamW's step is about the learning rate) cannot change: those where it is
+    under half a bf16 step (``2**(e - 8)`` for a value in ``[2**e, 2**(e + 1))``, 7 stored
+    mantissa bits), so that rounding takes the weight back."""
+    lost = total = 0
+    for param in params:
+        local = param.to_local() if hasattr(param, "to_local") else param
+        values = local.detach().float()
+        _, exponent = torch.frexp(values)  # values = m * 2**exponent, 0.5 <= |m| < 1
+        half_step = torch.ldexp(torch.ones_like(values), exponent - 9)
+        lost += int(((values != 0) & (half_step > lr)).sum())
+        total += values.numel()
+    return lost / total if total else 0.0
 
 
 def cast_for_sync(

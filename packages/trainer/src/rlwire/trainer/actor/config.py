@@ -197,7 +197,18 @@ class ActorConfig:
     ppo_epochs: int = 1
     """Passes over each batch's mini-batches."""
     mixed_precision: bool = False
-    """bf16 compute with fp32 gradient reduction (FSDP MixedPrecisionPolicy)."""
+    """bf16 compute with fp32 gradient reduction (FSDP's ``MixedPrecisionPolicy``) over
+    float32 parameters, the rollout engines staying in ``model.dtype``. On already with
+    ``model.dtype=bfloat16`` (and float32 ``master_dtype``)."""
+    master_dtype: str = "float32"
+    """The dtype the FSDP actor holds its parameters (the master weights), their
+    gradients and AdamW's state in, and checkpoints and exports are written in:
+    ``float32`` (TRL's and verl's: with ``model.dtype=bfloat16`` the model computes in
+    bf16 over float32 master weights) or ``bfloat16`` (pure bf16, with
+    ``model.dtype=bfloat16`` only: half the memory of the weights and optimizer state, but
+    an update smaller than half a bf16 step of a weight is lost, so most weights stop
+    changing below lr of about 1e-5; warned at start-up with the share it loses). Megatron
+    keeps float32 main weights in its optimizer for bf16 parameters itself."""
     offload: bool = False
     """Move parameters and optimizer state to host between phases (``rlwire.offload``)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -211,6 +222,14 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         check_engine(self.strategy, "actor.strategy", ACTOR_ENGINES, actor_engine_class)
+        check_choice(self.master_dtype, "actor.master_dtype", ("float32", "bfloat16"))
+        check(
+            not (self.master_dtype == "bfloat16" and self.strategy == "megatron"),
+            "actor.master_dtype",
+            self.master_dtype,
+            "Megatron's optimizer keeps float32 main weights of bf16 parameters; leave it at "
+            "float32 with actor.strategy=megatron",
+        )
         check(
             not (self.lora.enabled and self.strategy == "megatron"),
             "actor.lora.rank",

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..algorithms.step import clip_and_step
 from ..models import lora
 from ..models.modeling import load_hf_model, set_gradient_checkpointing
-from .base import ActorEngine, cast_for_sync
+from .base import ActorEngine, bf16_lost_share, cast_for_sync
 
 __all__ = ["FSDP1Engine", "FSDP2Engine"]
 
@@ -40,7 +40,7 @@ class _FSDPEngine(ActorEngine):
 
     def __init__(self, config, model_path: str, device: torch.device) -> None:
         super().__init__(config, model_path, device)
-        hf_model = load_hf_model(model_path, config.model.dtype, device)
+        hf_model = load_hf_model(model_path, config.held_dtype(), device)  # the master weights
         set_gradient_checkpointing(hf_model, config.model.enable_gradient_checkpointing)
         model: torch.nn.Module = hf_model
         self.lora = config.actor.lora if config.actor.lora.enabled else None
@@ -58,7 +58,7 @@ class _FSDPEngine(ActorEngine):
             foreach=True,
         )
         if config.algorithm.uses_reference and self.lora is None:  # the initial weights, frozen
-            reference = load_hf_model(model_path, config.model.dtype, device)
+            reference = load_hf_model(model_path, config.model.dtype, device)  # computes only
             reference.requires_grad_(False)
             self.reference = self._wrap(reference).eval()
         if config.actor.offload:  # the first offload's page-locking, off its critical path
@@ -161,7 +161,19 @@ class _FSDPEngine(ActorEngine):
         return StateDictOptions(ignore_frozen_params=lora_only, strict=not lora_only)
 
     def describe(self) -> dict[str, list[str]]:
-        return {"info": self._info, "warnings": []}
+        warnings = []
+        if self.param_dtype == torch.bfloat16:
+            lr = self.config.actor.optim.lr
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            lost = bf16_lost_share(params, lr)
+            if lost >= 0.25:
+                warnings.append(
+                    f"actor.master_dtype=bfloat16 at actor.optim.lr={lr:g}: an update of "
+                    f"about the learning rate is under half a bfloat16 step for {lost:.0%} of "
+                    "the trained weights, which then never change; keep actor.master_dtype="
+                    "float32 (float32 master weights, bf16 compute) or raise the learning rate"
+                )
+        return {"info": self._info, "warnings": warnings}
 
 
 class FSDP2Engine(_FSDPEngine):
@@ -173,7 +185,7 @@ class FSDP2Engine(_FSDPEngine):
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if self.config.actor.world_size == 1 and not self.config.actor.mixed_precision:
+        if self.config.actor.world_size == 1 and not self.config.mixed_precision():
             # One rank has nothing to shard or reduce, and torchtitan applies no FSDP at a
             # data-parallel degree of 1: neither do we. Its hooks, copies in and out of its
             # buffers and DTensor dispatch cost the default job's update 12.9 -> 10.0 ms.
@@ -181,7 +193,7 @@ class FSDP2Engine(_FSDPEngine):
             return model
         mp = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if self.config.actor.mixed_precision
+            if self.config.mixed_precision()
             else MixedPrecisionPolicy()
         )
         unwrap = getattr(model, "get_base_model", None)  # PEFT's wrapper (LoRA)
@@ -191,7 +203,9 @@ class FSDP2Engine(_FSDPEngine):
         fully_shard(model, mp_policy=mp)  # in place: its class is now also an FSDPModule
         return model
 
-    def local_shards(self) -> Iterator[tuple[str, torch.Tensor, int]] | None:
+    def local_shards(
+        self, *, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor, int]] | None:
         """Each parameter's and buffer's local shard: FSDP2 splits dim 0 as ``torch.chunk``
         does (rank ``r`` holds rows ``r * ceil(n / world)`` on, maybe none); a tensor that is
         not sharded is rank 0's whole. Not with LoRA (a sync sends adapters)."""
@@ -201,7 +215,11 @@ class FSDP2Engine(_FSDPEngine):
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return _local_shards(self.model.state_dict(), rank, world)
+        shards = _local_shards(self.model.state_dict(), rank, world)
+        if dtype is None or dtype == self.param_dtype:
+            return shards
+        held = self.param_dtype  # float32 master weights, a bf16 engine: what a sync sends
+        return ((n, p.to(dtype) if p.dtype == held else p, at) for n, p, at in shards)
 
 
 def _local_shards(
@@ -234,7 +252,7 @@ class FSDP1Engine(_FSDPEngine):
 
         mp = (
             MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if self.config.actor.mixed_precision
+            if self.config.mixed_precision()
             else None
         )
         return FSDP(model, device_id=self.device, mixed_precision=mp, use_orig_params=True)

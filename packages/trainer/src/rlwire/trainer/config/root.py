@@ -92,8 +92,27 @@ samples a step in mini-batches of 32, responses up to 512 tokens, vLLM rollout);
 ``data.source`` (examples/gsm8k prepares verl's GSM8K files) and ``trainer.steps`` or
 ``trainer.total_epochs``. Not yet run on a GPU."""
 
+REAL_MODEL_DEFAULTS: dict[str, Any] = {
+    "rollout.max_new_tokens": 256,
+    "actor.optim.lr": 1e-6,
+    "actor.optim.lr_scheduler_type": "linear",
+    "rollout.n": 8,
+}
+"""What a run of any model other than ``tiny`` takes for the keys it leaves out (the
+sections' own defaults suit the tiny model: 8 new tokens, lr 3e-3): TRL's ``GRPOConfig``
+defaults (``max_completion_length``, ``learning_rate``, ``lr_scheduler_type``,
+``num_generations``; the same values as :data:`rlwire.trainer.api.TRL_DEFAULTS`),
+said once at start-up. A built-in task's own settings give way to them; the run's keys win."""
+
 # The sections themselves are public in rlwire.trainer.config.sections.
-__all__ = ["PRESETS", "ConfigError", "TrainerConfig", "load_config", "to_dict"]
+__all__ = [
+    "PRESETS",
+    "REAL_MODEL_DEFAULTS",
+    "ConfigError",
+    "TrainerConfig",
+    "load_config",
+    "to_dict",
+]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -143,6 +162,13 @@ class TrainerConfig:
                 "to false",
             )
 
+        check(
+            not (self.actor.master_dtype == "bfloat16" and self.model.dtype == "float32"),
+            "actor.master_dtype",
+            "bfloat16",
+            "the master weights cannot be narrower than the model's compute "
+            "(model.dtype=float32); set model.dtype=bfloat16 for pure bf16",
+        )
         if self.agent.enable:
             check_agent(self)
         overlong = self.reward.overlong_buffer
@@ -204,6 +230,19 @@ class TrainerConfig:
                 "on",
                 f"ckpt_engine.backend {backend!r} sends whole weights only; use 'auto' or 'off'",
             )
+
+    def held_dtype(self) -> str:
+        """The dtype the actor holds its parameters in, and writes checkpoints and exports
+        in: ``actor.master_dtype`` for FSDP, ``model.dtype`` for Megatron (whose optimizer
+        keeps float32 main weights of bf16 parameters itself)."""
+        if self.actor.strategy == "megatron":
+            return self.model.dtype
+        return self.actor.master_dtype  # bfloat16 only with model.dtype=bfloat16: checked
+
+    def mixed_precision(self) -> bool:
+        """Whether the FSDP actor computes in bf16 over float32 parameters: with
+        ``model.dtype=bfloat16`` over float32 master weights, or ``actor.mixed_precision``."""
+        return self.actor.mixed_precision or (self.held_dtype() != self.model.dtype)
 
     def _takes_requests(self) -> bool:
         engine = rollout_engine_class(self.rollout.backend)
@@ -344,11 +383,21 @@ def load_config(
     if "trainer.steps" in ours:  # verl: total_training_steps wins over total_epochs
         ours.pop("trainer.total_epochs", None)
     task = builtin_task(ours.get("data.source", DataConfig().source))
+    defaults: dict[str, Any] = {}
     if task is not None:  # the task's own settings, under everything the run sets
         defaults = dict(parse_item(i) for i in task.defaults)
         if ours.get("agent.function") is not None:  # the agent calls the task's tools itself
             defaults.pop("agent.tools", None)
-        ours = {**defaults, **ours}
+    if ours.get("model.path", ModelConfig().path) != "tiny":
+        real = {key: value for key, value in REAL_MODEL_DEFAULTS.items() if key not in ours}
+        if real:
+            log.warning(
+                "model.path=%s is not the tiny model: %s (TRL's defaults) for the keys left out",
+                ours["model.path"],
+                " ".join(f"{key}={value}" for key, value in real.items()),
+            )
+        defaults.update(real)
+    ours = {**defaults, **ours}
     try:
         nested = nest(ours)
     except ConfigError as err:

@@ -53,9 +53,12 @@ class ModelConfig:
     weights and a matching tokenizer, built locally (no download) and cached under the
     output directory."""
     dtype: str = "float32"
-    """Parameter dtype of the actor and of the rollout copy it updates: ``float32`` or
+    """The dtype the model computes in and the rollout engines hold: ``float32`` or
     ``bfloat16`` (what real models train in on GPUs; a run of another model than ``tiny``
-    in float32 on a GPU is warned about)."""
+    in float32 on a GPU is warned about). ``bfloat16`` means what TRL's ``bf16=True`` and
+    verl's FSDP actor mean: the actor keeps float32 master weights and optimizer state and
+    computes in bf16 (mixed precision), each sync casting to bf16 for the engines;
+    ``actor.master_dtype=bfloat16`` for pure bf16 parameters."""
     enable_gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of keeping
     them (verl's key; Hugging Face's ``gradient_checkpointing_enable``, non-reentrant):

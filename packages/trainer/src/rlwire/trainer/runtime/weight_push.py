@@ -150,8 +150,8 @@ class WeightPush:
         (``nccl``, ``cuda_ipc``), else :attr:`sync_device` (the host, or this device for
         the hybrid engine's in-process hand-over)."""
         target = getattr(self.engine, "device", None) or self.sync_device
-        # The rollout engines hold model.dtype (hf: load_hf_model; vllm: dtype=): the same as
-        # the actor's parameters today, so nothing is cast until the two can differ.
+        # The rollout engines hold model.dtype (hf: load_hf_model; vllm: dtype=); the actor's
+        # master weights may be wider (float32 under bf16: each tensor cast before it leaves).
         dtype = getattr(torch, self.config.model.dtype)
         for name, value in self.actor.named_sync_weights(dtype=dtype):
             if digest is not None:
@@ -272,7 +272,11 @@ class WeightPush:
             if snapshot:  # the engine copies them into its arena while the next update runs
                 items = [(name, value.detach().clone()) for name, value in items]
             return items, None
-        shards = self.actor.local_shards() if self.config.ckpt_engine.delta_sharded else None
+        shards = (
+            self.actor.local_shards(dtype=getattr(torch, self.config.model.dtype))
+            if self.config.ckpt_engine.delta_sharded
+            else None
+        )
         if shards is None:
             items = self._gathered(digest)
             if self._zero_copy():

@@ -331,7 +331,7 @@ class ActorWorker(WeightPush, WorkerProcess):
                     collections.deque(weights, maxlen=0)
                 elif kind == "model":
                     save_hf_model(
-                        weights, self.model_path, Path(directory), self.config.model.dtype
+                        weights, self.model_path, Path(directory), self.config.held_dtype()
                     )
                 else:
                     assert adapter is not None  # kind "adapter" comes only with one
