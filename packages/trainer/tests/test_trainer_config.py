@@ -37,7 +37,7 @@ def test_unknown_key_lists_valid_keys_and_closest_match():
     assert str(err.value) == (
         "actor.micro_batchsize: unknown key; valid keys under actor: grad_sync, "
         "log_prob_max_token_len_per_gpu, log_prob_micro_batch_size, log_prob_use_dynamic_bsz, "
-        "lora, megatron, "
+        "lora, master_dtype, megatron, "
         "micro_batch_size, mixed_precision, offload, optim, ppo_epochs, "
         "ppo_max_token_len_per_gpu, ppo_mini_batch_size, strategy, use_dynamic_bsz, "
         "use_remove_padding, world_size; did you mean 'actor.micro_batch_size'?"

@@ -508,7 +508,9 @@ def test_a_real_model_takes_trls_lengths_and_learning_settings_where_left_out(ca
     # over a built-in task's own settings (tuned for the tiny model), under the run's keys
     task = load_config(overrides=["model.path=org/model", "data.source=builtin:count"])
     assert task.rollout.max_new_tokens == 256
-    verl = load_config(overrides=["actor_rollout_ref.model.path=org/m", "data.max_response_length=64"])
+    verl = load_config(
+        overrides=["actor_rollout_ref.model.path=org/m", "data.max_response_length=64"]
+    )
     assert (verl.rollout.max_new_tokens, verl.actor.optim.lr) == (64, 1e-6)
 
 

@@ -10,6 +10,8 @@ python -m rlwire.trainer.bench --update [--models 64x2] [--budgets 256,512,1024,
 [--repeats 5]
 python -m rlwire.trainer.bench --in-flight 1,2,4,8,16,32,64 [--conversations 64] [--threads 1]
 python -m rlwire.trainer.bench --reading MODEL_DIR[,MODEL_DIR...] [--conversations 64]
+python -m rlwire.trainer.bench --real-model [--trl-python PATH] [--seeds 0,1,2] [--steps 40]
+[--modes colocated,fully_async]
 
 Runs the default job (or ``--preset``'s, with the given overrides) with the same steps,
 seed and resources as: colocated; one-step off-policy; fully async with its default
@@ -48,6 +50,11 @@ of steps) with rlwire's ratios to TRL's, and rlwire's per-step time breakdown.
 With ``--update`` it times the actor update alone on one generated batch: padded fixed-row
 micro-batches against token-budget ones, plain and packed
 (:mod:`rlwire.trainer.tools.bench_update`).
+
+With ``--real-model`` it trains SmolLM2-135M-Instruct (the offline cache of
+:mod:`rlwire.trainer.tools.real_model`) on chat-prompted additions, colocated and fully async
+and, with ``--trl-python``, under TRL's ``GRPOTrainer`` with the same settings, per seed: the
+reward per step (a plot) and the seconds per step (:mod:`rlwire.trainer.tools.bench_real`).
 
 With ``--in-flight`` it measures one ``hf`` engine's samples/s on the lookup task against
 the number of conversations in flight (:mod:`rlwire.trainer.tools.bench_inflight`).
@@ -203,8 +210,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reading", default=None, help="lookup models to probe: do answers follow the tool?"
     )
+    parser.add_argument("--real-model", action="store_true", help="SmolLM2 against TRL")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
+    if args.real_model:
+        from .bench_real import real_model_bench
+
+        modes = [m for m in args.modes.split(",") if m != "one_step_off"] if args.modes else []
+        return real_model_bench(
+            Path(args.out or tempfile.mkdtemp(prefix="rlwire-bench-")),
+            [int(s) for s in args.seeds.split(",")],
+            args.steps or 40,
+            modes,
+            args.trl_python,
+            args.overrides,
+        )
     if args.reading:
         return reading_bench(args.reading.split(","), args.conversations, args.seeds)
     if args.in_flight:

@@ -1,6 +1,13 @@
 """The default job under TRL's ``GRPOTrainer``, for ``python -m rlwire.trainer.bench --vs
 trl``.
 
+``--task arithmetic`` runs the real model's case instead (``python -m rlwire.trainer.bench
+--real-model``): the chat prompts of :mod:`rlwire.trainer.tools.arithmetic` in file order, its
+reward in TRL's signature, the model in float32 from MODEL_DIR (SmolLM2-135M-Instruct's
+folder), with ``--lr``, ``--prompts``, ``--n`` and ``--max-new-tokens`` as given; the rest as
+below. OUT.json then also holds each step's seconds (``step_s``, from the trainer's log
+times).
+
 Runs in an environment of its own that has TRL (``.ci/trl`` builds one; TRL is never a
 dependency of the trainer) with the rlwire packages installed without dependencies:
 
@@ -49,23 +56,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--task", choices=["repeat", "arithmetic"], default="repeat")
     args = parser.parse_args(argv)
     trl, datasets = _trl()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     from ..models.tiny import repeat_prompts, repeat_reward
+    from . import arithmetic
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = [
-        {"prompt": p, "answer": a}
-        for step in range(args.steps)
-        for p, a in repeat_prompts(args.prompts, seed=args.seed * 1_000_003 + step)
-    ]
+    if args.task == "arithmetic":
+        rows = arithmetic.rows(args.steps * args.prompts, args.seed)
+        reward = arithmetic.reward
+    else:
+        rows = [
+            {"prompt": p, "answer": a}
+            for step in range(args.steps)
+            for p, a in repeat_prompts(args.prompts, seed=args.seed * 1_000_003 + step)
+        ]
 
-    def reward(completions, answer, **_) -> list[float]:
-        return repeat_reward([], completions, answer)
+        def reward(completions, answer, **_) -> list[float]:
+            return repeat_reward([], completions, answer)
 
     config = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="rlwire-vs-trl-"),
@@ -96,8 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         report_to="none",
         seed=args.seed,
     )
+    step_ends: list[float] = []
+
+    class StepTimes(TrainerCallback):  # each optimizer step's end
+        def on_step_end(self, *_args, **_kwargs):
+            step_ends.append(time.perf_counter())
+
     trainer = trl.GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(args.model),
+        model=AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32),
+        callbacks=[StepTimes()],
         processing_class=AutoTokenizer.from_pretrained(args.model),
         reward_funcs=reward,
         args=config,
@@ -107,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer.train()
     loop_s = time.perf_counter() - start
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    starts = [start, *step_ends[:-1]]
     result = {
+        "step_s": [end - begin for begin, end in zip(starts, step_ends, strict=True)],
         "steps": len(rewards),
         "loop_s": loop_s,
         "samples_per_s": len(rewards) * args.prompts * args.n / loop_s,
