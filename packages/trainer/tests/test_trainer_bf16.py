@@ -77,3 +77,15 @@ def test_pure_bf16_is_asked_for_by_name_and_refused_where_it_cannot_be():
                 "actor.strategy=megatron",
             ]
         )
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch):
+    from rlwire.trainer.driver import cpu_bf16_warnings
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bf16 = load_config(overrides=["model.dtype=bfloat16"])
+    [warning] = cpu_bf16_warnings(bf16, {"avx2", "fma"})
+    assert warning.startswith("model.dtype=bfloat16 on a CPU without bf16 instructions")
+    assert cpu_bf16_warnings(bf16, {"avx2", "avx512_bf16"}) == []
+    assert cpu_bf16_warnings(bf16, set()) == []  # flags unknown: nothing said
+    assert cpu_bf16_warnings(load_config(), {"avx2"}) == []  # float32

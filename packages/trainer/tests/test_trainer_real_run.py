@@ -421,6 +421,45 @@ def test_grpo_trainer_trains_a_datasets_dataset_with_trl_rewards(ray_cluster, tm
     assert "config.json" in saved and "model.safetensors" in saved
 
 
+def test_trls_bf16_at_its_learning_rate_trains_the_float32_master_weights(ray_cluster, tmp_path):
+    """GRPOConfig(bf16=True) at TRL's learning rate, 2 steps, then save_model: bf16 compute over
+    float32 master weights, which save_model writes, nearly all changed (when bf16 meant
+    bf16 parameters, 0.50% of SmolLM2's changed: most updates rounded away)."""
+    from rlwire.trainer import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        bf16=True,
+        learning_rate=1e-6,
+        max_steps=2,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=6,
+        overrides=[f"ray.address={ray_cluster}", "ray.startup_timeout=300"],
+    )
+    assert args.given["bf16"] is True
+    trainer = GRPOTrainer(
+        model="tiny",
+        reward_funcs=[length_reward, letter_reward],
+        train_dataset=trl_rows(16),
+        args=args,
+    )
+    result = trainer.train(progress=False)
+    trainer.save_model(str(tmp_path / "saved"))
+    [initial] = result.run_dir.glob("tiny-model-seed*")
+    before = _state(initial)
+    after = _state(tmp_path / "saved")
+    assert all(v.dtype == torch.float32 for v in after.values())
+    changed = sum(int((after[n] != v).sum()) for n, v in before.items())
+    assert changed / sum(v.numel() for v in before.values()) > 0.9
+
+
+def _state(folder) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype="auto").state_dict()
+
+
 # --- what a real model needs ----------------------------------------------------------------
 
 

@@ -4,9 +4,9 @@ rlwire.trainer.bench --real-model``, the same rows and reward under TRL's ``GRPO
 and the documentation's first real run.
 
 Each row: ``{"prompt": [{"role": "user", "content": "What is 7 + 12? Reply with the number
-only."}], "answer": "19"}``. The reward: 1 for the right number, plus 0.5 when the reply is
-the bare number (its format); 0 otherwise. SmolLM2-135M-Instruct answers about 1 in 8 right
-and bare at temperature 1 before training.
+only."}], "answer": "19"}``. The reward: 1 when the reply's last number is the sum ("7 + 12
+= 19." counts), plus 0.5 when the reply is a number alone (the format asked for); 0
+otherwise.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def _text(completion: Any) -> str:
 
 
 def reward(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
-    """TRL's signature: 1 when the first number in the reply is ``answer``, plus 0.5 when the
-    reply is that number alone (spaces and a final period aside)."""
+    """TRL's signature: 1 when the last number in the reply is ``answer``, plus 0.5 when the
+    reply is a number alone (spaces and a final period aside)."""
     scores = []
     for completion, truth in zip(completions, answer, strict=True):
         text = _text(completion).strip()
-        first = _NUMBER.search(text)
-        right = first is not None and first.group() == str(truth)
+        numbers = _NUMBER.findall(text)
+        right = bool(numbers) and numbers[-1] == str(truth)
         bare = _NUMBER.fullmatch(text.rstrip(".").strip()) is not None
         scores.append((1.0 if right else 0.0) + (0.5 if bare else 0.0))
     return scores
