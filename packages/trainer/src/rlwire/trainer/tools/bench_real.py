@@ -37,7 +37,7 @@ from . import arithmetic, real_model
 
 __all__ = ["SETTINGS", "real_model_bench"]
 
-SETTINGS = {"prompts": 4, "n": 4, "max_new_tokens": 16, "lr": 2e-5}
+SETTINGS = {"prompts": 2, "n": 4, "max_new_tokens": 16, "lr": 2e-5}
 """The case's shape: prompts per step, answers per prompt, new tokens, learning rate."""
 
 PHASES = ("time_rollout_s", "time_reward_s", "time_forward_backward_s", "time_optimizer_s")
@@ -131,6 +131,7 @@ def real_model_bench(
             "the real model's cache is not built: uv run python -m rlwire.trainer.tools.real_model"
         )
         return 2
+    root.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[int, dict]] = {}
     for seed in seeds:
         data = arithmetic.write_rows(root / f"rows-{seed}.jsonl", steps * SETTINGS["prompts"], seed)
