@@ -7,7 +7,6 @@ import json
 import pickle
 
 import pytest
-from ray import cloudpickle
 
 from rlwire.trainer.config.root import load_config
 from rlwire.trainer.data.dataset import epoch_order, load_data
@@ -140,6 +139,8 @@ def test_rows_are_shuffled_each_epoch_from_the_seed_alone(tmp_path, tiny_dir):
     assert order(0, range(3, 6)) == first[15:]  # a resumed run (from step 3) continues it
     assert epoch_order(10, 0)(1) == epoch_order(10, 0)(1) != epoch_order(10, 0)(2)
     # fully async ships the batches to its sample queue's process (Ray pickles them):
+    from ray import cloudpickle
+
     shuffled = load_data(load_config(overrides=[f"data.source={train}"]), tiny_dir)
     shipped = pickle.loads(cloudpickle.dumps(shuffled))
     assert [e.prompt for e in shipped(7)] == [e.prompt for e in shuffled(7)]

@@ -526,7 +526,7 @@ def test_the_real_model_preset_and_the_warnings_for_the_toys_settings(monkeypatc
     ]
 
 
-def test_a_real_model_takes_trls_lengths_and_learning_settings_where_left_out(caplog):
+def test_a_real_model_takes_trls_lengths_and_learning_settings_where_left_out(caplog, tmp_path):
     from rlwire.trainer.api import TRL_DEFAULTS, TRL_KEYS
     from rlwire.trainer.config.root import REAL_MODEL_DEFAULTS
 
@@ -547,6 +547,10 @@ def test_a_real_model_takes_trls_lengths_and_learning_settings_where_left_out(ca
     # over a built-in task's own settings (tuned for the tiny model), under the run's keys
     task = load_config(overrides=["model.path=org/model", "data.source=builtin:count"])
     assert task.rollout.max_new_tokens == 256
+    from rlwire.trainer.models.tiny import build_tiny_model
+
+    built = build_tiny_model(tmp_path / "tiny")  # the toy in a folder keeps the toy's defaults
+    assert load_config(overrides=[f"model.path={built}"]).rollout.max_new_tokens == 8
     verl = load_config(
         overrides=["actor_rollout_ref.model.path=org/m", "data.max_response_length=64"]
     )

@@ -11,6 +11,7 @@ closest match; a wrong type or out-of-range value fails naming the key.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -98,9 +99,9 @@ REAL_MODEL_DEFAULTS: dict[str, Any] = {
     "actor.optim.lr_scheduler_type": "linear",
     "rollout.n": 8,
 }
-"""What a run of any model other than ``tiny`` takes for the keys it leaves out (the
-sections' own defaults suit the tiny model: 8 new tokens, lr 3e-3): TRL's ``GRPOConfig``
-defaults (``max_completion_length``, ``learning_rate``, ``lr_scheduler_type``,
+"""What a run of any model other than the built-in tiny one (:func:`is_tiny`) takes for the
+keys it leaves out (the sections' own defaults suit the tiny model: 8 new tokens, lr 3e-3):
+TRL's ``GRPOConfig`` defaults (``max_completion_length``, ``learning_rate``, ``lr_scheduler_type``,
 ``num_generations``; the same values as :data:`rlwire.trainer.api.TRL_DEFAULTS`),
 said once at start-up. A built-in task's own settings give way to them; the run's keys win."""
 
@@ -336,6 +337,20 @@ class TrainerConfig:
         return self.actor.micro_batch_size or self.mini_batch_rows()
 
 
+def is_tiny(path: str) -> bool:
+    """Whether ``model.path`` is the built-in tiny model: ``tiny``, or a folder one of its
+    builders wrote (:data:`rlwire.trainer.models.tiny.TINY_MARK` in its ``config.json``)."""
+    from ..models.tiny import TINY_MARK
+
+    if path == "tiny":
+        return True
+    try:
+        fields = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):  # a Hub id, or not a model folder (the run says so later)
+        return False
+    return isinstance(fields, dict) and fields.get(TINY_MARK) is True
+
+
 def load_config(
     path: str | Path | None = None, overrides: Sequence[str] = (), *, preset: str | None = None
 ) -> TrainerConfig:
@@ -388,7 +403,7 @@ def load_config(
         defaults = dict(parse_item(i) for i in task.defaults)
         if ours.get("agent.function") is not None:  # the agent calls the task's tools itself
             defaults.pop("agent.tools", None)
-    if ours.get("model.path", ModelConfig().path) != "tiny":
+    if not is_tiny(ours.get("model.path", ModelConfig().path)):
         real = {key: value for key, value in REAL_MODEL_DEFAULTS.items() if key not in ours}
         if real:
             log.warning(

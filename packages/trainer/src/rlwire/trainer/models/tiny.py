@@ -62,6 +62,13 @@ def build_tokenizer():
     )
 
 
+TINY_MARK = "rlwire_tiny"
+"""A key of the built-in tiny models' ``config.json`` (true): a run of such a folder keeps
+the sections' defaults, which are the toy's, instead of a real model's
+(:data:`rlwire.trainer.config.root.REAL_MODEL_DEFAULTS`). A copy saved by transformers keeps
+it."""
+
+
 def build_tiny_model(
     directory: str | Path,
     *,
@@ -98,6 +105,7 @@ def build_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    setattr(config, TINY_MARK, True)  # a run of it keeps the toy's defaults (config.root)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     if train is not None:
