@@ -102,7 +102,7 @@ TRAINER_LAYERS = [
     {"config"},
     {"runtime"},
     {"modes"},
-    {"driver", "cli", "api", "hf_export", "__init__"},  # the entry points
+    {"driver", "cli", "api", "__init__"},  # the entry points
     {"tools", "bench"},  # bench: the `python -m rlwire.trainer.bench` entry of tools.bench
 ]
 TRAINER_SUBPACKAGES = {
@@ -140,7 +140,9 @@ def test_the_trainer_is_grouped_by_role_and_imports_point_down():
     for name in TRAINER_SUBPACKAGES:  # each says what lives there and what it may import
         doc = ast.get_docstring(ast.parse((root / name / "__init__.py").read_text()))
         assert doc and "import" in doc.lower(), f"{name}/__init__.py: say what it may import"
-    modules = {p.stem for p in root.glob("*.py")} | TRAINER_SUBPACKAGES
+    top = {p.stem for p in root.glob("*.py")}
+    assert len(top) <= 8, f"at most 8 top-level modules in the trainer, found {sorted(top)}"
+    modules = top | TRAINER_SUBPACKAGES
     assert modules <= set().union(*TRAINER_LAYERS), modules - set().union(*TRAINER_LAYERS)
     wrong = []
     for source in root.rglob("*.py"):

@@ -14,13 +14,11 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings, target
+from hypothesis import strategies as st
 
 from rlwire.ckpt_engine import CheckpointEngineError
 from rlwire.ckpt_engine._wire import BucketMeta, Entry, Unpacker
-
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, event, given, settings, target  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 EXAMPLES = int(os.environ.get("RLWIRE_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(

@@ -20,8 +20,6 @@ from rlwire.trainer.checks import ConfigError
 from rlwire.trainer.config import load_config
 from rlwire.trainer.rollout.requests import request_seed
 
-pytest.importorskip("openai", reason="needs the openai extra")
-
 
 @pytest.fixture(scope="module")
 def engine(lookup_core):

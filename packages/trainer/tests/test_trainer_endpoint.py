@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import openai
 import pytest
 import torch
 
@@ -14,8 +15,6 @@ from rlwire.trainer.agent.lookup import build_lookup_tokenizer
 from rlwire.trainer.agent.parsers import HermesParser
 from rlwire.trainer.agent.render import ChatRenderer
 from rlwire.trainer.agent.sessions import CallRecord, SessionStore, merge_calls
-
-openai = pytest.importorskip("openai", reason="needs the openai extra")
 
 
 @pytest.fixture(scope="module")

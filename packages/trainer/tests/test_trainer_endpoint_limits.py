@@ -20,9 +20,6 @@ from rlwire.trainer.agent.parsers import HermesParser
 from rlwire.trainer.rollout.listeners import held_sockets, listening_sockets
 from rlwire.trainer.rollout.requests import Completion
 
-pytest.importorskip("fastapi", reason="needs the openai extra")
-pytest.importorskip("uvicorn", reason="needs the openai extra")
-
 
 def _submit(request) -> concurrent.futures.Future:
     """An engine that answers every request with one token at once."""
@@ -168,7 +165,6 @@ def test_an_endpoint_beyond_loopback_is_warned_about_once_naming_the_key():
     from rlwire.trainer.driver import run_warnings
 
     function = "agent.function=rlwire.trainer.agent.lookup_agent:solve"
-    pytest.importorskip("openai", reason="agent.function needs the openai extra")
     for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
         config = load_config(overrides=[function, f"agent.endpoint_host='{host}'"])
         assert run_warnings(config) == []

@@ -11,14 +11,11 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from rlwire.trainer.errors import RunError
 from rlwire.trainer.outputs.checkpoint import check_manifest, write_manifest
-
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, event, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 EXAMPLES = int(os.environ.get("RLWIRE_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(

@@ -10,10 +10,9 @@ import pytest
 import torch
 import yaml
 
-from rlwire.trainer.cli import main
+from rlwire.trainer.cli import export_run, main
 from rlwire.trainer.config.root import load_config, to_dict
 from rlwire.trainer.errors import RunError
-from rlwire.trainer.hf_export import export_checkpoint
 from rlwire.trainer.outputs import checkpoint_reader
 from rlwire.trainer.outputs.checkpoint import finish_checkpoint, write_trainer_state
 
@@ -59,7 +58,7 @@ def test_a_full_weight_checkpoint_exports_as_saved_at_any_step(tmp_path, tiny_di
         assert torch.equal(value, state[name]), name
     ids = torch.tensor([[5, 9, 12, 3, 7]])
     assert torch.equal(_logprobs(exported, ids), _logprobs(trained, ids))
-    assert export_checkpoint(run) == run / "hf_models" / "step_4"  # the last by default
+    assert export_run(run) == run / "hf_models" / "step_4"  # the last by default
     capsys.readouterr()  # transformers' progress bars
     assert main(["export", str(run), "--step", "3"]) == 2
     assert capsys.readouterr().err == (
@@ -67,7 +66,7 @@ def test_a_full_weight_checkpoint_exports_as_saved_at_any_step(tmp_path, tiny_di
         "(it has 2, 4)\n"
     )
     with pytest.raises(RunError, match=r"--adapter: the run trained every weight"):
-        export_checkpoint(run, adapter=True)
+        export_run(run, adapter=True)
 
 
 def test_a_lora_checkpoint_exports_merged_as_peft_merges_or_as_its_adapter(tmp_path, tiny_dir):
@@ -89,12 +88,12 @@ def test_a_lora_checkpoint_exports_merged_as_peft_merges_or_as_its_adapter(tmp_p
     _run(run, overrides, {3: adapter})
     ids = torch.tensor([[5, 9, 12, 3, 7]])
     want = _logprobs(wrapped, ids)
-    merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(run))
+    merged = AutoModelForCausalLM.from_pretrained(export_run(run))
     peft_merged = wrapped.merge_and_unload().state_dict()
     for name, value in merged.state_dict().items():
         assert torch.equal(value, peft_merged[name]), name
     assert torch.allclose(_logprobs(merged, ids), want, atol=1e-5, rtol=0)
-    folder = export_checkpoint(run, adapter=True, out=tmp_path / "adapter")
+    folder = export_run(run, adapter=True, out=tmp_path / "adapter")
     base = AutoModelForCausalLM.from_pretrained(tiny_dir)
     loaded = PeftModel.from_pretrained(base, folder)
     assert torch.allclose(_logprobs(loaded, ids), want, atol=1e-5, rtol=0)

@@ -15,11 +15,7 @@ from conftest import FSDP2_REFERENCE
 from reshard import assert_resharded, run_script, save_or_load
 from trainer_cli import checkpoint_state, train_cli
 
-pytest.importorskip(
-    "megatron.core", reason="needs megatron-core: pip install 'rlwire-trainer[megatron]'"
-)
-
-from rlwire.trainer.config.root import ConfigError, load_config  # noqa: E402
+from rlwire.trainer.config.root import ConfigError, load_config
 
 
 @pytest.fixture(scope="module")

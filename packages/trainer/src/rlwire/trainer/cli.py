@@ -3,6 +3,7 @@
 rlwire-train [--preset NAME] [--config FILE.yaml] [--print-config] [--help-config]
              [dotted.key=value ...]   (options and overrides in any order)
 rlwire-train plot RUN_DIR
+rlwire-train export RUN_DIR [--step N] [--out DIR] [--adapter]
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
-__all__ = ["command", "main"]
+from .errors import RunError
+
+__all__ = ["command", "export_run", "main"]
 
 
 def importable_from_here() -> None:
@@ -38,9 +42,7 @@ def _fail(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["export"]:  # a checkpoint as a Hugging Face folder, offline
-        from .hf_export import main as export
-
-        return export(argv[1:])
+        return _export(argv[1:])
     if argv[:1] == ["plot"]:
         if len(argv) != 2:
             return _fail("usage: rlwire-train plot RUN_DIR")
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
-    from .driver import AlreadyFinished, RunError, run
+    from .driver import AlreadyFinished, run
 
     started = time.perf_counter()
     try:
@@ -155,3 +157,43 @@ def command() -> None:
 
 if __name__ == "__main__":
     command()
+
+
+def export_run(
+    run_dir: Path, *, step: int | None = None, out: Path | None = None, adapter: bool = False
+) -> Path:
+    """``rlwire-train export``'s work: the run at ``run_dir`` read with its own
+    ``config.yaml``, then :func:`.outputs.hf_export.export_checkpoint`; returns the folder
+    written. Raises RunError (one line) for anything that cannot be exported."""
+    from .config import ConfigError, load_config
+    from .outputs.hf_export import export_checkpoint
+
+    run_dir = run_dir.resolve()
+    if not (run_dir / "config.yaml").is_file():
+        raise RunError(f"export: {run_dir} is not a run directory (no config.yaml there)")
+    try:
+        config = load_config(run_dir / "config.yaml")
+    except ConfigError as err:
+        raise RunError(f"export: {run_dir / 'config.yaml'}: {err}") from None
+    return export_checkpoint(run_dir, config, step=step, out=out, adapter=adapter)
+
+
+def _export(argv: list[str]) -> int:
+    """``rlwire-train export``: the command's arguments; 0, or 2 with one line."""
+    parser = argparse.ArgumentParser(
+        prog="rlwire-train export",
+        description="Write a checkpoint of a run as a Hugging Face model folder.",
+    )
+    parser.add_argument("run_dir", type=Path, help="the run directory (trainer.output_dir)")
+    parser.add_argument("--step", type=int, help="the checkpoint's step (default: the last)")
+    parser.add_argument("--out", type=Path, help="where (default: RUN_DIR/hf_models/step_N)")
+    parser.add_argument(
+        "--adapter", action="store_true", help="with LoRA: the adapter alone, not merged"
+    )
+    args = parser.parse_args(argv)
+    try:
+        folder = export_run(args.run_dir, step=args.step, out=args.out, adapter=args.adapter)
+    except RunError as err:
+        return _fail(str(err))
+    print(folder)
+    return 0

@@ -366,4 +366,3 @@ def plain_prompt_note(examples: Sequence[Example], model_path: Path) -> str | No
         "without its chat template; an instruct model answers prompts given as chat messages "
         '(a list of {"role": "user", "content": ...}, rendered with the template)'
     )
-

@@ -1,45 +1,46 @@
-"""Any checkpoint as a Hugging Face model, offline: ``rlwire-train export RUN_DIR [--step N]
-[--out DIR] [--adapter]`` reads ``checkpoints/step_N`` (the last complete one by default)
-without a process group or a GPU, and writes a folder ``transformers`` and vLLM load: the
-full weights, or with LoRA the merged model (``W + B @ A x scaling``, as PEFT's
-``merge_and_unload``) or, with ``--adapter``, the adapter in PEFT's format. verl's
-``model_merger`` does this for verl's checkpoints; TRL writes a model in every
-``checkpoint-N/``."""
+"""Any checkpoint as a Hugging Face model, offline (``rlwire-train export RUN_DIR [--step N]
+[--out DIR] [--adapter]``, :mod:`..cli`, which reads the run's ``config.yaml``): reads
+``checkpoints/step_N`` (the last complete one by default) without a process group or a GPU,
+and writes a folder ``transformers`` and vLLM load: the full weights, or with LoRA the
+merged model (``W + B @ A x scaling``, as PEFT's ``merge_and_unload``) or, with
+``adapter``, the adapter in PEFT's format. verl's ``model_merger`` does this for verl's
+checkpoints; TRL writes a model in every ``checkpoint-N/``."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import RunError
-from .outputs.checkpoint_dirs import checkpoint_step, latest_checkpoint
+from ..data.inputs import resolve_model
+from ..errors import RunError
+from ..models import lora
+from ..models.modeling import save_hf_model
+from .checkpoint_dirs import checkpoint_step, latest_checkpoint
+from .checkpoint_reader import read_state
 
-__all__ = ["export_checkpoint", "main"]
+if TYPE_CHECKING:
+    from ..config.root import TrainerConfig
+
+__all__ = ["export_checkpoint"]
 
 
 def export_checkpoint(
-    run_dir: Path, *, step: int | None = None, out: Path | None = None, adapter: bool = False
+    run_dir: Path,
+    config: TrainerConfig,
+    *,
+    step: int | None = None,
+    out: Path | None = None,
+    adapter: bool = False,
 ) -> Path:
-    """Write step ``step`` of the run at ``run_dir`` (None: its last complete checkpoint)
-    as a Hugging Face folder at ``out`` (None: ``<run_dir>/hf_models/step_<N>``, with
-    ``adapter`` ``<run_dir>/adapters/step_<N>``); returns the folder. Raises RunError (one
-    line) for a run, step or checkpoint that cannot be exported."""
-    from .config.root import ConfigError, load_config
-    from .data.inputs import resolve_model
-    from .models import lora
-    from .models.modeling import save_hf_model
-    from .outputs.checkpoint_reader import read_state
-
+    """Write step ``step`` of the run at ``run_dir`` trained with ``config`` (its
+    ``config.yaml``; None step: its last complete checkpoint) as a Hugging Face folder at
+    ``out`` (None: ``<run_dir>/hf_models/step_<N>``, with ``adapter``
+    ``<run_dir>/adapters/step_<N>``); returns the folder. Raises RunError (one line) for a
+    step or checkpoint that cannot be exported."""
     run_dir = run_dir.resolve()
-    if not (run_dir / "config.yaml").is_file():
-        raise RunError(f"export: {run_dir} is not a run directory (no config.yaml there)")
-    try:
-        config = load_config(run_dir / "config.yaml")
-    except ConfigError as err:
-        raise RunError(f"export: {run_dir / 'config.yaml'}: {err}") from None
     checkpoint = _checkpoint(run_dir, step)
     done = checkpoint_step(checkpoint)
     model_path = resolve_model(config, run_dir, build=False)
@@ -83,11 +84,11 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
     return found
 
 
-def _merged(saved: dict, model_path: Path, config) -> Iterator[tuple[str, torch.Tensor]]:
+def _merged(
+    saved: dict, model_path: Path, config: TrainerConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The base model's weights with the checkpoint's adapters merged in."""
     from transformers import AutoModelForCausalLM  # the base: sharded or not, any format
-
-    from .models import lora
 
     dtype = getattr(torch, config.held_dtype())
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).state_dict()
@@ -104,27 +105,3 @@ def _merged(saved: dict, model_path: Path, config) -> Iterator[tuple[str, torch.
         weight = base[key]
         base[key] = (weight + lora.merge_delta(parts["A"], parts["B"], scaling)).to(weight.dtype)
     return iter(base.items())
-
-
-def main(argv: list[str]) -> int:
-    """``rlwire-train export``: the command's arguments; 0, or 2 with one line."""
-    import sys
-
-    parser = argparse.ArgumentParser(
-        prog="rlwire-train export",
-        description="Write a checkpoint of a run as a Hugging Face model folder.",
-    )
-    parser.add_argument("run_dir", type=Path, help="the run directory (trainer.output_dir)")
-    parser.add_argument("--step", type=int, help="the checkpoint's step (default: the last)")
-    parser.add_argument("--out", type=Path, help="where (default: RUN_DIR/hf_models/step_N)")
-    parser.add_argument(
-        "--adapter", action="store_true", help="with LoRA: the adapter alone, not merged"
-    )
-    args = parser.parse_args(argv)
-    try:
-        folder = export_checkpoint(args.run_dir, step=args.step, out=args.out, adapter=args.adapter)
-    except RunError as err:
-        print(f"rlwire-train: error: {err}", file=sys.stderr)
-        return 2
-    print(folder)
-    return 0
