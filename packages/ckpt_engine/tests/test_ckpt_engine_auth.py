@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from ckpt_engine_pipes import first_line  # this folder: pytest puts it on sys.path
+from engine_pair import joined_pair
 from torch import nn
 
 from rlwire.ckpt_engine import CheckpointEngineError, apply_to_module, registry
@@ -23,9 +25,6 @@ from rlwire.ckpt_engine._segments import SHM_DIR, SHM_PREFIX
 from rlwire.ckpt_engine._store import SignedStore
 from rlwire.ckpt_engine._wire import BucketMeta
 from rlwire.ckpt_engine.backends._shm import attach_segment
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_pair import joined_pair  # noqa: E402
 
 
 def _stranger(metadata: dict) -> dist.TCPStore:
@@ -199,7 +198,6 @@ def test_remove_segments_takes_what_a_killed_master_left_and_keeps_a_live_ones()
     import os
     import signal
     import subprocess
-    import sys
     import textwrap
 
     from rlwire.ckpt_engine import remove_segments
@@ -218,8 +216,10 @@ def test_remove_segments_takes_what_a_killed_master_left_and_keeps_a_live_ones()
     )
 
     def master() -> tuple[subprocess.Popen, list[str]]:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert first_line(proc, "a master's word that its slots are ready", timeout=120) == "ready"
         mine = [n for n in os.listdir(SHM_DIR) if n.startswith(f"{SHM_PREFIX}{proc.pid}-")]
         assert len(mine) == 2  # the two bucket slots
         return proc, mine

@@ -6,19 +6,15 @@ count, and ``delta="auto"`` sends dense where the weights are on a CUDA device, 
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 
 import pytest
 import torch
+from engine_pair import joined_pair  # this folder: pytest puts it on sys.path
 from torch.overrides import TorchFunctionMode
 
 from rlwire.ckpt_engine import CheckpointEngineError, _delta, _delta_batch
 from rlwire.ckpt_engine._delta import DeltaMirror, _diff_torch, _words, decode, pack
 from rlwire.ckpt_engine._delta_batch import DeltaBatch, decode_many
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_pair import joined_pair  # noqa: E402
 
 FP8 = [torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else []
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, *FP8, torch.int64, torch.bool]

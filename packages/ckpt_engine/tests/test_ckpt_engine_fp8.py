@@ -4,11 +4,10 @@ as deltas over the quantized bytes."""
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 
 import pytest
 import torch
+from engine_pair import joined_pair  # this folder: pytest puts it on sys.path
 
 from rlwire.ckpt_engine import (
     apply_to_module,
@@ -16,9 +15,6 @@ from rlwire.ckpt_engine import (
     fp8_weights,
     quantize_fp8_blocks,
 )
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_pair import joined_pair  # noqa: E402
 
 
 def _reference(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,11 +12,9 @@ import textwrap
 
 import pytest
 import torch
+from engine_pair import joined_pair  # this folder: pytest puts it on sys.path
 
 from rlwire.ckpt_engine import CheckpointEngineError
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_pair import joined_pair  # noqa: E402
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -191,8 +189,7 @@ def test_a_receivers_stray_write_into_an_arena_kills_it_instead_of_changing_the_
         """
         import asyncio, sys
         import torch
-        sys.path.insert(0, sys.argv[1])
-        from engine_pair import joined_pair
+        from engine_pair import joined_pair  # this folder: PYTHONPATH
 
         tx, rx, _ = joined_pair(timeout=3)
         sent = {"w": torch.ones(64)}
@@ -214,9 +211,10 @@ def test_a_receivers_stray_write_into_an_arena_kills_it_instead_of_changing_the_
         """
     )
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     done = subprocess.run(
-        [sys.executable, "-c", script, here], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
     )
     assert done.stdout.splitlines() == ["received 64.0"], (done.stdout, done.stderr[-2000:])
     assert done.returncode == -signal.SIGSEGV, done.stderr[-2000:]

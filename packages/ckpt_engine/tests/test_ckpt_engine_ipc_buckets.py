@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from ckpt_engine_worker import make_delta_state, make_state  # this folder: on sys.path (pytest)
+from engine_pair import joined_pair
 
 from rlwire.ckpt_engine import CheckpointEngineError, registry
 from rlwire.ckpt_engine._bucket_copy import IntoTargets, batched_copy_, receive_into, word_pair
 from rlwire.ckpt_engine._wire import ALIGN, BucketMeta, Entry, as_bytes, dtype_name
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from ckpt_engine_worker import make_delta_state, make_state  # noqa: E402
-from engine_pair import joined_pair  # noqa: E402
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-
-from rlwire.ckpt_engine._wire import as_bytes
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from ckpt_engine_worker import (  # noqa: E402
+from ckpt_engine_worker import (  # this folder: pytest puts it on sys.path
     DELTA_VERSIONS,
     FAILURE_TIMEOUT,
     make_delta_state,
@@ -22,9 +16,11 @@ from ckpt_engine_worker import (  # noqa: E402
     member,
 )
 
-# Members are forked from one server that imported torch and the worker module once.
+from rlwire.ckpt_engine._wire import as_bytes
+
+# Members are forked from one server that imported torch and the worker module once (what it
+# preloads is set in conftest.py, once for the process).
 _PROCESSES = multiprocessing.get_context("forkserver")
-_PROCESSES.set_forkserver_preload(["torch", "ckpt_engine_worker"])
 
 BACKENDS = ["gloo", "shm", "filesystem"]
 WORLD = 3  # one sender, two receivers

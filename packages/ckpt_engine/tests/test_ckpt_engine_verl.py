@@ -55,8 +55,7 @@ def groups():
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": str(HERE)}},
     )
-    sys.path.insert(0, str(HERE))
-    from verl_workers import ActorWorker, RolloutWorker
+    from verl_workers import ActorWorker, RolloutWorker  # this folder: pytest puts it on sys.path
 
     engine = {"backend": "rlwire_gloo", "update_weights_bucket_megabytes": 1}
     config = OmegaConf.create(

@@ -1,6 +1,6 @@
 """The policy on real wrappers: FSDP2, FSDP1 and DDP over gloo process groups.
 
-Every body runs on freshly spawned ranks (free port, deadline) and returns
+Every body runs on freshly spawned ranks (met through a file, deadline) and returns
 plain tensors and numbers; the assertions run in the pytest process.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import multiprocessing
 import time
 
 import pytest
@@ -28,10 +27,7 @@ from rlwire.grad_sync._launch import spawn as _spawn
 from rlwire.grad_sync._wrappers import _param_groups
 
 # Ranks are forked from multiprocessing's fork server, which imports torch and FSDP once
-# (a fresh interpreter per rank imports them again: about 2 s of CPU each here). In one
-# pytest process the fork server is shared: the last preload list set before its first use
-# is the one it has, and a rank imports whatever it lacks.
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp"])
+# (what it preloads is set in conftest.py, once for the process).
 spawn = functools.partial(_spawn, start_method="forkserver")
 
 MICRO_BATCHES = 4

@@ -38,11 +38,16 @@ def _module() -> torch.nn.Module:
     return torch.nn.Sequential(*layers).to(torch.bfloat16)
 
 
-def main(out_path: str, device: str = "cpu") -> None:
+def main(out_path: str, device: str = "cpu", *, init_method: str = "env://") -> None:
+    """``init_method``: where the ranks meet (torchrun's variables by default; the test
+    passes a file); the rank and world size are torchrun's variables either way."""
     cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world
+    )
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer import TransformerConfig

@@ -134,11 +134,16 @@ def _exit_without_finalizing() -> None:
     os._exit(0)
 
 
-def main(wrappers: str, device_name: str, out: str) -> None:
+def main(wrappers: str, device_name: str, out: str, *, init_method: str = "env://") -> None:
+    """``init_method``: where the ranks meet (torchrun's variables by default; the test
+    passes a file); the rank and world size are torchrun's variables either way."""
     cuda = device_name == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world
+    )
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     reports = {wrapper: _round_trips(wrapper, device) for wrapper in wrappers.split(",")}
     if dist.get_rank() == 0:

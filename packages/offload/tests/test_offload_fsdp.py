@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import socket
-import sys
+import tempfile
 import time
 from pathlib import Path
 
+import offload_fsdp_worker  # this folder: pytest puts it on sys.path
 import pytest
 import torch
 from torch.multiprocessing.spawn import start_processes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload_fsdp_worker  # noqa: E402
-
 # Ranks are forked from multiprocessing's fork server, which imports torch, FSDP and the
-# worker once (torchrun started an interpreter of its own and one per rank: 5-6 s a group here,
-# against 1-3 s). In one pytest process the server is shared: the last preload list set
-# before its first use is the one it has, and a rank imports whatever it lacks.
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "offload_fsdp_worker"])
+# worker once (what it preloads is set in conftest.py, once for the process).
 
 
 def _run(wrappers: list[str], device: str, nproc: int, tmp_path: Path) -> dict:
@@ -32,34 +25,38 @@ def _run(wrappers: list[str], device: str, nproc: int, tmp_path: Path) -> dict:
 
 
 def _on_ranks(main, nproc: int, *args: str, timeout: float = 300) -> None:
-    """``main(*args)`` on ``nproc`` ranks with the variables torchrun would set (``env://``),
-    forked from multiprocessing's fork server (torch imported there once, not per rank).
-    A rank that raises or exits non-zero fails the test with its error; all are killed after
-    ``timeout`` s."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    ranks = start_processes(
-        _rank, args=(main, nproc, port, args), nprocs=nproc, join=False, start_method="forkserver"
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not ranks.join(timeout=0.2):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{nproc} ranks did not finish within {timeout:g} s")
-    finally:
-        for process in ranks.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+    """``main(*args, init_method=...)`` on ``nproc`` ranks with the rank variables torchrun
+    would set, forked from multiprocessing's fork server (torch imported there once, not per
+    rank). The ranks meet through a file (a FileStore), not a port picked here that another
+    process could take before rank 0 binds it. A rank that raises or exits non-zero fails the
+    test with its error; all are killed after ``timeout`` s."""
+    with tempfile.TemporaryDirectory(prefix="rlwire-ranks-") as meeting:
+        store = f"file://{os.path.join(meeting, 'store')}"
+        ranks = start_processes(
+            _rank,
+            args=(main, nproc, store, args),
+            nprocs=nproc,
+            join=False,
+            start_method="forkserver",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ranks.join(timeout=0.2):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{nproc} ranks did not finish within {timeout:g} s")
+        finally:
+            for process in ranks.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
 
 
-def _rank(rank: int, main, world: int, port: int, args: tuple[str, ...]) -> None:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)}
-    env |= {"LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+def _rank(rank: int, main, world: int, store: str, args: tuple[str, ...]) -> None:
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank)}
+    env |= {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
     os.environ.update(env)
     torch.set_num_threads(1)  # the fork server read OMP_NUM_THREADS when it imported torch
-    main(*args)
+    main(*args, init_method=store)
 
 
 def _assert_round_trips(report: dict, *, pinned: bool) -> None:

@@ -6,15 +6,17 @@ and disconnects at the end, as any user's driver does. Each job kills its own wo
 it ends, so jobs do not see each other.
 
 Markers: every test that runs a Ray job (it takes the ``ray_cluster`` fixture, or says
-``@pytest.mark.job``) is marked ``job``; ``floor`` marks the few jobs, one per strategy and
-mode, that run by default (``uv run pytest``, and CI's floor leg on Python 3.12 and torch
-2.11) besides every test that is not a job. The other jobs run with
-``-m "job and not floor"`` (``.ci/run`` step 1b): each costs its workers' imports (about
-5 s of CPU a process here), and all of them together took about 5 minutes.
+``@pytest.mark.job``) is marked ``job``. The default selection (``uv run pytest``) runs one
+of them, marked ``smoke``: a run resumed bit for bit, which starts the cluster, trains on
+two FSDP2 ranks, checkpoints, resumes and exports. ``floor`` marks the jobs, one per strategy
+and mode, that CI runs on the floors' stack (Python 3.12 and torch 2.11, ``.ci/run`` step
+5); ``-m "job and not floor"`` runs the others (step 1b). Each job costs its workers'
+imports (about 5 s of CPU a process here).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -22,6 +24,41 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from trainer_pipes import first_line  # this folder: pytest puts it on sys.path
+
+
+def _preload_in_fork_server(*modules: str) -> None:
+    """Add ``modules`` to what multiprocessing's fork server imports before it forks a child.
+
+    The server is one per process (started by the first child any test asks of it) and
+    imports one list, which ``set_forkserver_preload`` replaces: with each package's tests
+    setting their own, the last conftest pytest loaded would decide for all. So each adds its
+    modules to the list set so far and sets the union, sorted: the same list whatever the
+    order, alone or in the workspace's run. A module the server cannot import (another
+    package's helper off its path, an optional library missing) is skipped by the server, and
+    a child imports what its server lacks: only start-up time depends on the list.
+    """
+    from multiprocessing import forkserver
+
+    # What is set so far: multiprocessing has no getter. Its default, "__main__", would
+    # import pytest's entry point in the server; no list here asks for it.
+    current = getattr(forkserver._forkserver, "_preload_modules", [])
+    multiprocessing.set_forkserver_preload(sorted((set(current) - {"__main__"}) | set(modules)))
+
+
+# reshard.py forks its gloo ranks from multiprocessing's fork server, which imports torch,
+# transformers, the tiny model's modeling code and the worker scripts once: a rank starts in
+# milliseconds instead of the 4-5 s of CPU those imports cost a fresh interpreter (7 ranks
+# for the resharding fixture).
+_preload_in_fork_server(
+    "torch",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.models.qwen2.modeling_qwen2",
+    "megatron.core",
+    "trainer_checkpoint_worker",
+    "trainer_megatron_worker",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -68,7 +105,7 @@ def ray_cluster():
         text=True,
     )
     try:
-        address = _first_line(head, START_TIMEOUT)
+        address = first_line(head, "the shared Ray cluster's address", timeout=START_TIMEOUT)
         yield address
     finally:
         head.stdin.close()
@@ -79,37 +116,12 @@ def ray_cluster():
             head.wait(timeout=10)
 
 
-def _first_line(process: subprocess.Popen, timeout: float) -> str:
-    import selectors
-
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout):
-            raise TimeoutError(f"the shared Ray cluster did not start within {timeout:g} s")
-    line = process.stdout.readline().strip()
-    if not line:
-        raise RuntimeError(f"the shared Ray cluster failed to start (exit {process.poll()})")
-    return line
-
-
-# The FSDP2 run that the other strategies are compared with (FSDP1 here, Megatron in
-# test_trainer_megatron.py): run once per session. Two rollout engines, one per rank: the
-# hybrid engine (each rank's own process), which test_trainer_strategies.py compares with
-# rollout workers of their own.
-FSDP2_REFERENCE = (
-    "actor.world_size=2",
-    "rollout.num_workers=2",
-    "actor.optim.grad_clip=0.5",
-    "ckpt_engine.digest=true",
-    "trainer.save_every=1",
-)
-
-
 @pytest.fixture(scope="session")
 def fsdp2_reference_run(ray_cluster, tmp_path_factory) -> Path:
-    """The run directory of 3 steps of FSDP2 on 2 gloo ranks with :data:`FSDP2_REFERENCE`
-    (a checkpoint after every step; rollout engines in the ranks' processes)."""
-    from trainer_cli import train_cli
+    """The run directory of 3 steps of FSDP2 on 2 gloo ranks with
+    :data:`trainer_cli.FSDP2_REFERENCE` (a checkpoint after every step; rollout engines in the
+    ranks' processes)."""
+    from trainer_cli import FSDP2_REFERENCE, train_cli
 
     run = tmp_path_factory.mktemp("fsdp2") / "run"
     train_cli(run, *FSDP2_REFERENCE, "trainer.steps=3", cluster=ray_cluster)

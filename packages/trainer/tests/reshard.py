@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -20,56 +19,39 @@ HERE = Path(__file__).parent
 # Ranks are forked from one server that imported torch, transformers, the tiny model's
 # modeling code and the worker scripts once: a rank starts in milliseconds instead of the
 # 4-5 s of CPU those imports cost a fresh interpreter (7 ranks for the resharding fixture).
-# The server is multiprocessing's, one per pytest process, so the last preload list set
-# before its first use is the one it has (test_ckpt_engine_transfer.py sets one too); a
-# child imports whatever its server lacks, so only the start-up time depends on it.
+# The server is multiprocessing's, one per pytest process: what it preloads is set in
+# conftest.py, once for the process.
 _RANKS = multiprocessing.get_context("forkserver")
-_RANKS.set_forkserver_preload(
-    [
-        "torch",
-        "torch.distributed.fsdp",
-        "transformers",
-        "transformers.models.qwen2.modeling_qwen2",
-        "megatron.core",
-        "trainer_checkpoint_worker",
-        "trainer_megatron_worker",
-    ]
-)
 
 
-def _rank(script: str, argv: list[str], env: dict[str, str], log: str) -> None:
-    """One rank, in a process forked from the server: ``script``'s ``main()`` with the
-    command line and the variables ``torchrun`` would give it, its output going to ``log``."""
+def _rank(script: str, argv: list[str], env: dict[str, str], store: str, log: str) -> None:
+    """One rank, in a process forked from the server: ``script``'s ``main(init_method=store)``
+    with the command line and the rank variables ``torchrun`` would give it, its output going
+    to ``log``."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.environ.update(env)
     sys.argv = [script, *argv]
     torch.set_num_threads(1)  # OMP_NUM_THREADS is read when torch loads: in the server
-    importlib.import_module(Path(script).stem).main()
+    importlib.import_module(Path(script).stem).main(init_method=store)
 
 
 def run_script(world: int, script: str, *args: str, timeout: float = 300) -> None:
     """The worker ``script`` of this folder (its ``main()``) on ``world`` gloo ranks, all
-    started at once, each with the variables ``torchrun`` would give it (``env://``: rank,
-    world size, master address and port; one thread), forked from the server above. Fails
-    the test with the output of each rank that did not exit 0 within ``timeout`` s (as
-    torchrun does, the first failure stops the others)."""
-    with socket.socket() as probe:  # a free port for rank 0's store
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    common = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-    }
+    started at once, each with the rank variables ``torchrun`` would give it (rank, world
+    size; one thread), forked from the server above. The ranks meet through a file (a
+    FileStore), not a port picked here that another process could take before rank 0 binds
+    it. Fails the test with the output of each rank that did not exit 0 within ``timeout`` s
+    (as torchrun does, the first failure stops the others)."""
+    common = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
     with tempfile.TemporaryDirectory() as logs:
+        store = f"file://{os.path.join(logs, 'store')}"
         ranks = []
         for rank in range(world):
             env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             log = os.path.join(logs, f"rank{rank}.log")
-            ranks.append(_RANKS.Process(target=_rank, args=(script, list(args), env, log)))
+            ranks.append(_RANKS.Process(target=_rank, args=(script, list(args), env, store, log)))
             ranks[-1].start()
         deadline = time.monotonic() + timeout
         try:

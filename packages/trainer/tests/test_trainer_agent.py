@@ -141,6 +141,7 @@ def test_lookup_rows_draw_codes_per_row_on_keys_priming_never_used():
     assert len(repeated) > 100  # a key's code differs from row to row: none to memorise
 
 
+@pytest.mark.job  # with the lookup jobs it vouches for: priming costs 20-70 s on a cold cache
 def test_the_reading_probe_answers_follow_what_the_tool_returns(lookup_model):
     """The primed model, on data rows' keys (never seen in priming): given a tool result
     that is not the row's code, its greedy answer is the tool's code, never the row's."""

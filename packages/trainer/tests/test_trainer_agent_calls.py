@@ -60,10 +60,14 @@ def test_stop_injects_only_while_the_thread_is_inside_the_call(monkeypatch, thre
     injection reaches that very thread, still running, and is caught as it leaves (before:
     it went to a thread id that had ended, which another thread may have taken since). A
     later ``stop`` injects nothing."""
-    release = threading.Event()
+    entered, release = threading.Event(), threading.Event()
     real = ctypes.pythonapi.PyThreadState_SetAsyncExc
     calls: list[Call] = []
     alive_at_injection: list[bool] = []
+
+    def blocked() -> str | bool:
+        entered.set()
+        return release.wait() and "done"
 
     def set_async_exc(ident, exc):
         if exc is not None:  # an injection (the thread's own clearing passes None)
@@ -73,9 +77,9 @@ def test_stop_injects_only_while_the_thread_is_inside_the_call(monkeypatch, thre
         return real(ident, exc)
 
     monkeypatch.setattr(ctypes.pythonapi, "PyThreadState_SetAsyncExc", set_async_exc)
-    calls.append(Call(lambda: release.wait() and "done", name="test-call"))
+    calls.append(Call(blocked, name="test-call"))
     call = calls[0]
-    time.sleep(0.05)  # inside the call, blocked
+    assert entered.wait(30), "the call never began"  # inside the call, blocked
     call.stop()
     assert call.future.result(timeout=5) is None
     assert alive_at_injection == [True]
@@ -86,12 +90,16 @@ def test_stop_injects_only_while_the_thread_is_inside_the_call(monkeypatch, thre
 
 
 def test_a_stopped_call_ends_with_call_stopped_and_a_resolved_future(thread_errors):
+    """A call stopped while it runs (a loop of Python code)."""
+    entered = threading.Event()
+
     def spin() -> None:
+        entered.set()
         while True:
             time.sleep(0.001)
 
     call = Call(spin, name="test-call")
-    time.sleep(0.02)
+    assert entered.wait(30), "the call never began"
     call.stop()
     assert call.future.result(timeout=5) is None
     assert isinstance(call.error, CallStopped) and str(call.error) == "stopped past its time"

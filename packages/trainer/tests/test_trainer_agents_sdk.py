@@ -17,7 +17,7 @@ pytest.importorskip("agents", reason="needs openai-agents: see .ci/agents")
 REPO = Path(__file__).resolve().parents[3]
 
 
-def test_the_agents_sdk_example_trains_through_the_endpoint_token_for_token():
+def test_the_agents_sdk_example_trains_through_the_endpoint_token_for_token(monkeypatch):
     from cached_models import cached_lookup_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,7 +28,8 @@ def test_the_agents_sdk_example_trains_through_the_endpoint_token_for_token():
     from rlwire.trainer.rollout.hf_batch import HFBatch
     from rlwire.trainer.rollout.requests import EngineCore
 
-    sys.path.append(str(REPO))  # the example is a file of the repository, as a user's is
+    # The example is a file of the repository, as a user's is: on the path for this test only.
+    monkeypatch.setattr(sys, "path", [*sys.path, str(REPO)])
     path = cached_lookup_model(seed=1)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()

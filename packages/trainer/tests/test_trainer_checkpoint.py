@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from reshard import assert_resharded, save_or_load  # this folder: pytest puts it on sys.path
+from trainer_cli import FSDP2_REFERENCE, train_cli
 
 from rlwire.trainer.config.root import load_config
 from rlwire.trainer.errors import RunError
@@ -18,11 +20,6 @@ from rlwire.trainer.outputs.checkpoint import (
     write_manifest,
     write_trainer_state,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import FSDP2_REFERENCE  # noqa: E402
-from reshard import assert_resharded, save_or_load  # noqa: E402
-from trainer_cli import train_cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +264,7 @@ def untimed(record: dict) -> dict:
     }
 
 
+@pytest.mark.smoke  # the default selection's one job (conftest)
 @pytest.mark.floor
 def test_a_resumed_run_continues_bit_for_bit(
     fsdp2_reference_run, fsdp2_reference, ray_cluster, tmp_path
@@ -438,7 +436,6 @@ def test_resume_never_moves_an_earlier_runs_checkpoints_aside_so_pruning_keeps_t
 def test_a_second_run_on_a_directory_a_live_run_holds_is_refused(tmp_path):
     import os
     import subprocess
-    import sys
 
     from rlwire.trainer.errors import RunError
     from rlwire.trainer.outputs.run_lock import RunLock

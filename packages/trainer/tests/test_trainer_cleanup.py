@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import pytest
+from trainer_pipes import first_line  # this folder: pytest puts it on sys.path
 
 from rlwire.trainer.rollout.scratch import ScratchDir, sweep
 
@@ -31,9 +32,11 @@ def _process_making_one(parent, *, then: str) -> tuple[subprocess.Popen, str]:
         {then}
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    path = proc.stdout.readline().strip()
-    assert path, f"the process making a scratch directory failed (exit {proc.wait(60)})"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    path = first_line(proc, "the scratch directory a process made", timeout=60).strip()
+    assert path, "the process making a scratch directory printed an empty line"
     return proc, path
 
 

@@ -152,8 +152,8 @@ def test_bad_files(tmp_path):
 
 
 def test_the_docs_generate_the_reference_and_verls_keys_from_the_code():
-    """One copy of each table: the site's page holds only the marker its build replaces
-    (docs/hooks.py), and the functions behind them run."""
+    """The pages hold each table between its markers (rendered by ``docs/hooks.py --write``;
+    tests/test_docs_pages.py checks they are current), and the functions behind them run."""
     from pathlib import Path
 
     from rlwire.trainer.config import describe_config

@@ -12,7 +12,6 @@ row order moves them by 1e-2 or more.
 from __future__ import annotations
 
 import datetime
-import os
 import random
 import tempfile
 import time
@@ -362,12 +361,15 @@ def test_a_packed_row_without_a_prompt_token_is_refused(model):
 # --- every rank runs as many micro-batches --------------------------------------------------
 
 
-def _count_on_rank(rank: int, world: int, port: int, out: str) -> None:
+def _count_on_rank(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    dist.init_process_group(  # met through a file in ``out``: no port to pick
+        "gloo",
+        init_method=f"file://{out}/store",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
     )
     r = _rollout(seed=rank, response=25 if rank == 0 else 3)  # rank 1: short responses
     parts = split_rows(r.prompt_mask, r.response_mask, rows=4, max_tokens=BUDGET)
@@ -379,12 +381,10 @@ def _count_on_rank(rank: int, world: int, port: int, out: str) -> None:
 def test_every_rank_runs_the_most_micro_batches_any_rank_needs():
     import torch.multiprocessing as mp
 
-    from rlwire.trainer.runtime.worker_process import free_port
-
     with tempfile.TemporaryDirectory() as out:
         context = mp.start_processes(
             _count_on_rank,
-            args=(2, free_port("127.0.0.1"), out),
+            args=(2, out),
             nprocs=2,
             join=False,
             start_method="spawn",

@@ -10,7 +10,6 @@ import http.client
 import json
 import os
 import threading
-import time
 
 import pytest
 
@@ -64,16 +63,21 @@ def test_a_start_that_fails_after_binding_leaves_no_socket():
 
 
 def test_a_start_that_times_out_stops_its_server_and_closes_its_socket(monkeypatch):
-    """The server comes up after the start gave up on it: it must not come up at all."""
+    """The server comes up after the start gave up on it: it must not come up at all. The
+    check waits for the slow startup to have ended, when a server left running listens."""
     import uvicorn
 
     startup = uvicorn.Server.startup
+    over = threading.Event()
 
     async def slow(self, sockets=None):
         import asyncio
 
-        await asyncio.sleep(0.5)
-        await startup(self, sockets=sockets)
+        try:
+            await asyncio.sleep(0.5)
+            await startup(self, sockets=sockets)
+        finally:
+            over.set()
 
     monkeypatch.setattr(uvicorn.Server, "startup", slow)
     endpoint, before = _endpoint(), _listening()
@@ -81,7 +85,7 @@ def test_a_start_that_times_out_stops_its_server_and_closes_its_socket(monkeypat
         RuntimeError, match=r"agent endpoint: did not start on 127.0.0.1:0 in 0.1 s"
     ):
         endpoint.start(timeout=0.1)
-    time.sleep(1.0)  # past the slow startup: a server left running would listen by now
+    assert over.wait(60), "the server's slow startup did not end within 60 s"
     assert _listening() == before and _endpoint_threads() == []
 
 

@@ -267,13 +267,36 @@ def test_the_full_disk_fails_writes_under_its_fragment_only(tmp_path):
     assert [e["ev"] for e in logged] == ["enospc"]
 
 
+class _Clock:
+    """The tracer's ``time``: ``sleep`` records what it was asked and moves the clock on by
+    that and ``late`` more (a real sleep ends late), ``perf_counter`` reads the clock."""
+
+    def __init__(self, late: float) -> None:
+        self.now, self.late, self.asked = 0.0, late, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        self.now += seconds + self.late
+
+
 @pytest.mark.parametrize("lines", [0, 1000])
-def test_the_stretch_sleeps_its_share_at_each_line(lines):
+def test_the_stretch_sleeps_its_share_at_each_line(lines, monkeypatch):
+    """Paid as it went, in sleeps of 2 ms or more, each sleep's lateness taken off the next
+    (on a clock whose sleeps end 0.5 ms late): at the end at most one sleep's worth is owed,
+    or one lateness overpaid."""
+    clock = _Clock(late=0.0005)
+    monkeypatch.setattr(fault_hooks, "time", clock)
     tracer = fault_hooks._Tracer(0.001 if lines else 0.0)
     for _ in range(lines or 10):
         tracer(None, "line", None)
     assert tracer.lines == (lines or 10)
-    assert abs(tracer.owed) < 0.003  # paid as it went (in sleeps of 2 ms or more)
+    assert all(seconds >= 0.002 for seconds in clock.asked)
+    assert len(clock.asked) == (333 if lines else 0)  # every 3 lines: 2.5 ms asked, 3 ms slept
+    assert clock.now == pytest.approx(lines * 0.001 - tracer.owed, abs=1e-9)
+    assert -clock.late - 1e-9 <= tracer.owed < 0.002
 
 
 @pytest.mark.parametrize(

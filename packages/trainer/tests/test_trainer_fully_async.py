@@ -9,7 +9,6 @@ import json
 import math
 import random
 import threading
-import time
 
 import pytest
 from trainer_cli import train_cli
@@ -401,10 +400,9 @@ def test_queue_get_times_out_instead_of_hanging():
         max_version_lag=0,
         num_workers=1,
     )
-    start = time.perf_counter()
-    got = asyncio.run(queue.get(4, 0, timeout=0.3))
+    # nothing is ever queued: the get answers by its own timeout, or the test fails at 60 s
+    got = asyncio.run(asyncio.wait_for(queue.get(4, 0, timeout=0.3), 60))
     assert got == {"timeout": True, "queued": 0, "dropped": 0}
-    assert time.perf_counter() - start < 2
 
 
 def test_async_section_keys_and_verl_alias():

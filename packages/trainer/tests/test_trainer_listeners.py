@@ -13,29 +13,26 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from trainer_pipes import first_line  # this folder: pytest puts it on sys.path
 
 from rlwire.trainer.rollout.listeners import foreign_listeners, held_sockets, listening_inodes
 from rlwire.trainer.rollout.vllm_process import ServerProcess
 
 LISTEN = (
-    "import socket, sys, time\n"
-    "s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\n"
-    "print('up', flush=True); time.sleep(600)\n"
+    "import socket, time\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+    "print(s.getsockname()[1], flush=True); time.sleep(600)\n"
 )
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listener(port: int) -> subprocess.Popen:
+def _listener() -> tuple[subprocess.Popen, int]:
+    """A process listening on a port the kernel picked for it, held until the process ends
+    (no port picked here, closed, then bound by the child: another process could take it in
+    between): the process and its port."""
     process = subprocess.Popen(
-        [sys.executable, "-c", LISTEN, str(port)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", LISTEN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert process.stdout is not None and process.stdout.readline() == "up\n"
-    return process
+    return process, int(first_line(process, "the port a listening process bound", timeout=60))
 
 
 def test_the_listening_socket_is_found_and_told_apart_from_a_strangers():
@@ -45,7 +42,7 @@ def test_the_listening_socket_is_found_and_told_apart_from_a_strangers():
         port = mine.getsockname()[1]
         inodes = listening_inodes(port)
         assert len(inodes) == 1 and inodes <= held_sockets({__import__("os").getpid()})
-    stranger = _listener(port := _port())
+    stranger, port = _listener()
     try:
         assert foreign_listeners(port, stranger.pid) == set()  # its own tree: nothing foreign
         ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -60,8 +57,7 @@ def test_the_listening_socket_is_found_and_told_apart_from_a_strangers():
 
 
 def test_a_server_whose_port_a_stranger_holds_is_stopped_and_sent_nothing():
-    port = _port()
-    stranger = _listener(port)
+    stranger, port = _listener()
     log = tempfile.TemporaryFile()  # noqa: SIM115  (the server object closes it: stop())
     ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     server = ServerProcess(ours, f"http://127.0.0.1:{port}", log, token="t" * 64)
@@ -81,7 +77,7 @@ def test_a_server_whose_port_a_stranger_holds_is_stopped_and_sent_nothing():
         stranger.wait()
         if ours.poll() is None:
             ours.kill()
-    own = _listener(port := _port())  # a server that holds its own port passes
+    own, port = _listener()  # a server that holds its own port passes
     with tempfile.TemporaryFile() as own_log:
         try:
             ServerProcess(own, f"http://127.0.0.1:{port}", own_log, "t").check_listener()

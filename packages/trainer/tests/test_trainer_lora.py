@@ -3,18 +3,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from trainer_cli import checkpoint_state, train_cli  # this folder: pytest puts it on sys.path
 
 from rlwire.trainer.config.root import ConfigError, load_config
 from rlwire.trainer.models import lora
 from rlwire.trainer.models.tiny import build_tiny_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_cli import checkpoint_state, train_cli  # noqa: E402
 
 
 def _peft_model(path, section, dtype=torch.float32, seed=0):

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FSDP2_REFERENCE
 from reshard import assert_resharded, run_script, save_or_load
-from trainer_cli import checkpoint_state, train_cli
+from trainer_cli import FSDP2_REFERENCE, checkpoint_state, train_cli
 
 from rlwire.trainer.config.root import ConfigError, load_config
 

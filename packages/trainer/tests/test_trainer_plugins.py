@@ -4,17 +4,14 @@ outside the package, loaded by ``actor.strategy=`` and ``rollout.backend=``."""
 from __future__ import annotations
 
 import os
-import sys
 import textwrap
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from trainer_cli import train_cli  # this folder: pytest puts it on sys.path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_cli import train_cli  # noqa: E402
-
-from rlwire.trainer.config.root import ConfigError, load_config  # noqa: E402
+from rlwire.trainer.config.root import ConfigError, load_config
 
 PLUGIN = textwrap.dedent(
     """

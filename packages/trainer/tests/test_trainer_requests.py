@@ -258,17 +258,27 @@ def test_the_lockstep_core_continues_requests_chunk_by_chunk_across_an_update(ti
     assert stepper.update_future.result(1) == 1
 
 
-def _model_call(model, log: list, gate: threading.Lock, active: list):
+def _model_call(
+    model,
+    log: list,
+    gate: threading.Lock,
+    active: list,
+    slow: tuple[threading.Event, threading.Event] | None = None,
+):
     """A server's completion call (:data:`~rlwire.trainer.rollout.chains.Complete`) sampled
     from ``model`` (no end-of-sequence token: every call returns what it was asked); it
-    counts the calls in flight in ``active[0]`` and logs each one's ``request_id`` as it ends."""
+    counts the calls in flight in ``active[0]`` and logs each one's ``request_id`` as it ends.
+    ``slow``: (``started``, ``release``): request ``slow``'s first call sets ``started`` and
+    answers only once ``release`` is set."""
 
     def complete(context, max_tokens, seed, request):
         with gate:
             active[0] += 1
         try:
-            if request.request_id == "slow" and "slow" not in log:
-                time.sleep(1.0)  # its first call only
+            if slow is not None and request.request_id == "slow" and "slow" not in log:
+                started, release = slow
+                started.set()
+                assert release.wait(60), "the slow call was never released"
             gen = torch.Generator().manual_seed(seed)
             ids, tokens, logprobs = list(context), [], []
             with torch.no_grad():
@@ -331,13 +341,15 @@ def test_server_chains_hold_a_commit_until_no_call_is_in_flight_and_stamp_exact_
 
 
 def test_a_slow_server_call_holds_back_no_other_request(tiny):
-    """One request's first call takes 1 s; the others, in flight beside it, end first."""
+    """One request's first call does not answer until the others ended: they end all the
+    same, while it is in flight."""
     from rlwire.trainer.config.root import load_config
     from rlwire.trainer.rollout.chains import chain_core
 
     model, tokenizer = tiny
     log: list = []
-    complete = _model_call(model, log, threading.Lock(), [0])
+    started, release = threading.Event(), threading.Event()
+    complete = _model_call(model, log, threading.Lock(), [0], slow=(started, release))
     config = load_config(
         overrides=["async.partial_rollout=true", "async.partial_rollout_chunk_tokens=2"]
     )
@@ -348,8 +360,12 @@ def test_a_slow_server_call_holds_back_no_other_request(tiny):
         for i, r in enumerate(rows)
     ]
     futures = core.submit_all(requests)
-    wait_all(futures[1:], 30, "test")
-    assert not futures[0].done()  # the others ended while the slow one's first call ran
+    try:
+        assert started.wait(30), "the slow request's first call never started"
+        wait_all(futures[1:], 30, "the requests beside the held call")
+        assert not futures[0].done()  # the others ended while the slow one's first call ran
+    finally:
+        release.set()
     assert len(futures[0].result(30).token_ids) == 4
     assert log.index("slow") > max(log.index(f"r{i}") for i in (1, 2, 3))
     core.close()
@@ -378,13 +394,13 @@ def test_a_lost_engine_fails_its_requests_at_once_and_refuses_more():
         assert started.acquire(timeout=30)
     commit = core.call(lambda: 1)
     lost = EngineLost("vllm_server http://x: no answer to /health for 6 s", 0)
-    began = time.monotonic()
     core.fail(lost)
+    # at once: all resolved when fail returns, while the calls still hang (not released)
+    assert all(future.done() for future in [*futures, commit])
     for future in [*futures, commit]:
         with pytest.raises(EngineLost) as err:
-            future.result(timeout=5)
+            future.result(timeout=0)
         assert err.value is lost
-    assert time.monotonic() - began < 5  # not the calls' 60 s
     with pytest.raises(EngineLost):
         core.submit(Request((1,), 1, 1.0, seed=9))
     release.set()  # the hung calls answer now: nothing raises in the core's thread

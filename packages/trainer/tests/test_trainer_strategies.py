@@ -3,15 +3,9 @@ bfloat16 weights; hybrid engines = rollout workers; two nodes."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import FSDP2_REFERENCE  # noqa: E402
-from trainer_cli import train_cli  # noqa: E402
+from trainer_cli import FSDP2_REFERENCE, train_cli  # this folder: pytest puts it on sys.path
 
 
 @pytest.mark.floor

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from test_trainer_vllm_http import HeldRoutes
 from vllm_stand_in import StandIn
 
 from rlwire.trainer.rollout import EngineLost
@@ -107,43 +108,44 @@ def test_the_watchdog_stops_its_server_when_its_parent_exits(tmp_path):
         time.sleep(0.1)
 
 
-def _stuck(seconds: float) -> StandIn:
-    """A server that answers ``/health`` and the other routes at once, but
-    ``/update_weights`` only after ``seconds``."""
+def _routes() -> dict:
+    """A server's routes, all answered at once."""
     versions = {"results": [{"held": None, "staged": 5, "rlwire": True}]}
-    return StandIn(
-        {
-            "/health": (200, {}),
-            "/start_weight_update": (200, {}),
-            "/update_weights": (200, {}, seconds),
-            "/collective_rpc": (200, versions),
-            "/init_weight_transfer_engine": (200, {}),
-        }
-    )
+    return {
+        "/health": (200, {}),
+        "/start_weight_update": (200, {}),
+        "/update_weights": (200, {}),
+        "/collective_rpc": (200, versions),
+        "/init_weight_transfer_engine": (200, {}),
+    }
 
 
 def test_an_update_the_server_never_answers_is_lost_after_its_bound():
-    """``/health`` answers all along, ``/update_weights`` not within ``update_timeout``: the
-    server is lost (naming the route and the bound), and the call's thread ends too."""
-    stuck = _stuck(6.0)
+    """``/health`` answers all along, ``/update_weights`` not while the test looks (its answer
+    is held back): after ``update_timeout`` the server is lost (naming the route and the
+    bound), and the call's thread ends too, by its own deadline, not by an answer."""
+    routes = HeldRoutes(_routes(), held="/update_weights")
+    stuck = StandIn(routes)
     try:
         client = VLLMServer(stuck.url, timeout=5, index=2)
         assert client.update_timeout == 2 * 300 + 30  # the library's ckpt_engine.timeout
         client.update_timeout = 1.0
-        began = time.monotonic()
+        before = set(threading.enumerate())
         with pytest.raises(EngineLost, match=r"no answer to /update_weights within 1 s") as lost:
             client.receive_update(poll=0.25)
-        assert lost.value.index == 2 and time.monotonic() - began < 3
-        calls = [t for t in threading.enumerate() if t.name == "rlwire-vllm-update"]
+        assert lost.value.index == 2
+        assert routes.asked.wait(30), "/update_weights was never asked"
+        calls = [t for t in set(threading.enumerate()) - before if t.name == "rlwire-vllm-update"]
         for call in calls:
-            call.join(timeout=3)  # its own deadline: it does not wait for the answer
-        assert not any(call.is_alive() for call in calls)
+            call.join(timeout=30)  # its own deadline (1 s): the answer is still held back
+        assert len(calls) == 1 and not calls[0].is_alive()
     finally:
+        routes.released.set()
         stuck.close()
 
 
 def test_the_update_bound_follows_the_checkpoint_engines_timeout():
-    stuck = _stuck(0.0)
+    stuck = StandIn(_routes())
     try:
         client = VLLMServer(stuck.url, timeout=5)
         client.init_weight_transfer(

@@ -19,6 +19,22 @@ from rlwire.trainer.rollout.vllm_http import GUARD, SERVER_FLAGS, VLLMServer
 from rlwire.trainer.rollout.vllm_process import ServerProcess, server_command
 
 
+class HeldRoutes(dict):
+    """:class:`StandIn` routes of which ``held`` answers only once ``released`` is set (an
+    update that lasts until the test lets it end), at most 60 s; ``asked`` is set once
+    ``held`` was asked."""
+
+    def __init__(self, routes: dict, held: str) -> None:
+        super().__init__(routes)
+        self.held, self.asked, self.released = held, threading.Event(), threading.Event()
+
+    def get(self, path, default=None):
+        if path == self.held:
+            self.asked.set()
+            self.released.wait(60)
+        return super().get(path, default)
+
+
 @pytest.fixture
 def fake():
     servers = []
@@ -149,24 +165,29 @@ def test_an_update_longer_than_request_timeout_is_received_while_the_server_answ
 
 def test_an_update_fails_naming_the_server_once_it_stops_answering_health(fake):
     """A server that leaves ``/health`` unanswered for ``health_timeout`` during an update
-    is lost (:class:`EngineLost`, naming it and the setting), not waited for."""
+    is lost (:class:`EngineLost`, naming it and the setting), not waited for: the update's
+    answer is held back until the loss was raised, and the call it left still waits then."""
     from rlwire.trainer.rollout import EngineLost
 
-    routes = {
-        "/health": (503, {}),
-        "/start_weight_update": (200, {}),
-        "/update_weights": (200, {}, 3.0),
-    }
+    routes = HeldRoutes(
+        {"/health": (503, {}), "/start_weight_update": (200, {}), "/update_weights": (200, {})},
+        held="/update_weights",
+    )
     server = fake(routes)
     client = VLLMServer(server.url, timeout=30, health_timeout=1.0, index=3)
-    began = time.monotonic()
-    with pytest.raises(EngineLost, match=r"no answer to /health for \d+ s while it received an "
-                       r"update \(rollout.vllm.health_timeout: 1 s\)") as lost:  # fmt: skip
-        client.receive_update(poll=0.25)
-    assert lost.value.index == 3 and time.monotonic() - began < 2.5
-    for call in threading.enumerate():  # the call it left: ends when the stand-in answers
-        if call.name == "rlwire-vllm-update":
-            call.join(timeout=30)
+    before = set(threading.enumerate())
+    try:
+        with pytest.raises(EngineLost, match=r"no answer to /health for \d+ s while it received "
+                           r"an update \(rollout.vllm.health_timeout: 1 s\)") as lost:  # fmt: skip
+            client.receive_update(poll=0.25)
+        assert lost.value.index == 3
+        assert routes.asked.wait(30), "/update_weights was never asked"
+        calls = [t for t in set(threading.enumerate()) - before if t.name == "rlwire-vllm-update"]
+        assert len(calls) == 1 and calls[0].is_alive()  # still waiting for the answer
+    finally:
+        routes.released.set()
+    calls[0].join(timeout=30)  # the call it left: ends now that the stand-in answers
+    assert not calls[0].is_alive()
 
 
 @pytest.mark.parametrize(

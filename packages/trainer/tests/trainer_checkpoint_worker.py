@@ -77,9 +77,12 @@ def _full(engine, case: str) -> dict[str, torch.Tensor]:
     return flat
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(*, init_method: str = "env://") -> None:
+    """``init_method``: where the ranks meet (torchrun's variables by default;
+    ``reshard.run_script`` passes a file); the rank and world size are torchrun's variables
+    either way."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     action, root, cases = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     model = root / "tiny"
     if rank == 0:

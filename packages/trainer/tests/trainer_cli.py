@@ -10,6 +10,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The FSDP2 run that the other strategies are compared with (FSDP1 in
+# test_trainer_strategies.py, Megatron in test_trainer_megatron.py; conftest.py's
+# ``fsdp2_reference_run`` runs it once per session). Two rollout engines, one per rank: the
+# hybrid engine (each rank's own process), which test_trainer_strategies.py compares with
+# rollout workers of their own. Here, not in conftest.py: a test module that imported it
+# from ``conftest`` got whichever conftest pytest imported last (every package's tests have
+# one).
+FSDP2_REFERENCE = (
+    "actor.world_size=2",
+    "rollout.num_workers=2",
+    "actor.optim.grad_clip=0.5",
+    "ckpt_engine.digest=true",
+    "trainer.save_every=1",
+)
+
 
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

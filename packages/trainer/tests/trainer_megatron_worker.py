@@ -48,8 +48,12 @@ CASES = [
 ]
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
+def main(*, init_method: str = "env://") -> None:
+    """``init_method``: where the ranks meet (torchrun's variables by default;
+    ``reshard.run_script`` passes a file); the rank and world size are torchrun's variables
+    either way."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     out = Path(sys.argv[1])
     path = out.parent / "tiny"
     if dist.get_rank() == 0:

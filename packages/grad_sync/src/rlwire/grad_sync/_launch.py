@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -19,35 +18,27 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
 
-__all__ = ["exit_without_finalizing", "free_port", "spawn"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+__all__ = ["exit_without_finalizing", "spawn"]
 
 
 def _entry(
     rank: int,
     fn: Callable[..., Any],
     world_size: int,
-    port: int,
     timeout: float,
     out_dir: str,
     threads: int,
     device: str,
     args: tuple[Any, ...],
 ) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    # The ranks meet through a file in the run's own folder (a FileStore): no port to pick,
+    # so none that another process can take between the pick and rank 0's bind.
     dist.init_process_group(
         "nccl" if device == "cuda" else "gloo",
+        init_method=f"file://{os.path.join(out_dir, 'store')}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout),
@@ -90,7 +81,7 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
 
-    Each process joins a group on a free port (the default group, which ``fn`` may use
+    Each process joins a group met through a file (the default group, which ``fn`` may use
     freely): gloo, or with ``device="cuda"`` NCCL, rank ``r`` on GPU ``r`` (modulo the
     GPUs there are; NCCL refuses two ranks on one GPU). ``fn`` must be importable by
     module name. ``start_method``: ``"spawn"`` (a fresh interpreter per rank) or
@@ -110,7 +101,7 @@ def spawn(
         # With join=False, start_processes returns the ProcessContext to poll.
         ctx: ProcessContext = start_processes(  # type: ignore[no-untyped-call]  # torch: untyped
             _entry,
-            args=(fn, world_size, free_port(), timeout, out_dir, threads, device, args),
+            args=(fn, world_size, timeout, out_dir, threads, device, args),
             nprocs=world_size,
             join=False,
             start_method=start_method,

@@ -47,7 +47,7 @@ class OptimConfig:
     samples were drawn moved the policy by more than this many nats per response
     (``kl_behaviour_proximal`` x ``response_length``, over the whole batch): there one-step
     stale gradients at the full step overshoot, and token-level importance weights do not
-    see a shift of the whole response (measured: docs/trainer/modes.md). 0: on every stale
+    see a shift of the whole response (measured: docs/results/modes-lock-step.md). 0: on every stale
     batch; null: never. ``lr_scale`` in the metrics shows each step's factor on ``lr``
     (this one times the schedule's); colocated updates (lag 0) are never scaled."""
 
@@ -162,7 +162,7 @@ class ActorConfig:
     most micro-batches any rank needs (one all-reduce per mini-batch). Less padding is
     computed when lengths vary; the rows of a micro-batch are mixed long and short to balance
     the counts, so without ``use_remove_padding`` much padding remains and the gain is small
-    (measured: docs/trainer/algorithms.md). False: ``micro_batch_size`` rows each, padded to the
+    (measured: docs/results/algorithms.md). False: ``micro_batch_size`` rows each, padded to the
     mini-batch's longest prompt and response."""
     ppo_max_token_len_per_gpu: int = 16384
     """Real tokens per micro-batch on one rank with ``use_dynamic_bsz`` (verl's key and

@@ -86,7 +86,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
 """Named jobs (``rlwire-train --preset NAME``): overrides applied over the defaults, before
 a config file and the command line's own. ``realistic``: the ``count`` task (response
 lengths with a long tail) at a learning rate where one update moves the policy about as
-far per token as a real LLM run's (docs/trainer/modes.md, "Realistic-regime job").
+far per token as a real LLM run's (docs/results/modes.md, "The realistic preset").
 ``qwen2.5-0.5b``: a real small model on one GPU (Qwen2.5-0.5B-Instruct from the Hub, in
 bfloat16, verl's GSM8K GRPO settings: lr 1e-6 after 10 warm-up steps, 64 prompts x 5
 samples a step in mini-batches of 32, responses up to 512 tokens, vLLM rollout); give it

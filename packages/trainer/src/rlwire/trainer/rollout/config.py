@@ -112,7 +112,7 @@ class RolloutConfig:
     vllm: VLLMSection = dataclasses.field(default_factory=VLLMSection)
     server_urls: list[str] | None = None
     """``vllm_server``: running servers, one per rollout worker (``http://host:port``;
-    started with the flags docs/trainer/rollout-backends.md names). None: each rollout
+    started with the flags docs/trainer/vllm-server.md names). None: each rollout
     worker starts one on its node."""
     max_num_seqs: int = 256
     """Requests (samples, or model turns of conversations) an engine decodes together at
