@@ -251,3 +251,55 @@ def test_fsdp2_sends_in_the_engines_dtype_and_the_engine_digests_alike(
     engine.load_state_dict(sent)
     assert weights_digest(engine.state_dict().items()) == weights_digest(sent.items())
     assert weights_digest(sent.items()) != weights_digest(held.items())  # fp32 values differ
+
+
+def test_the_parts_name_the_first_tensor_that_differs():
+    from rlwire.trainer.rollout.digest import digest_of_parts, first_difference
+
+    weights = {"b": torch.arange(6.0).view(2, 3), "a": torch.ones(5), "c": torch.zeros(4)}
+    parts = WeightsDigest()
+    for name, tensor in weights.items():
+        parts.add(name, tensor)
+    ours = parts.parts()
+    assert sorted(ours) == ["a", "b", "c"] and ours["b"].startswith("[2, 3]:")
+    assert digest_of_parts(ours) == parts.hexdigest() == weights_digest(weights.items())
+    changed = dict(weights, c=torch.tensor([0.0, 0.0, 1e-7, 0.0]), b=weights["b"] + 1)
+    theirs = WeightsDigest()
+    for name, tensor in changed.items():
+        theirs.add(name, tensor)
+    assert first_difference(ours, theirs.parts()) == "b"  # the first, sorted, of b and c
+    assert first_difference(ours, ours) is None
+    assert first_difference(ours, {k: v for k, v in ours.items() if k != "a"}) == "a"
+
+
+def test_the_weight_check_stops_at_an_engine_that_differs_and_says_once_of_one_without(
+    caplog,
+):
+    from rlwire.trainer.errors import RunError
+    from rlwire.trainer.runtime.weight_check import WeightCheck
+
+    sent = {"a": "[1]:00", "b": "[1]:01"}
+    digest = "d" * 64
+    check = WeightCheck()
+    agree = {"digest": digest, "digest_parts": sent, "pulls": [{"worker": 0, "digest": digest}]}
+    check(agree, 3)  # equal: nothing
+    check({"digest": None, "pulls": [{"worker": 0, "digest": None}]}, 3)  # digests off
+    blind = {"digest": digest, "digest_parts": sent, "pulls": [{"worker": 1, "digest": None}]}
+    with caplog.at_level("WARNING"):
+        check(blind, 3)
+        check(blind, 4)
+    said = [r.getMessage() for r in caplog.records if "gives no digest" in r.getMessage()]
+    assert said == [
+        "ckpt_engine.digest: rollout worker 1's engine gives no digest of its weights; its "
+        "updates are not compared"
+    ]
+    held = {"worker": 2, "digest": "e" * 64, "digest_parts": {"a": "[1]:00", "b": "[1]:02"}}
+    with pytest.raises(RunError) as err:
+        check({"digest": digest, "digest_parts": sent, "pulls": [agree["pulls"][0], held]}, 5)
+    assert str(err.value) == (
+        "ckpt_engine.digest: after the sync of weight version 5, rollout worker 2's engine "
+        "holds other weights than the actor sent (digest eeeeeeeeeeee against dddddddddddd; "
+        "first differing tensor: b)"
+    )
+    with pytest.raises(RunError, match="the engine gives no per-tensor digests to name a"):
+        check({"digest": digest, "pulls": [{"worker": 0, "digest": "e" * 64}]}, 6)

@@ -50,6 +50,20 @@ PLUGIN = textwrap.dedent(
             count("rollout.close")
 
 
+    class CorruptingRollout(HFEngine):  # holds other weights than sent from its 2nd update
+        applied = 0
+
+        async def apply(self, engine):
+            version = await super().apply(engine)
+            self.applied += 1
+            if self.applied == 2:
+                import torch
+
+                with torch.no_grad():
+                    dict(self.model.named_parameters())["model.norm.weight"].add_(1e-3)
+            return version
+
+
     class NotAnEngine:  # importable, but not a RolloutEngine: the config must refuse it
         name = "not-an-engine"
     """
@@ -90,6 +104,34 @@ def test_third_party_engines_run_two_steps(plugin, tmp_path, monkeypatch):
         "rollout.generate": 2,
         "rollout.close": 1,  # its finalizer ran: the job closed it before ray.kill
     }
+
+
+@pytest.mark.job  # an embedded cluster: its workers inherit PYTHONPATH
+def test_an_engine_holding_other_weights_than_sent_stops_the_run_at_that_sync(
+    plugin, tmp_path, monkeypatch
+):
+    """``ckpt_engine.digest``: every engine's weights are compared with the actor's after
+    each sync; an engine whose weights differ after its second update (the sync of version
+    1, after step 1) stops the run there, naming the worker and the tensor, not at the end
+    of a run trained on another policy's samples."""
+    from trainer_cli import metrics, run_cli
+
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(plugin), os.environ.get("PYTHONPATH", "")])
+    )
+    run = tmp_path / "run"
+    code, out = run_cli(
+        run, "rollout.backend=my_engines:CorruptingRollout", "trainer.steps=3",
+        "ckpt_engine.digest=true",
+    )  # fmt: skip
+    assert code == 2, out[-4000:]
+    assert (
+        "ckpt_engine.digest: after the sync of weight version 1, rollout worker 0's engine "
+        "holds other weights than the actor sent"
+    ) in out, out[-4000:]
+    assert "first differing tensor: model.norm.weight)" in out, out[-4000:]
+    # step 1's record is written after its sync: none was
+    assert not (run / "metrics.jsonl").exists() or metrics(run) == []
 
 
 def test_bad_dotted_paths_are_refused_when_the_config_loads(plugin):

@@ -130,9 +130,12 @@ class CheckpointEngineConfig:
     digest: bool = False
     """After every sync, digest the weights on the sending and on each receiving side
     (:class:`~rlwire.trainer.rollout.WeightsDigest`: integer fingerprints of the fp32 values
-    reduced on the tensors' own device, one read-back per side; ``hf`` backend) and record
-    both in the metrics. Costs one pass over the weights per side (about a device copy's
-    time); for checking that updates really arrive."""
+    reduced on the tensors' own device, one read-back per side; ``hf`` backend), record
+    both in the metrics and compare them: an engine holding other weights than the actor
+    sent stops the run at that sync, naming the version, the rollout worker and the first
+    tensor that differs (an engine that gives no digest, vLLM's, is said once). Costs one
+    pass over the weights per side (about a device copy's time); for checking that updates
+    really arrive."""
 
     def __post_init__(self) -> None:
         try:

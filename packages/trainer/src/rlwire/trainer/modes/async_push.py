@@ -94,7 +94,8 @@ class Pushes:
                 f"weight sync: the rollout workers did not reach a boundary to take version "
                 f"{version} within {self.wait_s:g} s (async.sample_timeout)"
             )
-        return self.job.sync_report(pushes, [p for p in pulls if p])  # a dead worker's left out
+        live = [p for p in pulls if p]  # a dead worker's left out
+        return self.job.sync_report(pushes, live, version)
 
     def drop(self) -> None:
         """Forget every call (the run ends: no reference to a Ray object is kept)."""

@@ -194,7 +194,16 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def digest(self) -> str | None:
-        """A digest of the weights held now (``rlwire.trainer.rollout.weights_digest``)."""
+        """A digest of the weights held now (``rlwire.trainer.rollout.weights_digest``), or
+        None for an engine that cannot give one (``ckpt_engine.digest`` then says so once)."""
+
+    def digest_parts(self) -> dict[str, str] | None:
+        """The weights held now, tensor by tensor
+        (``rlwire.trainer.rollout.digest.weights_digest_parts``), whose
+        :func:`~.digest.digest_of_parts` is :meth:`digest`: what lets a run whose engine
+        holds other weights than the actor sent name the first tensor that differs. None
+        (the default): only :meth:`digest` is compared."""
+        return None
 
 
 class SleepingRolloutEngine(RolloutEngine):

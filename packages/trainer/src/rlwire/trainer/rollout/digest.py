@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["WeightsDigest", "weights_digest"]
+__all__ = [
+    "WeightsDigest",
+    "digest_of_parts",
+    "first_difference",
+    "weights_digest",
+    "weights_digest_parts",
+]
 
 
 _ROW = 4096
@@ -141,31 +147,55 @@ class WeightsDigest:
         added under a name)."""
         return {name: fingerprint for name, _, fingerprint in self._parts}
 
-    def hexdigest(self) -> str:
-        """SHA-256 over every ``(name, shape, fingerprint)``, sorted: the only wait, one
-        copy to the host per device."""
-        import hashlib
-
+    def parts(self) -> dict[str, str]:
+        """Each name's ``"[shape]:fingerprint"`` (hex): the only wait, one copy to the host
+        per device. What :meth:`hexdigest` hashes, and what names the first tensor two
+        digests disagree on (:func:`first_difference`)."""
         values: list[list[int]] = [[] for _ in self._parts]
         for device in {f.device for _, _, f in self._parts}:
             mine = [i for i, (_, _, f) in enumerate(self._parts) if f.device == device]
             host = torch.stack([self._parts[i][2] for i in mine]).cpu().tolist()
             for i, lanes in zip(mine, host, strict=True):
                 values[i] = lanes
-        lines = sorted(
-            f"{name}:{list(shape)}:" + "".join(f"{v & (1 << 64) - 1:016x}" for v in lanes)
+        return {
+            name: f"{list(shape)}:" + "".join(f"{v & (1 << 64) - 1:016x}" for v in lanes)
             for (name, shape, _), lanes in zip(self._parts, values, strict=True)
-        )
-        whole = hashlib.sha256()
-        for line in lines:
-            whole.update(f"{line};".encode())
-        return whole.hexdigest()
+        }
+
+    def hexdigest(self) -> str:
+        """SHA-256 over every ``(name, shape, fingerprint)``, sorted (:func:`digest_of_parts`
+        of :meth:`parts`)."""
+        return digest_of_parts(self.parts())
+
+
+def digest_of_parts(parts: dict[str, str]) -> str:
+    """The digest of :meth:`WeightsDigest.parts`: SHA-256 over ``name:part;``, sorted."""
+    import hashlib
+
+    whole = hashlib.sha256()
+    for line in sorted(f"{name}:{part}" for name, part in parts.items()):
+        whole.update(f"{line};".encode())
+    return whole.hexdigest()
+
+
+def first_difference(ours: dict[str, str], theirs: dict[str, str]) -> str | None:
+    """The first name, in sorted order, whose part differs between two
+    :meth:`WeightsDigest.parts` (or that one of them lacks), or None when they agree."""
+    for name in sorted(ours.keys() | theirs.keys()):
+        if ours.get(name) != theirs.get(name):
+            return name
+    return None
 
 
 def weights_digest(items) -> str:
     """The :class:`WeightsDigest` of ``(name, tensor)`` pairs: what every rollout engine's
     ``digest`` and the actor's push compute, so that they compare equal."""
+    return digest_of_parts(weights_digest_parts(items))
+
+
+def weights_digest_parts(items) -> dict[str, str]:
+    """:meth:`WeightsDigest.parts` of ``(name, tensor)`` pairs."""
     digest = WeightsDigest()
     for name, tensor in items:
         digest.add(name, tensor)
-    return digest.hexdigest()
+    return digest.parts()

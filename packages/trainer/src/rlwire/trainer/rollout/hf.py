@@ -14,7 +14,7 @@ from ..models import lora
 from ..models.modeling import load_hf_model
 from .base import RequestsEngine, StagingRolloutEngine
 from .common import Rollout
-from .digest import weights_digest
+from .digest import digest_of_parts, weights_digest_parts
 from .hf_batch import HFBatch
 from .requests import EngineCore
 
@@ -268,9 +268,12 @@ class HFEngine(RequestsEngine, StagingRolloutEngine):
         return commit
 
     def digest(self) -> str | None:
+        return digest_of_parts(self.digest_parts())
+
+    def digest_parts(self) -> dict[str, str]:
         if self.adapter is not None:  # what syncs carry
-            return weights_digest(self.adapter.items())
-        return weights_digest(self.model.state_dict().items())
+            return weights_digest_parts(self.adapter.items())
+        return weights_digest_parts(self.model.state_dict().items())
 
     def start(self, prompts: list[str]) -> Rollout:
         return hf_start(self.tokenizer, prompts, self.config.rollout.n)

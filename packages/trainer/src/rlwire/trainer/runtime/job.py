@@ -38,6 +38,7 @@ from .rollout_worker import RolloutWorker
 from .senders import merge_reports
 from .skipped_steps import SkippedSteps
 from .waits import CLOSE_TIMEOUT, RolloutLost, close_workers
+from .weight_check import WeightCheck
 from .workers import ActorWorker
 
 __all__ = ["Job"]
@@ -98,6 +99,7 @@ class Job(JobStart):
         self.members = list(range(len(self.rollouts)))
         """The rollout workers in the checkpoint engine's group, by rank (:mod:`.healing`)."""
         self.fleet = Fleet(self, rollout_worker)
+        self.check_weights = WeightCheck()
         self.setup_lost = self.fleet.replace
         # every worker process once
         self.processes = self.actors if self.hybrid else [*self.actors, *self.rollouts]
@@ -135,17 +137,22 @@ class Job(JobStart):
                 self.settle(refs, lost)  # while the replacement loads
                 return self.start_sync(version)()
             if self.hybrid:
-                return {**merge_reports(reports), "pulls": [r["pull"] for r in reports]}
-            return self.sync_report(reports[: len(self.actors)], reports[len(self.actors) :])
+                report = {**merge_reports(reports), "pulls": [r["pull"] for r in reports]}
+                self.check_weights(report, version)
+                return report
+            pushes, pulls = reports[: len(self.actors)], reports[len(self.actors) :]
+            return self.sync_report(pushes, pulls, version)
 
         return done
 
     _delta_reason: str | None = None
     """The last reason ``ckpt_engine.delta=auto`` gave for sending dense (logged once)."""
 
-    def sync_report(self, pushes: list[dict], pulls: list[dict]) -> dict[str, Any]:
-        """The actor ranks' push reports as one (:func:`~.senders.merge_reports`), with each
-        rollout worker's pull report (``pulls``); where a pull names the processes whose
+    def sync_report(self, pushes: list[dict], pulls: list[dict], version: int) -> dict[str, Any]:
+        """The actor ranks' push reports of ``version`` as one (:func:`~.senders.merge_reports`),
+        with each rollout worker's pull report (``pulls``), compared with the actor's when
+        they carry digests (:class:`~.weight_check.WeightCheck`: a RunError when an engine's
+        differ); where a pull names the processes whose
         shared memory it read from (``source_pids``), ``weight_sources``: the actor ranks
         they are, by pull. Why ``ckpt_engine.delta=auto`` sends dense is logged once per
         reason, not recorded per step: a re-formed group (a healed worker) decides afresh,
@@ -160,6 +167,7 @@ class Job(JobStart):
             report["weight_sources"] = [
                 sorted(ranks.get(pid, -1) for pid in p["source_pids"]) for p in pulls
             ]
+        self.check_weights(report, version)
         return report
 
     def abort_push(self, lost: RolloutLost) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from ..config.root import TrainerConfig
 from ..rollout import WeightsDigest, rollout_engine_class
+from ..rollout.digest import digest_of_parts
 from .background import Background, idle_budget
 from .shard_deltas import ShardDeltas
 from .worker_process import host
@@ -350,5 +351,14 @@ def _report(stats, export_s: float, digest: WeightsDigest | None) -> dict[str, A
         "weight_sync_wire_bytes": stats.wire_bytes,
         "weight_sync_delta_density": stats.density,
         "weight_sync_delta_reason": stats.delta_reason,
-        "digest": digest.hexdigest() if digest is not None else None,
+        **_digest_fields(digest),
     }
+
+
+def _digest_fields(digest: WeightsDigest | None) -> dict[str, Any]:
+    """The digest of what was sent and its parts, tensor by tensor (what the job compares
+    with each engine's: :meth:`~..runtime.job.Job.check_weights`)."""
+    if digest is None:
+        return {"digest": None}
+    parts = digest.parts()
+    return {"digest": digest_of_parts(parts), "digest_parts": parts}

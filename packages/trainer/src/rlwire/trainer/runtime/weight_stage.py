@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..config.root import TrainerConfig
 from ..rollout import RolloutEngine, StagingRolloutEngine
+from ..rollout.digest import digest_of_parts
 from .background import idle_budget, wait_moving
 
 __all__ = ["WeightStage"]
@@ -128,12 +129,16 @@ class WeightStage:
         (:func:`rlwire.ckpt_engine.mapped_segment_owners`; None off ``shm`` or ``/proc``),
         so that a run can show which actor rank each engine received from."""
         if not self.config.ckpt_engine.digest:
-            return {"version": self.version, "digest": None}
+            return {"version": self.version, "worker": self.index, "digest": None}
         from rlwire.ckpt_engine import mapped_segment_owners
 
         owners = mapped_segment_owners() if self.config.ckpt_engine.backend == "shm" else None
+        engine = self._loaded()
+        parts = engine.digest_parts()  # one pass: the digest is theirs, hashed
         return {
             "version": self.version,
-            "digest": self._loaded().digest(),
+            "worker": self.index,
+            "digest": engine.digest() if parts is None else digest_of_parts(parts),
+            "digest_parts": parts,
             "source_pids": None if owners is None else sorted(owners),
         }
