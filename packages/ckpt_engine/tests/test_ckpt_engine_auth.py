@@ -182,7 +182,9 @@ def test_cuda_ipc_handles_travel_as_json_and_rebuild_with_torchs_arguments(monke
     assert rebuilt == [args[:6] + (5,) + args[7:]]  # the device is this process's index
     with pytest.raises(CheckpointEngineError, match=r"^cuda_ipc: a slot handle is malformed"):
         _cuda_ipc._import(json.dumps({**plain, "handle": "not base64!"}), 0)
-    with pytest.raises(CheckpointEngineError, match=r"^unknown dtype 'Tensor' in bucket"):
+    with pytest.raises(
+        CheckpointEngineError, match=r"^cuda_ipc: a slot handle: dtype 'Tensor' is not"
+    ):
         _cuda_ipc._import(json.dumps({**plain, "dtype": "Tensor"}), 0)
     monkeypatch.setattr(
         reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, (nn.Parameter,))

@@ -218,3 +218,43 @@ def test_a_receivers_stray_write_into_an_arena_kills_it_instead_of_changing_the_
     )
     assert done.stdout.splitlines() == ["received 64.0"], (done.stdout, done.stderr[-2000:])
     assert done.returncode == -signal.SIGSEGV, done.stderr[-2000:]
+
+
+def test_receivers_map_the_bucket_slots_read_only_and_receive_through_them():
+    """A receiver's view of the master's two bucket slots is a read-only shared mapping, as
+    its arenas' are (issue 70, item 6; before: read-write, so a receiver's stray write
+    changed the bucket every other receiver reads); the master's own is read-write (it
+    packs into them). Nothing on the receive path writes a slot (a write would fault here):
+    checksummed dense updates of tensors split over buckets, as views (``copy=False``) and
+    staged, then delta updates, arrive bit for bit."""
+    from rlwire.ckpt_engine import apply_to_module
+
+    torch.manual_seed(0)
+    sent = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7)).bfloat16()
+    held = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 7)).bfloat16()
+    tx, rx, _ = joined_pair(timeout=20, checksum=True, sender={"delta": "on"})
+
+    async def run() -> list:
+        staging, version, bases = {}, None, []
+        for v in range(1, 4):
+            with torch.no_grad():
+                for p in sent.parameters():
+                    p[torch.rand(p.shape) < 0.05] += 1
+            stats, version = await asyncio.gather(
+                tx.send_weights(list(sent.state_dict().items()), version=v),
+                apply_to_module(held, rx, atomic=v > 1, staging=staging, version=version),
+            )
+            for (name, a), b in zip(
+                sent.state_dict().items(), held.state_dict().values(), strict=True
+            ):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (v, name)
+            bases.append(stats.base)
+        return bases
+
+    try:
+        assert [_permissions(s) for s in rx.slots] == ["r--s", "r--s"]
+        assert [_permissions(s) for s in tx.slots] == ["rw-s", "rw-s"]
+        assert asyncio.run(run()) == [None, 1, 2]  # a dense update, then deltas
+    finally:
+        tx.finalize()
+        rx.finalize()

@@ -217,3 +217,52 @@ def test_bad_token_ids_and_a_prompt_past_the_context_are_refused_before_the_engi
             asyncio.run(endpoint._sample(session, prompt, {}))
         assert err.value.status == 400 and err.value.message.startswith(message)
     assert asked == []
+
+
+def test_a_token_id_past_the_models_vocabulary_is_refused_though_the_tokenizer_has_it():
+    """Ids lie below the smaller of the tokenizer's length and the model's vocabulary (issue
+    70, item 6; before: the tokenizer's length alone, so an added token the model has no
+    embedding row for reached the engine: on CUDA a device-side assert in a shared batch)."""
+    from rlwire.trainer.agent.endpoint import _Refused
+
+    def submit(request):
+        raise AssertionError("the engine must not see it")
+
+    tokenizer = build_lookup_tokenizer()
+    model = len(tokenizer) - 2  # two added tokens past the model's embedding
+    endpoint = Endpoint(submit, tokenizer, HermesParser(), temperature=1.0, max_new_tokens=8,
+                        timeout=1, vocabulary=model)  # type: ignore[arg-type]  # fmt: skip
+    session = endpoint.sessions.open(seed=0)
+    for bad in (model, len(tokenizer) - 1):
+        with pytest.raises(_Refused) as err:
+            asyncio.run(endpoint._sample(session, [5, bad], {}))
+        assert err.value.status == 400
+        assert err.value.message == (
+            f"prompt: token id {bad} is outside the vocabulary (0 to {model - 1})"
+        )
+    # a model that pads its embedding past the tokenizer: the tokenizer's ids bound them
+    padded = Endpoint(None, tokenizer, HermesParser(), temperature=1.0, max_new_tokens=8,
+                      timeout=1, vocabulary=len(tokenizer) + 64)  # type: ignore[arg-type]  # fmt: skip
+    assert padded.vocabulary == len(tokenizer)
+    with pytest.raises(ValueError, match=r"vocabulary: 0; use the model's size, an int >= 1"):
+        Endpoint(None, tokenizer, HermesParser(), temperature=1.0, max_new_tokens=8, timeout=1,
+                 vocabulary=0)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_the_agent_runner_takes_the_vocabulary_from_the_engines_model():
+    """``hf``: the model's config (a multimodal one's text config); in-process ``vllm``: its
+    model config; an engine that says nothing: None (the tokenizer's length bounds ids)."""
+    import types
+
+    from transformers import PretrainedConfig
+
+    from rlwire.trainer.agent.function import engine_vocabulary
+
+    hf = types.SimpleNamespace(model=types.SimpleNamespace(config=PretrainedConfig(vocab_size=96)))
+    assert engine_vocabulary(hf) == 96
+    model_config = types.SimpleNamespace(get_vocab_size=lambda: 151936)
+    vllm = types.SimpleNamespace(
+        llm=types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=model_config))
+    )
+    assert engine_vocabulary(vllm) == 151936
+    assert engine_vocabulary(types.SimpleNamespace(submit=None)) is None

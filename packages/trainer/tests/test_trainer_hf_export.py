@@ -97,3 +97,92 @@ def test_a_lora_checkpoint_exports_merged_as_peft_merges_or_as_its_adapter(tmp_p
     base = AutoModelForCausalLM.from_pretrained(tiny_dir)
     loaded = PeftModel.from_pretrained(base, folder)
     assert torch.allclose(_logprobs(loaded, ids), want, atol=1e-5, rtol=0)
+
+
+def test_export_out_refuses_a_folder_that_is_not_an_earlier_export(tmp_path, tiny_dir, capsys):
+    """Reproduced: ``export --out DIR`` replaced DIR whole, and a file already there was
+    gone. Now a new or empty folder, or an earlier export (its marker), is written or
+    replaced; anything else is refused in one line and left as it was."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from rlwire.trainer.outputs.export import EXPORT_MARKER, marked_step
+
+    state = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
+    run = tmp_path / "run"
+    _run(run, [f"model.path={tiny_dir}"], {2: state, 4: state})
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine\n")
+    capsys.readouterr()  # transformers' progress bars
+    assert main(["export", str(run), "--out", str(kept)]) == 2
+    assert capsys.readouterr().err == (
+        f"rlwire-train: error: export: --out {kept} is not empty and holds no earlier rlwire "
+        f"export ({EXPORT_MARKER}); it would be replaced whole: give a new or empty folder, or "
+        "one an earlier `rlwire-train export` wrote\n"
+    )
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "run"]  # no staging left
+    with pytest.raises(RunError, match=r"^export: --out .*notes.txt is a file; give a new"):
+        export_run(run, out=kept / "notes.txt")
+    (tmp_path / "empty").mkdir()
+    assert export_run(run, step=2, out=tmp_path / "empty") == tmp_path / "empty"
+    out = tmp_path / "out"
+    assert export_run(run, step=2, out=out) == out  # a new folder
+    marker = {"step": 2, "run": str(run), "adapter": False}
+    assert json.loads((out / EXPORT_MARKER).read_text()) == marker
+    assert export_run(run, out=out) == out  # an earlier export: replaced by step 4's
+    assert marked_step(out) == 4
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(value, state[name]) for name, value in exported.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mine", "out", "run"]
+
+
+def test_an_export_is_written_in_a_staging_folder_of_its_own(tmp_path, tiny_dir):
+    """Exports of one folder shared ``<folder>.tmp``: each removed, and wrote into, the
+    other's half-written one (here: another export's, as it was being written). Now each
+    stages in a folder it created (``<folder>.tmp-<random>``), removed once swapped in."""
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
+    run = tmp_path / "run"
+    _run(run, [f"model.path={tiny_dir}"], {2: state})
+    other = tmp_path / "out.tmp"  # (the name every export staged in before)
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"another export's, being written")
+    assert export_run(run, out=tmp_path / "out") == tmp_path / "out"
+    assert (other / "model.safetensors").read_bytes() == b"another export's, being written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.tmp", "run"]
+
+
+def test_the_runs_own_export_removes_its_cut_off_staging_and_holds_no_marker(tmp_path, tiny_dir):
+    """``hf_model/`` as the run writes it (the sole writer, under the run's lock): staging
+    folders a cut-off export of it left are removed, nothing else; the folder holds what
+    ``save_pretrained`` writes (the marker comes after, with the step) with the mode the
+    umask gives, as a folder made in place would (``mkdtemp``'s 0700 would lock out a
+    server run by another user)."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from rlwire.trainer.models.modeling import save_hf_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    leftovers = ("hf_model.tmp", "hf_model.tmp-0123abcd", "hf_model.tmpl", "hf_models.tmp")
+    for name in leftovers:
+        (tmp_path / name).mkdir()
+    target = tmp_path / "hf_model"
+    save_hf_model(model.state_dict().items(), str(tiny_dir), target, "float32", sole_writer=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hf_model",
+        "hf_model.tmpl",
+        "hf_models.tmp",
+    ]
+    reference = tmp_path / "reference"
+    model.save_pretrained(reference)
+    __import__("transformers").AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(reference)
+    assert sorted(p.name for p in target.iterdir()) == sorted(p.name for p in reference.iterdir())
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == reference.stat().st_mode & 0o777 == 0o777 & ~umask

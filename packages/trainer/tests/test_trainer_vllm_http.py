@@ -354,3 +354,154 @@ def test_a_servers_sockets_go_in_a_private_directory_removed_with_it(tmp_path):
         assert left in swept.swept and not left.exists()
     finally:
         killed.stop()
+
+
+# --- answers bounded in size and checked in shape (issue 70, item 6) --------------------------
+
+
+def test_an_answer_longer_than_the_bound_is_refused_naming_it(fake, monkeypatch):
+    """Refused on its ``Content-Length`` before it is read, or, where it states none, once
+    more than the bound arrived (before: read whole, whatever its size)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from rlwire.trainer.rollout import vllm_http
+
+    monkeypatch.setattr(vllm_http, "MAX_ANSWER_BYTES", 1024)
+    choices = [{"index": 0, "token_ids": [1] * 300, "logprobs": {"token_logprobs": [-1.0] * 300},
+                "finish_reason": "length"}]  # fmt: skip
+    server = fake({"/v1/completions": (200, {"choices": choices})})
+    size = len(json.dumps({"choices": choices}))
+    with pytest.raises(RuntimeError) as err:
+        VLLMServer(server.url, timeout=5).complete({"prompt": [[1]]}, expected=1)
+    assert str(err.value) == (
+        f"vllm_server {server.url}: /v1/completions answered {size} bytes, more than the 1024 "
+        "an answer may hold (MAX_ANSWER_BYTES)"
+    )
+
+    class Unsized(BaseHTTPRequestHandler):  # HTTP/1.0: the body ends when the connection does
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"data": [' + b'{"id": "m"},' * 100_000 + b"]}")
+
+        def log_message(self, *args) -> None:
+            """Quiet."""
+
+    unsized = ThreadingHTTPServer(("127.0.0.1", 0), Unsized)
+    threading.Thread(target=unsized.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{unsized.server_address[1]}"
+    try:
+        with pytest.raises(RuntimeError) as err:
+            VLLMServer(url, timeout=5).check_serves("/m")
+    finally:
+        unsized.shutdown()
+        unsized.server_close()
+    assert str(err.value) == (
+        f"vllm_server {url}: /v1/models answered more than the 1024 bytes an answer may hold "
+        "(MAX_ANSWER_BYTES)"
+    )
+
+
+_MODELS_SHAPE = '{"data": [{"id": str, "root": str or null}, ...]}'
+_VERSIONS_SHAPE = (
+    '{"results": [{"rlwire": bool, "held": int or null, "staged": int or null}]} (one worker)'
+)
+_COMPLETIONS_SHAPE = (
+    '{"choices": [{"index": int, "token_ids": [int, ...], "logprobs": {"token_logprobs": '
+    '[number, ...]}, "finish_reason": str}, ...]}'
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "answer", "shape"),
+    [
+        ("/v1/models", {"data": "m"}, _MODELS_SHAPE),  # before: TypeError
+        ("/v1/models", {"data": [{"id": 5}]}, _MODELS_SHAPE),  # before: TypeError (Path(5))
+        ("/v1/models", [], _MODELS_SHAPE),  # before: TypeError
+        ("/collective_rpc", {"results": []}, _VERSIONS_SHAPE),  # before: ValueError (unpack)
+        ("/collective_rpc", {"results": [{"rlwire": True, "held": "7", "staged": None}]},
+         _VERSIONS_SHAPE),  # before: taken, "serves weights version 7"
+        ("/collective_rpc", {"results": [{"held": None, "staged": None}]},
+         _VERSIONS_SHAPE),  # before: KeyError
+    ],
+)  # fmt: skip
+def test_a_servers_answers_not_of_the_shape_read_are_refused_at_start(fake, tmp_path, path,
+                                                                       answer, shape):  # fmt: skip
+    routes = {"/v1/models": _models(str(tmp_path)), "/collective_rpc": _versions(None)}
+    server = fake({**routes, path: (200, answer)})
+    with pytest.raises(RuntimeError) as err:
+        VLLMServer(server.url, timeout=5).check_serves(str(tmp_path))
+    assert type(err.value) is RuntimeError
+    assert str(err.value) == (
+        f"vllm_server {server.url}: {path} answered {json.dumps(answer)}, not {shape}"
+    )
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"choices": {"index": 0}},  # before: TypeError
+        {"choices": [{"index": 0, "token_ids": [1], "logprobs": None, "finish_reason": "stop"}]},
+        {
+            "choices": [
+                {
+                    "index": "0",
+                    "token_ids": [1],
+                    "logprobs": {"token_logprobs": [-1.0]},
+                    "finish_reason": "stop",
+                }
+            ]
+        },  # fmt: skip
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "token_ids": ["a"],
+                    "logprobs": {"token_logprobs": [-1.0]},
+                    "finish_reason": "stop",
+                }
+            ]
+        },  # before: taken, a str as a token id  # fmt: skip
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "token_ids": [1],
+                    "logprobs": {"token_logprobs": [None]},
+                    "finish_reason": "stop",
+                }
+            ]
+        },  # before: taken, None as a log-prob  # fmt: skip
+        {"choices": [{"index": 0, "token_ids": [1], "logprobs": {"token_logprobs": [-1.0]}}]},
+    ],
+)
+def test_a_completion_not_of_the_shape_read_is_refused_naming_it(fake, answer):
+    server = fake({"/v1/completions": (200, answer)})
+    with pytest.raises(RuntimeError) as err:
+        VLLMServer(server.url, timeout=5).complete({"prompt": [[1]]}, expected=1)
+    assert type(err.value) is RuntimeError
+    shown = json.dumps(answer)
+    shown = shown if len(shown) <= 120 else shown[:117] + "..."
+    assert str(err.value) == (
+        f"vllm_server {server.url}: /v1/completions answered {shown}, not {_COMPLETIONS_SHAPE}"
+    )
+
+
+def test_an_update_whose_versions_are_not_of_the_shape_read_is_refused_naming_it(fake):
+    routes = {"/start_weight_update": (200, {}), "/update_weights": (200, {})}
+    staged = {"results": [{"held": None, "staged": "4", "rlwire": True}]}  # before: int("4")
+    server = fake({**routes, "/collective_rpc": (200, staged)})
+    with pytest.raises(RuntimeError) as err:
+        VLLMServer(server.url, timeout=5).receive_update()
+    assert str(err.value) == (
+        f"vllm_server {server.url}: /collective_rpc answered {json.dumps(staged)}, not "
+        f"{_VERSIONS_SHAPE}"
+    )
+    none = {"results": [{"held": None, "staged": None, "rlwire": True}]}  # before: int(None)
+    server = fake({**routes, "/collective_rpc": (200, none)})
+    with pytest.raises(RuntimeError) as err:
+        VLLMServer(server.url, timeout=5).receive_update()
+    assert str(err.value) == (
+        f"vllm_server {server.url}: /update_weights answered, but the server holds no received "
+        "update (rlwire_weight_versions: staged is null)"
+    )

@@ -81,7 +81,7 @@ def test_a_receive_longer_than_the_budget_that_moves_is_taken(worker):
     taken = worker._take_staged(7, IDLE_S)
     # generation stopped only for the commit, which here takes no part of the slow receive
     assert taken.pop("commit_s") < IDLE_S
-    assert taken == {"version": 7, "digest": None}
+    assert taken == {"version": 7, "worker": worker.index, "digest": None}
     staging.join(timeout=30)
     assert not staging.is_alive()
 

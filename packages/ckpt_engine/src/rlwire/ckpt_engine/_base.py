@@ -324,7 +324,10 @@ class CheckpointEngine(abc.ABC):
         engine's receive buffer, valid only until the next item is requested;
         the engine then empties that view (``set_()``), so a consumer that kept
         it sees an empty tensor instead of data a later bucket overwrote. Copy
-        what you need (``param.copy_(tensor)``) before asking for the next item.
+        what you need (``param.copy_(tensor)``) before asking for the next item,
+        and never write into such a view (``shm`` receivers map their buffers
+        read-only: a write faults; ``cuda_ipc``'s are the master's, which every
+        receiver reads).
         ``last_version`` is set once the update has been fully consumed; a
         receiver must consume the whole update.
 

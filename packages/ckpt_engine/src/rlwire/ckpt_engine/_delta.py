@@ -28,6 +28,7 @@ from collections.abc import Iterable
 import torch
 
 from . import _positions
+from ._dtypes import WIRE_DTYPES, check_dtype, checked_numel, dtype_name
 from ._errors import CheckpointEngineError
 from ._positions import _numpy, align, check_compress
 
@@ -38,6 +39,7 @@ __all__ = [
     "DeltaMirror",
     "check_delta_mode",
     "decode",
+    "delta_layout",
     "diff",
     "encode",
     "pack",
@@ -267,12 +269,13 @@ class Delta:
 def decode(
     fmt: str, changed: int, shape: tuple[int, ...], dtype: torch.dtype, payload: torch.Tensor
 ) -> Delta:
-    """The :class:`Delta` in ``payload`` (``uint8``); values may be a view of it."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    word = _WORDS[itemsize]
-    n = 1
-    for s in shape:
-        n *= s
+    """The :class:`Delta` in ``payload`` (``uint8``); values may be a view of it.
+
+    Raises:
+        CheckpointEngineError: a dtype not in :data:`~._dtypes.WIRE_DTYPES`, a shape no
+            tensor has, or a payload that does not fit its metadata.
+    """
+    n, itemsize, word = delta_layout(shape, dtype)
     device = payload.device
     if changed == 0 and payload.numel() == 0:  # unchanged (its empty chunk may be unaligned)
         return Delta(
@@ -304,6 +307,23 @@ def decode(
             )
     values = payload[head:].view(word)
     return Delta(tuple(shape), dtype, positions, values)
+
+
+def delta_layout(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int, torch.dtype]:
+    """``(elements, element size, word dtype)`` of a delta's tensor, once its dtype is one
+    the engine sends (each is 1, 2, 4 or 8 bytes wide) and its shape one a tensor has.
+
+    Raises:
+        CheckpointEngineError: ``delta: dtype ...`` or ``delta: shape ...``, naming what is
+            allowed.
+    """
+    if dtype not in _SENT:
+        check_dtype(dtype_name(dtype), "delta")
+    n = checked_numel(tuple(shape), dtype, "delta")
+    return n, dtype.itemsize, _WORDS[dtype.itemsize]
+
+
+_SENT = frozenset(WIRE_DTYPES.values())
 
 
 class DeltaMirror:

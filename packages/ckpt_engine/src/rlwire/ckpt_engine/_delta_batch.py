@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from . import _positions
-from ._delta import ZST, Delta, DeltaMirror, _words, decode, encode
+from ._delta import ZST, Delta, DeltaMirror, _words, decode, delta_layout, encode
 from ._errors import CheckpointEngineError
 from ._positions import _ESCAPE, _UNSIGNED, align, bits_nbytes, escape_dtype
 
@@ -347,10 +347,7 @@ def _decode_device(
 ) -> tuple[Delta, torch.Tensor] | None:
     """The delta and a flag (0-d ``bool``, on the device) set if its payload is malformed;
     None if that shows on the host already. No host synchronisation but zstd's."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    n = 1
-    for s in shape:
-        n *= s
+    n, itemsize, word = delta_layout(shape, dtype)  # raises as decode does
     form = fmt.removesuffix(ZST)
     if form not in ("gaps1", "gaps2", "bits") or not 0 <= changed <= n:
         return None
@@ -388,8 +385,5 @@ def _decode_device(
         positions = (small + 1).cumsum(0) - 1
         if k:
             bad |= positions[-1] >= n
-    word = _words(torch.empty(0, dtype=dtype))
-    if word is None:  # a width no sender compares
-        return None
-    values = data[head:].view(word.dtype)
+    values = data[head:].view(word)
     return Delta(tuple(shape), dtype, positions, values), bad

@@ -20,6 +20,7 @@ import torch
 
 from ._delta import Delta
 from ._delta_batch import DeltaEntry, decode_many
+from ._dtypes import WIRE_DTYPES, check_dtype, checked_numel, dtype_name
 from ._errors import CheckpointEngineError
 
 __all__ = [
@@ -46,15 +47,10 @@ MAX_META_BYTES = 64 << 20
 million tensors' entries takes about 100 MB less)."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointEngineError(f"unknown dtype {name!r} in bucket metadata")
-    return dtype
+def dtype_from_name(name: str, what: str = "bucket metadata") -> torch.dtype:
+    """The dtype a peer's metadata names: one of :data:`~._dtypes.WIRE_DTYPES`, else
+    :class:`CheckpointEngineError` (``what`` says where the name came from)."""
+    return check_dtype(name, what)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -152,8 +148,10 @@ class BucketMeta:
         """The metadata in ``data``, every field's type and range checked.
 
         Raises:
-            CheckpointEngineError: not this format, or a size, offset or shape that is
-                negative or not an integer (nothing is allocated from it before).
+            CheckpointEngineError: not this format; a size, offset or shape that is
+                negative or not an integer; a dtype not in :data:`~._dtypes.WIRE_DTYPES`; a
+                shape no tensor has; a chunk past the bucket's bytes (nothing is allocated
+                from it before).
         """
         try:
             index, version, nbytes, last, crc, rows, *base = json.loads(data)
@@ -171,6 +169,12 @@ class BucketMeta:
             _natural(value, "bucket metadata: index, version and size")
         if not isinstance(meta.last, bool) or len(base) > 1:
             raise CheckpointEngineError("bucket metadata: malformed (its header)")
+        for e in meta.entries:  # a chunk in the bucket lies in its used bytes
+            if e.arena is None and e.offset + e.chunk_nbytes > meta.nbytes:
+                raise CheckpointEngineError(
+                    f"bucket metadata: {e.name!r}: a chunk at bytes {e.offset}-"
+                    f"{e.offset + e.chunk_nbytes} of a bucket of {meta.nbytes}"
+                )
         return meta
 
 
@@ -180,14 +184,16 @@ def _natural(value: Any, what: str) -> None:
 
 
 def _check_entry(e: Entry) -> None:
-    """An entry's fields as the sender writes them: a name, a known dtype, a shape of
-    integers >= 0, offsets and sizes >= 0, a delta ``(format, changes, bytes)``."""
+    """An entry's fields as the sender writes them: a name, a dtype of
+    :data:`~._dtypes.WIRE_DTYPES`, a shape a tensor can have (each dimension below 2**63, at
+    most 2**63 - 1 bytes), offsets and sizes >= 0, a delta ``(format, changes, bytes)``."""
     if not isinstance(e.name, str) or not isinstance(e.dtype, str):
         raise CheckpointEngineError("bucket metadata: an entry without a name or dtype")
     what = f"bucket metadata: {e.name!r}"
-    dtype_from_name(e.dtype)
+    dtype = dtype_from_name(e.dtype, what)
     for value in (*e.shape, e.offset, e.chunk_offset, e.chunk_nbytes):
         _natural(value, what)
+    checked_numel(e.shape, dtype, what)
     if e.arena is not None:
         _natural(e.arena, what)
     if e.delta is not None:
@@ -383,4 +389,9 @@ def _checked(item: Any) -> tuple[str, torch.Tensor]:
             f"weights must yield (str, torch.Tensor) pairs; got ({type(name).__name__}, "
             f"{type(tensor).__name__})"
         )
+    if tensor.dtype not in _SENT:  # refused here, not by every receiver
+        check_dtype(dtype_name(tensor.dtype), f"weights: {name!r}")
     return name, tensor
+
+
+_SENT = frozenset(WIRE_DTYPES.values())

@@ -186,7 +186,12 @@ def _export(argv: list[str]) -> int:
     )
     parser.add_argument("run_dir", type=Path, help="the run directory (trainer.output_dir)")
     parser.add_argument("--step", type=int, help="the checkpoint's step (default: the last)")
-    parser.add_argument("--out", type=Path, help="where (default: RUN_DIR/hf_models/step_N)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where: a new or empty folder, or an earlier export, replaced "
+        "(default: RUN_DIR/hf_models/step_N)",
+    )
     parser.add_argument(
         "--adapter", action="store_true", help="with LoRA: the adapter alone, not merged"
     )

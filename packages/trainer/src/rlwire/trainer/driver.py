@@ -26,12 +26,7 @@ from .modes.colocated import run_colocated
 from .modes.fully_async import run_fully_async
 from .modes.one_step_off import run_one_step_off
 from .outputs.checkpoint import read_trainer_state
-from .outputs.checkpoint_dirs import (
-    checkpoint_step,
-    completed_step,
-    latest_checkpoint,
-    set_aside_checkpoints,
-)
+from .outputs.checkpoint_dirs import checkpoint_step, latest_checkpoint, set_aside_checkpoints
 from .outputs.export import exported_step
 from .outputs.loggers import open_trackers
 from .outputs.plot import plot_run
@@ -105,43 +100,7 @@ def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -
         eval_rows=inputs.eval_rows,
         reward_functions=inputs.reward_functions,
     )
-    resume_from = None
-    if config.trainer.resume == "auto":
-        resume_from = latest_checkpoint(run_dir)
-        done = checkpoint_step(resume_from) if resume_from is not None else 0
-        # Trained to the end but stopped before its export was complete: export only.
-        unexported = done == config.trainer.steps and exported_step(run_dir) != done
-        if done >= config.trainer.steps and not unexported:
-            raise AlreadyFinished(
-                f"{run_dir} already holds a finished run ({done} of trainer.steps="
-                f"{config.trainer.steps}): nothing to train. To go on, raise trainer.steps; "
-                "to start a new run, choose another trainer.output_dir (or trainer.resume=never "
-                "to start over here: its checkpoints are moved aside)"
-            )
-    elif config.trainer.resume == "never":
-        aside = set_aside_checkpoints(run_dir)
-        if aside is not None:
-            print(
-                f"rlwire-train: trainer.resume=never: the earlier run's checkpoints are moved to "
-                f"{aside}",
-                file=sys.stderr,
-            )
-    else:
-        resume_from = Path(config.trainer.resume).resolve()
-        if not (resume_from / "COMPLETE").exists():
-            raise RunError(f"trainer.resume: {resume_from} is not a complete checkpoint")
-        # the steps after it are a branch this run abandons: out of pruning's and auto's way
-        step = completed_step(resume_from)
-        aside = set_aside_checkpoints(run_dir, after=step) if step is not None else None
-        if aside is not None:
-            print(
-                f"rlwire-train: trainer.resume={resume_from}: the checkpoints after step "
-                f"{step} are moved to {aside}",
-                file=sys.stderr,
-            )
-    resume = None
-    if resume_from is not None:  # one that this run can continue from, or one line why not
-        resume = (resume_from, read_trainer_state(resume_from, config))
+    resume = resume_point(config, run_dir)
     import yaml
 
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
@@ -185,6 +144,65 @@ def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -
         handler.close()
         if plotted is not None:
             plotted.result()  # its error, if any
+
+
+def resume_point(config: TrainerConfig, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint the run at ``run_dir`` continues from and its trainer state (None: it
+    starts afresh), with the checkpoints that would stand in its way set aside
+    (:func:`.outputs.checkpoint_dirs.set_aside_checkpoints`): all of them for
+    ``trainer.resume=never``; for ``trainer.resume=PATH`` those after PATH's step, or all
+    of them when PATH lies outside ``run_dir/checkpoints`` (another lineage: pruning would
+    otherwise count them as the new run's). A checkpoint is checked before anything is
+    moved: a refused resume leaves the directory as it found it.
+
+    Raises:
+        AlreadyFinished: ``trainer.resume=auto`` found the run already at ``trainer.steps``.
+        RunError: the checkpoint cannot be continued from (one line, naming why).
+    """
+    if config.trainer.resume == "never":
+        aside = set_aside_checkpoints(run_dir)
+        if aside is not None:
+            print(
+                f"rlwire-train: trainer.resume=never: the earlier run's checkpoints are moved to "
+                f"{aside}",
+                file=sys.stderr,
+            )
+        return None
+    if config.trainer.resume == "auto":
+        resume_from = latest_checkpoint(run_dir)
+        done = checkpoint_step(resume_from) if resume_from is not None else 0
+        # Trained to the end but stopped before its export was complete: export only.
+        unexported = done == config.trainer.steps and exported_step(run_dir) != done
+        if done >= config.trainer.steps and not unexported:
+            raise AlreadyFinished(
+                f"{run_dir} already holds a finished run ({done} of trainer.steps="
+                f"{config.trainer.steps}): nothing to train. To go on, raise trainer.steps; "
+                "to start a new run, choose another trainer.output_dir (or trainer.resume=never "
+                "to start over here: its checkpoints are moved aside)"
+            )
+        if resume_from is None:
+            return None
+        return resume_from, read_trainer_state(resume_from, config)
+    resume_from = Path(config.trainer.resume).resolve()
+    if not (resume_from / "COMPLETE").exists():
+        raise RunError(f"trainer.resume: {resume_from} is not a complete checkpoint")
+    state = read_trainer_state(resume_from, config)  # one this run can continue, or why not
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise RunError(
+            f"trainer.resume: {resume_from}/trainer_state.json records no step; "
+            "not a checkpoint this version wrote"
+        )
+    # the steps after it are a branch this run abandons: out of pruning's and auto's way
+    own = resume_from.parent == (run_dir / "checkpoints").resolve()  # (a link to elsewhere)
+    aside = set_aside_checkpoints(run_dir, after=step if own else None)
+    if aside is not None:
+        which = f"the checkpoints after step {step}" if own else "this directory's checkpoints"
+        print(
+            f"rlwire-train: trainer.resume={resume_from}: {which} are moved to {aside}",
+            file=sys.stderr,
+        )
+    return resume_from, state
 
 
 @contextlib.contextmanager

@@ -61,9 +61,9 @@ def _import(handle: str, device_index: int) -> torch.Tensor:
         args = (
             torch.Tensor, torch.Size([int(n) for n in h["size"]]),
             tuple(int(n) for n in h["stride"]), int(h["offset"]),
-            torch.storage.TypedStorage, dtype_from_name(h["dtype"]), device_index,
-            _unb64(h["handle"]), int(h["storage_bytes"]), int(h["storage_offset"]), False,
-            _unb64(h["ref_handle"]), int(h["ref_offset"]), _unb64(h["event_handle"]),
+            torch.storage.TypedStorage, dtype_from_name(h["dtype"], "cuda_ipc: a slot handle"),
+            device_index, _unb64(h["handle"]), int(h["storage_bytes"]), int(h["storage_offset"]),
+            False, _unb64(h["ref_handle"]), int(h["ref_offset"]), _unb64(h["event_handle"]),
             bool(h["event_sync"]),
         )  # fmt: skip
     except (ValueError, KeyError, TypeError, binascii.Error) as err:

@@ -261,7 +261,7 @@ class FilesystemEngine(CheckpointEngine):
             return opened[i]
 
         for entry in manifest["tensors"]:
-            dtype = dtype_from_name(entry["dtype"])
+            dtype = dtype_from_name(entry["dtype"], f"filesystem: version {version}'s manifest")
             parts = entry["parts"]
             if (
                 len(parts) == 1

@@ -37,10 +37,10 @@ def _map(path: str, size: int) -> torch.Tensor:
 def attach_segment(path: Any, size: int, what: str, *, writable: bool = True) -> torch.Tensor:
     """Map a segment the master made, shared, as ``size`` uint8 elements.
 
-    ``writable=False`` (a shared arena: every receiver reads the same pages): mapped
-    ``PROT_READ`` from an ``O_RDONLY`` descriptor, so a stray write from this process is a
-    fault (SIGSEGV, the receiver dies) instead of a change every other receiver reads.
-    torch has no read-only tensors: the tensor does not say so itself.
+    ``writable=False`` (a receiver's bucket slots and shared arenas: every receiver reads
+    the same pages): mapped ``PROT_READ`` from an ``O_RDONLY`` descriptor, so a stray write
+    from this process is a fault (SIGSEGV, the receiver dies) instead of a change every
+    other receiver reads. torch has no read-only tensors: the tensor does not say so itself.
 
     The path comes from the master's metadata, which is as trustworthy as whoever handed it
     over (a vLLM server's init route: any caller on the host). So only a file this backend
@@ -157,7 +157,11 @@ class ShmEngine(StoreControlledEngine):
             raise CheckpointEngineError(
                 f"shm: the master's metadata must name its two bucket slots; got {paths!r}"
             )
-        self.slots = [attach_segment(p, self.bucket_size, "bucket slot") for p in paths]
+        # read-only, as the arenas: a receiver only reads its buckets (unpacked, verified,
+        # decoded, copied out), and a stray write must not reach what the others read
+        self.slots = [
+            attach_segment(p, self.bucket_size, "bucket slot", writable=False) for p in paths
+        ]
 
     def _all_attached(self) -> None:
         self._unlink_slots()

@@ -74,6 +74,10 @@ class Endpoint:
         model: the name ``/v1/models`` gives and answers carry.
         context: the model's context in tokens, where the engine tells it: a prompt that
             leaves no room for one token is refused (400), and ``max_tokens`` is cut to fit.
+        vocabulary: the model's vocabulary size (its embedding's rows), where the engine
+            tells it: a prompt's token ids must lie below it and below the tokenizer's
+            length (400 otherwise); a tokenizer may hold added tokens the model has no
+            embedding for, and a model may pad its embedding past the tokenizer's ids.
         max_body: bytes a call's body may hold (:data:`.bodies.MAX_BODY_BYTES`); a longer
             one is refused (413) before it is read, with or without ``Content-Length``.
     """
@@ -91,11 +95,18 @@ class Endpoint:
         top_p: float = 1.0,
         top_k: int = 0,
         context: int | None = None,
+        vocabulary: int | None = None,
         max_body: int = MAX_BODY_BYTES,
     ) -> None:
         self.submit, self.tokenizer, self.parser = submit, tokenizer, parser
         self.context, self.max_body = context, max_body
-        self.vocabulary = len(tokenizer)
+        if vocabulary is not None and (
+            isinstance(vocabulary, bool) or not isinstance(vocabulary, int) or vocabulary < 1
+        ):
+            raise ValueError(f"vocabulary: {vocabulary!r}; use the model's size, an int >= 1")
+        self.vocabulary = len(tokenizer) if vocabulary is None else min(len(tokenizer), vocabulary)
+        """Token ids a prompt may hold are those below this: the smaller of the tokenizer's
+        length and the model's vocabulary."""
         self.temperature, self.max_new_tokens, self.timeout = temperature, max_new_tokens, timeout
         self.model, self.top_p, self.top_k = model, top_p, top_k
         self.sessions = SessionStore()

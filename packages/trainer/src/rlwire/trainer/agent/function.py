@@ -135,6 +135,7 @@ class FunctionRunner:
             max_new_tokens=rollout.max_new_tokens,
             timeout=rollout.request_timeout,
             context=engine_context(engine),
+            vocabulary=engine_vocabulary(engine),
             **rollout.truncation(),
         )
         self.url = self.endpoint.start(host=agent.endpoint_host)
@@ -258,6 +259,22 @@ def _span_ends(mask: list[int]) -> list[int]:
 def _short(value: Any, width: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def engine_vocabulary(engine) -> int | None:
+    """The model's vocabulary size (its embedding's rows) as the rollout engine holds it: its
+    model's config (``hf``) or vLLM's model config (``vllm``); None where it does not say
+    (``vllm_server``: the endpoint then bounds ids by the tokenizer's length alone)."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()  # a multimodal model's language model
+    llm = getattr(engine, "llm", None)  # vLLM's LLM: its engine's model config
+    vllm_config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+    vllm_size = getattr(vllm_config, "get_vocab_size", None)
+    for value in (getattr(config, "vocab_size", None), vllm_size() if vllm_size else None):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def engine_context(engine) -> int | None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from .modeling import replace_directory
+from .modeling import remove_staging, replace_directory, staging_folder
 
 if TYPE_CHECKING:
     from peft import PeftMixedModel, PeftModel
@@ -242,22 +242,36 @@ def merge_delta(A: torch.Tensor, B: torch.Tensor, scaling: float) -> torch.Tenso
 
 
 def save_adapter(
-    items: Iterable[tuple[str, torch.Tensor]], section: LoraSection, base_path: str, target: Path
+    items: Iterable[tuple[str, torch.Tensor]],
+    section: LoraSection,
+    base_path: str,
+    target: Path,
+    *,
+    extra: Mapping[str, str] | None = None,
+    sole_writer: bool = False,
 ) -> None:
     """Write the adapter (``(wire name, tensor)`` pairs) as PEFT saves one at ``target``:
     ``adapter_config.json`` and ``adapter_model.safetensors``, loadable with
-    ``PeftModel.from_pretrained`` and by vLLM."""
+    ``PeftModel.from_pretrained`` and by vLLM. Written beside and swapped in whole, as
+    :func:`.modeling.save_hf_model` writes a model (``extra`` and ``sole_writer`` as
+    there)."""
     from safetensors.torch import save_file
 
-    staging = target.with_name(target.name + ".tmp")  # swapped in whole, as hf_model/ is
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    tensors = {name: value.detach().to("cpu").contiguous() for name, value in items}
-    save_file(tensors, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = section.peft_config(base_path).to_dict()
-    # the modules adapted, as PEFT writes them once resolved (``all-linear`` included)
-    config["target_modules"] = sorted(
-        {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors}
-    )
-    (staging / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
-    replace_directory(staging, target)
+    if sole_writer:
+        remove_staging(target)
+    staging = staging_folder(target)  # swapped in whole, as hf_model/ is
+    try:
+        tensors = {name: value.detach().to("cpu").contiguous() for name, value in items}
+        save_file(tensors, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = section.peft_config(base_path).to_dict()
+        # the modules adapted, as PEFT writes them once resolved (``all-linear`` included)
+        config["target_modules"] = sorted(
+            {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors}
+        )
+        (staging / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
+        for name, text in (extra or {}).items():
+            (staging / name).write_text(text)
+        replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # (after a swap: the old contents)
+        raise

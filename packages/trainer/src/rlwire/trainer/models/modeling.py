@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import secrets
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,8 +20,10 @@ __all__ = [
     "preload_hf",
     "fsync_path",
     "replace_directory",
+    "remove_staging",
     "save_hf_model",
     "set_gradient_checkpointing",
+    "staging_folder",
 ]
 
 
@@ -55,12 +59,27 @@ def set_gradient_checkpointing(model: PreTrainedModel, enable: bool) -> None:
 
 
 def save_hf_model(
-    weights: Iterable[tuple[str, torch.Tensor]], source: str, target: Path, dtype: str
+    weights: Iterable[tuple[str, torch.Tensor]],
+    source: str,
+    target: Path,
+    dtype: str,
+    *,
+    extra: Mapping[str, str] | None = None,
+    sole_writer: bool = False,
 ) -> None:
     """Write a Hugging Face directory at ``target``: ``source``'s architecture and tokenizer
     with ``weights`` (``(Hugging Face name, full tensor)`` pairs) in ``dtype``, loadable by
     ``from_pretrained`` and vLLM as is. The model is built on the meta device, so nothing
-    but the given weights is allocated."""
+    but the given weights is allocated. Written in a folder of its own beside ``target``
+    (:func:`staging_folder`), then swapped in whole (:func:`replace_directory`): whatever
+    ``target`` held is replaced, so a caller that must not replace a folder checks first.
+
+    Args:
+        extra: files (name: text) written into the folder before it is swapped in, so that
+            it appears with them (an export's marker).
+        sole_writer: the caller is the only process that writes ``target`` (a run, under its
+            lock): the staging folders of an earlier write of it that was cut off are removed
+            first. Without it they stay (another process may be writing one)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kind = getattr(torch, dtype)
@@ -78,11 +97,43 @@ def save_hf_model(
         )
     # written beside, then swapped in: a process killed while writing leaves the previous
     # export (or none), never a directory that loads half of the weights
-    staging = target.with_name(target.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    AutoTokenizer.from_pretrained(source).save_pretrained(staging)
-    replace_directory(staging, target)
+    if sole_writer:
+        remove_staging(target)
+    staging = staging_folder(target)
+    try:
+        model.save_pretrained(staging)
+        AutoTokenizer.from_pretrained(source).save_pretrained(staging)
+        for name, text in (extra or {}).items():
+            (staging / name).write_text(text)
+        replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # (after a swap: the old contents)
+        raise
+
+
+def staging_folder(target: Path) -> Path:
+    """A new, empty folder beside ``target`` (``<name>.tmp-<random>``, created here and so
+    this caller's alone) to write ``target``'s replacement in: two writers of one target
+    (two exports of one step) never write into, or remove, each other's. Made as
+    ``tempfile.mkdtemp`` makes one, but with the mode the umask gives (mkdtemp's 0700 would
+    become the finished folder's, unreadable to a server run by another user)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        staging = target.with_name(f"{target.name}.tmp-{secrets.token_hex(4)}")
+        try:
+            staging.mkdir()
+        except FileExistsError:
+            continue
+        return staging
+
+
+def remove_staging(target: Path) -> None:
+    """Remove what cut-off writes of ``target`` left beside it: its staging folders
+    (:func:`staging_folder`), and ``<name>.tmp``, the one staging folder every writer shared
+    before them. Only for the sole writer of ``target``: another's may be in use."""
+    for path in target.parent.glob(f"{glob.escape(target.name)}.tmp*"):
+        if path.name == f"{target.name}.tmp" or path.name.startswith(f"{target.name}.tmp-"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def replace_directory(staging: Path, target: Path) -> None:
@@ -94,7 +145,7 @@ def replace_directory(staging: Path, target: Path) -> None:
     for path in sorted(staging.rglob("*"), reverse=True):  # files, then their directories
         fsync_path(path)
     fsync_path(staging)
-    old = target.with_name(target.name + ".old")
+    old = staging.with_name(staging.name + ".old")  # as private as staging is
     shutil.rmtree(old, ignore_errors=True)
     if target.exists() and _exchange(staging, target):
         shutil.rmtree(staging, ignore_errors=True)  # (now the old contents)

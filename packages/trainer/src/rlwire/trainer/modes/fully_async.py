@@ -25,7 +25,7 @@ from typing import Any
 
 from ..algorithms.scoring import fill
 from ..errors import RunError
-from ..outputs.metrics import step_record
+from ..outputs.metrics import mean_lag, step_record
 from ..rollout import Rollout
 from ..runtime.cluster import Handle
 from ..runtime.job import Job
@@ -177,9 +177,11 @@ def run_fully_async(job: Job, bar) -> None:
                 got["dropped"] += more.dropped  # lagging groups dropped while refilling
             if step + 1 < config.trainer.steps:
                 ahead = take(step + 1)  # gathered while this update runs
-            lags = [step - version for version in versions]
+            # a group of failed agent sessions only holds no token: no version to lag by
+            answered = batch.answered().reshape(-1, n).any(dim=1).tolist()
+            lags = [step - v for v, a in zip(versions, answered, strict=True) if a]
             t_samples = time.perf_counter()
-            result = job.update(batch, sum(lags) / len(lags), scored=scored)
+            result = job.update(batch, mean_lag(lags), scored=scored)
             t_update = time.perf_counter()
             if pending is not None:  # the actor ran that push before this update
                 write_synced(*pending)

@@ -17,11 +17,19 @@ import functools
 import time
 
 from ..algorithms.scoring import fill
-from ..outputs.metrics import step_record
+from ..outputs.metrics import mean_lag, step_record
+from ..rollout import Rollout
 from ..runtime.job import Job
 from ..runtime.validation import start_validation, validation_due
 
-__all__ = ["run_one_step_off"]
+__all__ = ["run_one_step_off", "sample_lags"]
+
+
+def sample_lags(step: int, batch: Rollout) -> list[int]:
+    """How many versions each sample of ``batch`` that holds a response token lags
+    ``step`` (by the versions the workers stamped); none for a batch of failed agent
+    sessions only, which is skipped, not trained."""
+    return (step - batch.sample_versions()).tolist()
 
 
 def run_one_step_off(job: Job, bar) -> None:
@@ -50,11 +58,9 @@ def run_one_step_off(job: Job, bar) -> None:
             more = functools.partial(job.generate_more, step)
             batch, scored = fill(config, job.data.reward, batch, more)
             extra = {"gen_batches": scored.gen_batches, "filtered_groups": scored.filtered_groups}
-        lags = (step - batch.sample_versions()).tolist()  # the versions the workers stamped
+        lags = sample_lags(step, batch)
         last = step + 1 == steps
-        update = job.start_update(
-            batch, sum(lags) / len(lags), scored=scored, sync_follows=not last
-        )
+        update = job.start_update(batch, mean_lag(lags), scored=scored, sync_follows=not last)
         held_out = None
         if not last:  # generated with v(step), which the rollout workers hold now
             following = job.start_generation(step + 1)

@@ -4,6 +4,7 @@ run's aside. What a checkpoint holds: :mod:`.checkpoint`."""
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ __all__ = [
     "set_aside_checkpoints",
 ]
 
+log = logging.getLogger("rlwire.trainer")
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL_DIR = re.compile(r"^step_(\d+)\.partial$")  # a save being written (or cut off)
@@ -70,17 +72,27 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
     than the newest complete one (a save that was cut off); what was removed. A checkpoint
     is removed only when ``keep`` newer complete ones exist, so a crash in the middle of a
     save or of this pruning leaves the last complete checkpoint in place (``COMPLETE`` goes
-    first: a half-removed directory is an unfinished one)."""
+    first: a half-removed directory is an unfinished one). Only ``checkpoints/`` is pruned:
+    the lineage being continued (a resume sets every other aside, into
+    ``checkpoints.before-<n>/``, which nothing removes). A folder that cannot be removed is
+    left, with one warning naming it: pruning runs after a complete save and never ends
+    the run (the next pruning tries it again)."""
     found = _checkpoints(run_dir)
     complete = [path for _, done, path in found if done]
     if not complete:
         return []
     newest = checkpoint_step(complete[-1])
     doomed = complete[:-keep] + [p for step, done, p in found if not done and step < newest]
+    removed = []
     for path in doomed:
-        (path / "COMPLETE").unlink(missing_ok=True)
-        shutil.rmtree(path)
-    return doomed
+        try:
+            (path / "COMPLETE").unlink(missing_ok=True)
+            shutil.rmtree(path)
+        except OSError as err:
+            log.warning("pruning checkpoints: %s not removed (%s); the run goes on", path, err)
+            continue
+        removed.append(path)
+    return removed
 
 
 def completed_step(checkpoint: Path) -> int | None:

@@ -20,6 +20,7 @@ from ..models import lora
 from ..models.modeling import save_hf_model
 from .checkpoint_dirs import checkpoint_step, latest_checkpoint
 from .checkpoint_reader import read_state
+from .export import EXPORT_MARKER, export_marker, marked_step
 
 if TYPE_CHECKING:
     from ..config.root import TrainerConfig
@@ -38,8 +39,11 @@ def export_checkpoint(
     """Write step ``step`` of the run at ``run_dir`` trained with ``config`` (its
     ``config.yaml``; None step: its last complete checkpoint) as a Hugging Face folder at
     ``out`` (None: ``<run_dir>/hf_models/step_<N>``, with ``adapter``
-    ``<run_dir>/adapters/step_<N>``); returns the folder. Raises RunError (one line) for a
-    step or checkpoint that cannot be exported."""
+    ``<run_dir>/adapters/step_<N>``); returns the folder. The folder is written beside, in
+    one of its own, and swapped in whole, marked as an export (:mod:`.export`: the step and
+    the run). ``out`` may be a new or empty folder or an earlier export (replaced), nothing
+    else: a folder the user keeps other files in is refused, not emptied. Raises RunError
+    (one line) for a step, checkpoint or ``out`` that cannot be exported to."""
     run_dir = run_dir.resolve()
     checkpoint = _checkpoint(run_dir, step)
     done = checkpoint_step(checkpoint)
@@ -51,17 +55,35 @@ def export_checkpoint(
         raise RunError("export: --adapter: the run trained every weight, not a LoRA adapter")
     kind = "adapters" if adapter else "hf_models"
     target = (out or run_dir / kind / f"step_{done}").resolve()
+    if out is not None:
+        _check_out(target)
+    extra = {EXPORT_MARKER: export_marker(done, run=str(run_dir), adapter=adapter)}
     saved = read_state(checkpoint / "actor")["model"]
     try:
         if adapter:
             named = ((lora.adapter_name(n), v) for n, v in saved.items() if lora.is_adapter(n))
-            lora.save_adapter(named, section, str(model_path), target)
+            lora.save_adapter(named, section, str(model_path), target, extra=extra)
         else:
             weights = _merged(saved, model_path, config) if section.enabled else saved.items()
-            save_hf_model(weights, str(model_path), target, config.held_dtype())
+            save_hf_model(weights, str(model_path), target, config.held_dtype(), extra=extra)
     except ValueError as err:  # names that do not fit the architecture: another model's
         raise RunError(f"export: {checkpoint}: {err}") from None
     return target
+
+
+def _check_out(target: Path) -> None:
+    """``--out`` is replaced whole: only a folder that holds nothing yet, or an earlier
+    export (its marker), may be."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise RunError(f"export: --out {target} is a file; give a new or empty folder")
+    if any(target.iterdir()) and marked_step(target) is None:
+        raise RunError(
+            f"export: --out {target} is not empty and holds no earlier rlwire export "
+            f"({EXPORT_MARKER}); it would be replaced whole: give a new or empty folder, or "
+            "one an earlier `rlwire-train export` wrote"
+        )
 
 
 def _checkpoint(run_dir: Path, step: int | None) -> Path:

@@ -12,6 +12,7 @@ from .metric_names import with_aliases
 __all__ = [
     "StepMetrics",
     "UpdateMetrics",
+    "mean_lag",
     "skipped_update_metrics",
     "step_record",
     "update_metrics",
@@ -280,6 +281,12 @@ def skipped_update_metrics(
     )
 
 
+def mean_lag(lags: list[int]) -> float:
+    """The mean of ``lags`` (the version lag of each sample or group that holds a response
+    token); 0.0 for none: a step whose every agent session failed, which trains nothing."""
+    return sum(lags) / len(lags) if lags else 0.0
+
+
 def step_record(
     step: int,
     result: UpdateMetrics,
@@ -293,7 +300,8 @@ def step_record(
 ) -> StepMetrics:
     """The metrics every mode records: ``phases`` are the driver's seconds waiting for
     the samples, for the update and for the sync (the step's time is their sum);
-    ``lags`` the version lag of each sample or prompt group; ``batch`` what was trained;
+    ``lags`` the version lag of each sample or prompt group that holds a response token
+    (none: every agent session failed, lags 0); ``batch`` what was trained;
     ``extra`` the mode's own optional fields."""
     rollout_s, update_s, sync_s = phases
     seconds = rollout_s + update_s + sync_s
@@ -315,8 +323,8 @@ def step_record(
         samples_per_s=len(batch) / seconds,
         time_generate_s=generate_s,
         weight_version=version,
-        version_lag_mean=sum(lags) / len(lags),
-        version_lag_max=max(lags),
+        version_lag_mean=mean_lag(lags),
+        version_lag_max=max(lags, default=0),
         **(_digests(synced, synced["pulls"]) if synced["pulls"] else {}),
         **_conversations(batch),
         **extra,

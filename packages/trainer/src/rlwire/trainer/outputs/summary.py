@@ -1,13 +1,15 @@
 """What a run's ``metrics.jsonl`` says in a few numbers: the command's closing line and the
-benchmarks read the same ones."""
+benchmarks read the same ones. Also how a resumed run drops the lines after its checkpoint."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 __all__ = [
     "WINDOW",
+    "drop_metrics_after",
     "final_reward",
     "records",
     "reward_curve",
@@ -26,6 +28,26 @@ def records(run_dir: Path, *, validation: bool = False) -> list[dict]:
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     every = [json.loads(x) for x in lines if x.strip()]
     return [r for r in every if ("reward_mean" in r) != validation]
+
+
+def drop_metrics_after(path: Path, step: int) -> None:
+    """Drop the lines of ``metrics.jsonl`` at ``path`` after ``step`` (a resumed run's: those
+    written after the checkpoint it continues from, before the stop). The kept lines are
+    written to ``<path>.tmp``, flushed and renamed over ``path``: a crash meanwhile leaves
+    the old file whole, never a truncated one. (One writer: the run holds its directory's
+    lock.)"""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if kept == lines:
+        return
+    staging = path.with_name(path.name + ".tmp")
+    with staging.open("w") as file:
+        file.write("".join(line + "\n" for line in kept))
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(staging, path)
 
 
 def step_seconds(record: dict) -> float:

@@ -132,24 +132,46 @@ class Rollout:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return (_rebuild_rollout, ({k: _to_array(v) for k, v in values.items()},))
 
+    def answered(self) -> torch.Tensor:
+        """``(B,)`` bool: the samples holding a response token (a failed agent session's
+        has none: it has no version, and counts in no version, span or lag)."""
+        return self.response_mask.bool().any(dim=1)
+
     @property
-    def version(self) -> int:
-        """The oldest weight version among the samples' tokens."""
-        return int(self.sample_versions().min())
+    def version(self) -> int | None:
+        """The oldest weight version among the samples' tokens; None when no sample holds
+        a token (every agent session failed)."""
+        versions = self.sample_versions()
+        return int(versions.min()) if len(versions) else None
 
     def sample_versions(self) -> torch.Tensor:
-        """``(B,)``: each sample's version, that of its oldest token."""
-        real = self.response_mask.bool()
-        return torch.where(real, self._versions(), torch.iinfo(torch.int64).max).min(dim=1).values
+        """``(R,)`` int64: the version of each sample that holds a response token (its
+        oldest token's), in order; ``R`` is :meth:`answered`'s count, 0 when every agent
+        session failed."""
+        return self._oldest_newest()[0]
 
     def version_spans(self) -> torch.Tensor:
-        """``(B,)``: newest minus oldest token version of each sample (0 unless the sample
-        was continued across a weight sync)."""
+        """``(B,)`` int64: newest minus oldest token version of each sample (0 unless the
+        sample was continued across a weight sync; 0 for a sample of no token)."""
+        spans = torch.zeros(len(self), dtype=torch.int64, device=self.response_mask.device)
+        oldest, newest = self._oldest_newest()
+        spans[self.answered()] = newest - oldest
+        return spans
+
+    def _oldest_newest(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(R,)`` each: the oldest and newest token version of the samples that hold a
+        response token (taken over their tokens only: padding's versions are meaningless)."""
+        versions = self._versions()
         real = self.response_mask.bool()
-        if real.shape[1] == 0:  # no sample holds a response token (every agent session failed)
-            return torch.zeros(len(real), dtype=torch.int64)
-        newest = torch.where(real, self._versions(), torch.iinfo(torch.int64).min).max(dim=1).values
-        return newest - self.sample_versions()
+        answered = real.any(dim=1)
+        real, versions = real[answered], versions[answered]
+        if len(real) == 0:  # none (a zero-width batch's reduction over dim 1 would raise)
+            empty = torch.zeros(0, dtype=torch.int64, device=versions.device)
+            return empty, empty
+        int64 = torch.iinfo(torch.int64)
+        oldest = torch.where(real, versions, int64.max).min(dim=1).values
+        newest = torch.where(real, versions, int64.min).max(dim=1).values
+        return oldest, newest
 
     def _versions(self) -> torch.Tensor:
         assert self.versions is not None, "Rollout.versions: not stamped (the rollout worker does)"

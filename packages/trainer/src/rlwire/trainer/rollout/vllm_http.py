@@ -18,14 +18,16 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from rlwire.ckpt_engine import DEFAULT_TIMEOUT_S, WEIGHT_TRANSFER_TOKEN_ENV
 
 from .base import EngineLost
 from .vllm import transfer_init_info
 
-__all__ = ["EXTENSION", "GUARD", "SERVER_FLAGS", "VLLMServer"]
+__all__ = ["EXTENSION", "GUARD", "MAX_ANSWER_BYTES", "SERVER_FLAGS", "VLLMServer"]
 
 log = logging.getLogger("rlwire.trainer")
 
@@ -37,6 +39,14 @@ SERVER_FLAGS = (
     f"(and {WEIGHT_TRANSFER_TOKEN_ENV} in its environment and this run's, with --middleware "
     f"{GUARD})"
 )
+
+MAX_ANSWER_BYTES = 64 << 20
+"""Bytes of one answer a server may send (its body); a longer one is refused before more
+of it is read, as a ``RuntimeError`` naming the server. The largest answer the run asks
+for is a completion, whose sampled ids and their log-probs take about 100 bytes a token
+in vLLM's fields: 64 MiB holds some 600,000 tokens, far past any context a run samples."""
+_ERROR_BYTES = 4096
+"""Bytes of an error answer's body read (its first 500 characters are shown)."""
 
 
 class VLLMServer:
@@ -71,9 +81,22 @@ class VLLMServer:
         checkpoint engine's ``timeout`` and 30 s, set when the server joins its group
         (:meth:`init_weight_transfer`)."""
 
-    def _call(self, path: str, body: dict | None = None, *, timeout: float | None = None):
+    def _call(
+        self,
+        path: str,
+        body: dict | None = None,
+        *,
+        timeout: float | None = None,
+        shape: _Shape | None = None,
+    ) -> Any:
         """``path``'s JSON answer, waiting ``timeout`` seconds (``request_timeout`` by
-        default)."""
+        default), at most :data:`MAX_ANSWER_BYTES` of it, of ``shape`` where one is given.
+
+        Raises:
+            RuntimeError: an error status, an answer too long, not JSON or not of
+                ``shape``, naming the server and the path.
+            EngineLost: no answer in time, or not an HTTP one.
+        """
         wait = self.timeout if timeout is None else timeout
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
@@ -84,9 +107,9 @@ class VLLMServer:
         )
         try:
             with urllib.request.urlopen(request, timeout=wait) as answer:
-                raw = answer.read()
+                raw = self._read(path, answer)
         except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:500]
+            detail = err.read(_ERROR_BYTES).decode(errors="replace")[:500]
             raise RuntimeError(
                 f"vllm_server {self.url}: {path} answered {err.code}: {detail}"
             ) from None
@@ -102,11 +125,38 @@ class VLLMServer:
                 self.index,
             ) from None
         try:
-            return json.loads(raw) if raw else None
+            out = json.loads(raw) if raw else None
         except ValueError:
             raise RuntimeError(
                 f"vllm_server {self.url}: {path} answered something other than JSON: {raw[:80]!r}"
             ) from None
+        return out if shape is None else self._shaped(path, out, shape)
+
+    def _shaped(self, path: str, answer: Any, shape: _Shape) -> Any:
+        """``answer`` if it has ``shape``, else a ``RuntimeError`` naming both."""
+        if not shape.holds(answer):
+            shown = json.dumps(answer)
+            shown = shown if len(shown) <= 120 else shown[:117] + "..."
+            raise RuntimeError(f"vllm_server {self.url}: {path} answered {shown}, not {shape.text}")
+        return answer
+
+    def _read(self, path: str, answer) -> bytes:
+        """An answer's body, at most :data:`MAX_ANSWER_BYTES`: refused on its
+        ``Content-Length`` before it is read, or once more arrived where it states none."""
+        limit = MAX_ANSWER_BYTES
+        stated = answer.headers.get("Content-Length")
+        if stated is not None and stated.strip().isdigit() and int(stated) > limit:
+            raise RuntimeError(
+                f"vllm_server {self.url}: {path} answered {int(stated)} bytes, more than the "
+                f"{limit} an answer may hold (MAX_ANSWER_BYTES)"
+            )
+        raw = answer.read(limit + 1)
+        if len(raw) > limit:
+            raise RuntimeError(
+                f"vllm_server {self.url}: {path} answered more than the {limit} bytes an "
+                "answer may hold (MAX_ANSWER_BYTES)"
+            )
+        return raw
 
     def healthy(self) -> bool:
         try:
@@ -136,7 +186,7 @@ class VLLMServer:
         weight transfer, or holds weights an earlier run sent (``rejoin``: a server this
         run lost and takes back may hold this run's: the re-formed group's first update
         is whole)."""
-        models = self._call("/v1/models")["data"]
+        models = self._call("/v1/models", shape=_MODELS)["data"]
         served = {name for m in models for name in (m["id"], m.get("root")) if name}
         wanted = {p for p in paths if p}
         if not {str(Path(s).resolve()) for s in served} & {str(Path(p).resolve()) for p in wanted}:
@@ -146,9 +196,10 @@ class VLLMServer:
             )
         self.model_name = models[0]["id"]
         try:
-            (held,) = self._call("/collective_rpc", {"method": "rlwire_weight_versions"})["results"]
+            answer = self._call("/collective_rpc", {"method": "rlwire_weight_versions"})
         except RuntimeError as err:
             raise RuntimeError(f"{err}; start the server with {SERVER_FLAGS}") from None
+        (held,) = self._shaped("/collective_rpc", answer, _VERSIONS)["results"]
         if not held["rlwire"]:
             raise RuntimeError(
                 f"vllm_server {self.url} has no rlwire weight transfer; start it with "
@@ -229,9 +280,17 @@ class VLLMServer:
                 raise CheckpointEngineAborted(str(outcome[0])) from None
             raise outcome[0]
         (versions,) = self._call(
-            "/collective_rpc", {"method": "rlwire_weight_versions"}, timeout=self.health_timeout
+            "/collective_rpc",
+            {"method": "rlwire_weight_versions"},
+            timeout=self.health_timeout,
+            shape=_VERSIONS,
         )["results"]
-        return int(versions["staged"])
+        if versions["staged"] is None:
+            raise RuntimeError(
+                f"vllm_server {self.url}: /update_weights answered, but the server holds no "
+                "received update (rlwire_weight_versions: staged is null)"
+            )
+        return versions["staged"]
 
     def finish_update(self, version: int) -> None:
         """Write the received update in; the prefix cache (KV of the old weights) reset."""
@@ -241,7 +300,8 @@ class VLLMServer:
     def complete(self, body: dict, *, expected: int) -> list[tuple[list[int], list[float], str]]:
         """``/v1/completions``: each choice's sampled token ids, their log-probs and its
         finish reason, in choice order."""
-        choices = sorted(self._call("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        answer = self._call("/v1/completions", body, shape=_COMPLETIONS)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != expected:
             raise RuntimeError(
                 f"vllm_server {self.url}: {len(choices)} completions for {expected} requested"
@@ -262,3 +322,72 @@ def _update_bound(timeout: float) -> float:
     by ``timeout``: the budget the trainer gives a transfer without progress (two waits and
     30 s), since an update in a server shows none of its own over HTTP."""
     return 2 * timeout + 30
+
+
+# --- the answers' shapes: what each caller reads, checked before it reads it ------------------
+
+
+class _Shape(NamedTuple):
+    """What a caller reads in an answer: ``holds`` says whether a parsed answer has it,
+    ``text`` says what, in the error that refuses one without it."""
+
+    holds: Callable[[Any], bool]
+    text: str
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _list_of(value: Any, each: Callable[[Any], bool]) -> bool:
+    return isinstance(value, list) and all(each(v) for v in value)
+
+
+def _model(m: Any) -> bool:
+    return (
+        isinstance(m, dict)
+        and isinstance(m.get("id"), str)
+        and isinstance(m.get("root"), str | None)
+    )
+
+
+def _versions(answer: Any) -> bool:
+    results = answer.get("results") if isinstance(answer, dict) else None
+    if not isinstance(results, list) or len(results) != 1 or not isinstance(results[0], dict):
+        return False
+    one = results[0]
+    return (
+        isinstance(one.get("rlwire"), bool)
+        and (one.get("held") is None or _int(one.get("held")))
+        and (one.get("staged") is None or _int(one.get("staged")))
+    )
+
+
+def _choice(c: Any) -> bool:
+    logprobs = c.get("logprobs") if isinstance(c, dict) else None
+    return (
+        isinstance(logprobs, dict)
+        and _int(c.get("index"))
+        and _list_of(c.get("token_ids"), _int)
+        and _list_of(logprobs.get("token_logprobs"), _number)
+        and isinstance(c.get("finish_reason"), str)
+    )
+
+
+_MODELS = _Shape(
+    lambda a: isinstance(a, dict) and _list_of(a.get("data"), _model),
+    '{"data": [{"id": str, "root": str or null}, ...]}',
+)
+_VERSIONS = _Shape(
+    _versions,
+    '{"results": [{"rlwire": bool, "held": int or null, "staged": int or null}]} (one worker)',
+)
+_COMPLETIONS = _Shape(
+    lambda a: isinstance(a, dict) and _list_of(a.get("choices"), _choice),
+    '{"choices": [{"index": int, "token_ids": [int, ...], "logprobs": {"token_logprobs": '
+    '[number, ...]}, "finish_reason": str}, ...]}',
+)

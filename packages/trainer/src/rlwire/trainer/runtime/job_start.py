@@ -3,7 +3,6 @@ group. The start-up half of :class:`~rlwire.trainer.runtime.job.Job`, which mixe
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
@@ -17,6 +16,7 @@ from ..data.pipeline import DataPipeline
 from ..errors import RunError
 from ..outputs.checkpoint import load_checkpoint
 from ..outputs.loggers import Tracker
+from ..outputs.summary import drop_metrics_after
 from .cluster import GpuLayout, Handle, shm_bytes_needed
 from .senders import SendPlan, send_plan
 from .waits import RolloutLost, Watch, cause, first_line
@@ -149,10 +149,8 @@ class JobStart:
         self.engine_backend = self._form_group(backend)
         log.info("%s", self.plan.describe(self.members))  # once: re-formed groups keep it
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        if self.metrics_path.exists():  # a fresh run's, or steps after the checkpoint
-            lines = self.metrics_path.read_text().splitlines()
-            kept = [line for line in lines if _step(line) <= self.start_step]
-            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        # a fresh run's lines, or the steps after the checkpoint, dropped
+        drop_metrics_after(self.metrics_path, self.start_step)
 
     def _build_model(self, timeout: float) -> None:
         """``model.path=tiny``: actor rank 0 builds the task's tiny model (the lookup task's
@@ -286,8 +284,3 @@ class JobStart:
         self._setup_calls = calls
         self.watch.get(calls, timeout=timeout, what="checkpoint engine setup")
         return backend
-
-
-def _step(line: str) -> int:
-    """The step of a metrics line."""
-    return json.loads(line)["step"]

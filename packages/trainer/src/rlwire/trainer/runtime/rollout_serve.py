@@ -152,6 +152,7 @@ class ServeLoop:
     async def _group(self, example, index: int, seed: int) -> None:
         n = self.config.rollout.n
         key = id(asyncio.current_task())
+        started = self.worker.version
         self.samples += n
         self.clock.start(key)
         try:
@@ -161,8 +162,13 @@ class ServeLoop:
             seconds = self.clock.stop(key)
         stamp_seconds(group, seconds)
         group.examples = [example] * n
+        # a group of failed agent sessions only holds no token, so no version of its own:
+        # it is queued under the weights it started with (its lag is never counted)
+        version = group.version
+        if version is None:
+            version = started
         await self._ask(
-            self.queue.put.remote(self.worker.index, [group.version], [group], [index]),
+            self.queue.put.remote(self.worker.index, [version], [group], [index]),
             "a finished group",
         )
 

@@ -329,13 +329,18 @@ class ActorWorker(WeightPush, WorkerProcess):
                 weights = self.actor.named_weights() if kind == "model" else self._full_weights()
                 if self.rank != 0:  # a collective: every rank iterates to the end
                     collections.deque(weights, maxlen=0)
-                elif kind == "model":
+                elif kind == "model":  # (the run's folders: it holds the run directory's lock)
                     save_hf_model(
-                        weights, self.model_path, Path(directory), self.config.held_dtype()
+                        weights,
+                        self.model_path,
+                        Path(directory),
+                        self.config.held_dtype(),
+                        sole_writer=True,
                     )
                 else:
                     assert adapter is not None  # kind "adapter" comes only with one
-                    save_adapter(weights, self.config.actor.lora, self.model_path, Path(adapter))
+                    lora = self.config.actor.lora
+                    save_adapter(weights, lora, self.model_path, Path(adapter), sole_writer=True)
 
     # --- checkpoints -----------------------------------------------------------------------
     def save(self, directory: str) -> None:
