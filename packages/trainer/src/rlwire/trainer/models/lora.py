@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from .modeling import remove_staging, replace_directory, staging_folder
+from .modeling import write_swapped
 
 if TYPE_CHECKING:
     from peft import PeftMixedModel, PeftModel
@@ -257,10 +256,7 @@ def save_adapter(
     there)."""
     from safetensors.torch import save_file
 
-    if sole_writer:
-        remove_staging(target)
-    staging = staging_folder(target)  # swapped in whole, as hf_model/ is
-    try:
+    def write(staging: Path) -> None:
         tensors = {name: value.detach().to("cpu").contiguous() for name, value in items}
         save_file(tensors, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
         config = section.peft_config(base_path).to_dict()
@@ -269,9 +265,5 @@ def save_adapter(
             {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors}
         )
         (staging / "adapter_config.json").write_text(json.dumps(config, indent=2, default=str))
-        for name, text in (extra or {}).items():
-            (staging / name).write_text(text)
-        replace_directory(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)  # (after a swap: the old contents)
-        raise
+
+    write_swapped(target, write, extra=extra, sole_writer=sole_writer)  # as hf_model/ is

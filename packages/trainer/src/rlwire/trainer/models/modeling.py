@@ -6,7 +6,7 @@ import glob
 import os
 import secrets
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,12 +97,30 @@ def save_hf_model(
         )
     # written beside, then swapped in: a process killed while writing leaves the previous
     # export (or none), never a directory that loads half of the weights
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging)
+        AutoTokenizer.from_pretrained(source).save_pretrained(staging)
+
+    write_swapped(target, write, extra=extra, sole_writer=sole_writer)
+
+
+def write_swapped(
+    target: Path,
+    write: Callable[[Path], None],
+    *,
+    extra: Mapping[str, str] | None = None,
+    sole_writer: bool = False,
+) -> None:
+    """``write`` a folder's files into a staging folder of this caller's own
+    (:func:`staging_folder`), add ``extra`` (name: text), then swap it in for ``target``
+    whole (:func:`replace_directory`); on any failure the staging folder goes and ``target``
+    is as it was. ``sole_writer``: as :func:`save_hf_model`'s."""
     if sole_writer:
         remove_staging(target)
     staging = staging_folder(target)
     try:
-        model.save_pretrained(staging)
-        AutoTokenizer.from_pretrained(source).save_pretrained(staging)
+        write(staging)
         for name, text in (extra or {}).items():
             (staging / name).write_text(text)
         replace_directory(staging, target)
