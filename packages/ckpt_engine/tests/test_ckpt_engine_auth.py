@@ -20,7 +20,13 @@ from ckpt_engine_pipes import first_line  # this folder: pytest puts it on sys.p
 from engine_pair import joined_pair
 from torch import nn
 
-from rlwire.ckpt_engine import CheckpointEngineError, apply_to_module, registry
+from rlwire.ckpt_engine import (
+    CheckpointEngineAborted,
+    CheckpointEngineAuthError,
+    CheckpointEngineError,
+    apply_to_module,
+    registry,
+)
 from rlwire.ckpt_engine._segments import SHM_DIR, SHM_PREFIX
 from rlwire.ckpt_engine._store import SignedStore
 from rlwire.ckpt_engine._wire import BucketMeta
@@ -53,6 +59,54 @@ def test_signed_messages_are_bound_to_the_secret_and_the_key():
     with pytest.raises(CheckpointEngineError, match="message 'meta/2' fails authentication"):
         ours.get("meta/2")
     engine.finalize()
+
+
+def test_a_value_over_its_keys_bound_is_refused_before_it_is_hashed(monkeypatch):
+    """The libuv server refuses one write over 8 MiB, but ``append`` grows a value past it."""
+    METADATA_VALUE_BYTES, CONTROL_VALUE_BYTES = 8 << 20, 64 << 10  # bucket metadata; the rest
+    engine = registry.new("shm", is_master=True, bucket_size=4096)
+    store = engine.prepare()
+    raw = _stranger(store)
+    ours = SignedStore(raw, bytes.fromhex(store["secret"]), "shm")
+    try:
+        ours.set("ack/0/1", b"x" * (CONTROL_VALUE_BYTES - SignedStore.TAG))  # at the bound
+        assert ours.get("ack/0/1") == b"x" * (CONTROL_VALUE_BYTES - SignedStore.TAG)
+        raw.set("meta/0", b"")
+        for _ in range(9):
+            raw.append("meta/0", b"\0" * (1 << 20))
+        raw.set("ack/0/2", b"y" * (CONTROL_VALUE_BYTES + 1))
+
+        def hashed(key, signed):
+            raise AssertionError(f"{key}: hashed before its size was checked")
+
+        monkeypatch.setattr(ours, "verify", hashed)
+        for key, size, bound in [
+            ("meta/0", 9 << 20, METADATA_VALUE_BYTES),
+            ("ack/0/2", CONTROL_VALUE_BYTES + 1, CONTROL_VALUE_BYTES),
+        ]:
+            with pytest.raises(CheckpointEngineAuthError) as err:
+                ours.get(key)
+            assert str(err.value) == (
+                f"shm: message {key!r} holds {size} bytes, over the {bound} a member writes "
+                "there: it was not written by a member of this group; the update is aborted "
+                "and the previous version kept"
+            )
+    finally:
+        engine.finalize()
+
+
+def test_an_aborts_reason_is_cut_to_fit_every_keys_bound():
+    engine = registry.new("shm", is_master=True, bucket_size=4096)
+    store = engine.prepare()
+    raw = _stranger(store)
+    secret = bytes.fromhex(store["secret"])
+    try:
+        SignedStore(raw, secret, "shm").abort("r" * 100_000, also=["ack/0/1"])
+        with pytest.raises(CheckpointEngineAborted) as err:
+            SignedStore(raw, secret, "shm").get("ack/0/1")
+        assert str(err.value) == "shm: the update was aborted: " + "r" * 4096
+    finally:
+        engine.finalize()
 
 
 def test_a_receiver_refuses_bucket_metadata_a_stranger_wrote_and_keeps_its_weights():

@@ -41,6 +41,13 @@ def test_metadata_with_negative_odd_or_oversized_fields_is_refused():
         "bucket metadata: index, version and size: -1 is not an integer >= 0"
     )
     assert _refused(changed(3, "yes")) == "bucket metadata: malformed (its header)"
+    for crc in (0.5, "0x1f", -1, True):  # a CRC-32 is compared and printed as an int
+        assert _refused(changed(4, crc)) == (
+            f"bucket metadata: checksum and base version: {crc!r} is not an integer >= 0"
+        )
+    assert _refused(json.dumps([*head, 1.5]).encode()) == (
+        "bucket metadata: checksum and base version: 1.5 is not an integer >= 0"
+    )
     assert _refused(changed(0, None, row=3)) == "bucket metadata: 'w': None is not an integer >= 0"
     assert _refused(changed(0, -256, row=3)) == "bucket metadata: 'w': -256 is not an integer >= 0"
     assert _refused(changed(0, [4, -8], row=2)) == "bucket metadata: 'w': -8 is not an integer >= 0"

@@ -1,13 +1,16 @@
 """The fuzzer over the trainer's parsers of bytes another process (or another machine)
-wrote: a checkpoint's MANIFEST.json (mutated at random, it is either accepted, only when the
-files match it, or refused with one RunError; it never reads outside the checkpoint), and the
-agent endpoint's request bodies (below).
+wrote: a checkpoint's MANIFEST.json (of checkpoints with files drawn at random; left genuine,
+rewritten with the same meaning, mutated, or its files damaged: it is either accepted, only
+when the files match it, or refused with one RunError; it never reads outside the
+checkpoint), and the agent endpoint's request bodies (below). Each of the two asserts that at
+least :data:`MIN_ACCEPTED` of its inputs are accepted, so that the checks there run.
 
 Each test runs a fixed, derandomized budget here; ``RLWIRE_FUZZ_EXAMPLES=100000`` runs a long
 one by hand."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 
@@ -26,23 +29,65 @@ FUZZ = settings(
 )
 
 
+MIN_ACCEPTED = 0.2
+"""The share of each parser's inputs that must be accepted: below it, the checks on what is
+accepted hardly run."""
+_tally: collections.Counter[str] = collections.Counter()
+
+
+def _outcome(label: str) -> None:
+    """Count an input as ``...: accepted`` or ``...: refused`` (its label in the statistics)."""
+    event(label)
+    _tally[label] += 1
+
+
+def _share_accepted(fuzz, **fixtures) -> None:
+    """Run one fuzz test and require :data:`MIN_ACCEPTED` of its inputs to be accepted."""
+    _tally.clear()
+    fuzz(**fixtures)
+    accepted = sum(n for label, n in _tally.items() if label.endswith("accepted"))
+    refused = sum(n for label, n in _tally.items() if label.endswith("refused"))
+    total = accepted + refused
+    print(f"{fuzz.__name__}: {accepted} accepted, {refused} refused of {total}: {dict(_tally)}")
+    assert total and accepted >= MIN_ACCEPTED * total, dict(_tally)
+
+
+_FILES = st.dictionaries(  # a checkpoint's files: nested, empty ones among them
+    st.sampled_from(
+        ["trainer_state.json", "actor/__0_0.distcp", "actor/__1_0.distcp", "a/b/c.bin", "x y"]
+    ),
+    st.binary(max_size=300),
+    min_size=1,
+    max_size=4,
+)
+
+
 @FUZZ
-@given(st.data())
-def test_a_mutated_manifest_is_accepted_only_when_true_or_refused(tmp_path_factory, data):
+@given(data=st.data())
+def _fuzz_manifest(tmp_path_factory, data):
     directory = tmp_path_factory.mktemp("step_4")
-    (directory / "actor").mkdir()
-    (directory / "actor" / "__0_0.distcp").write_bytes(bytes(range(256)))
-    (directory / "trainer_state.json").write_text('{"step": 4}')
+    files = data.draw(_FILES)
+    for name, content in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(content)
     write_manifest(directory)
     genuine = (directory / "MANIFEST.json").read_bytes()
     entries = json.loads(genuine)
-    kind = data.draw(st.sampled_from(["bytes", "json"]))
-    if kind == "bytes":
+    kind = data.draw(st.sampled_from(["genuine", "reformatted", "bytes", "json", "file"]))
+    mutated, must = genuine, kind in ("genuine", "reformatted")  # must be accepted
+    if kind == "reformatted":  # the same mapping written another way
+        keys = data.draw(st.permutations(sorted(entries)))
+        mutated = json.dumps(
+            {k: dict(reversed(entries[k].items())) for k in keys},
+            indent=data.draw(st.sampled_from([None, 0, 4])),
+            ensure_ascii=data.draw(st.booleans()),
+        ).encode()
+    elif kind == "bytes":
         raw = bytearray(genuine)
         for _ in range(data.draw(st.integers(1, 6))):
             raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
         mutated = bytes(raw)
-    else:
+    elif kind == "json":
         value = data.draw(
             st.recursive(
                 st.none() | st.booleans() | st.integers() | st.text(max_size=20),
@@ -58,14 +103,25 @@ def test_a_mutated_manifest_is_accepted_only_when_true_or_refused(tmp_path_facto
         changed = dict(entries)
         changed[name] = value if field is None else {**entries.get(name, {}), field: value}
         mutated = json.dumps(changed).encode()
+    elif kind == "file":  # a file damaged after the manifest was written: refused
+        name = data.draw(st.sampled_from(sorted(files)))
+        content = data.draw(st.binary(max_size=300))
+        (directory / name).write_bytes(content)
+        must = content == files[name]  # the same bytes rewritten: still true
     (directory / "MANIFEST.json").write_bytes(mutated)
     try:
         check_manifest(directory, missing="require")
     except RunError:
-        event("manifest: refused")
+        assert must is not True, (kind, mutated)
+        _outcome(f"manifest, {kind}: refused")
         return
-    event("manifest: accepted")
+    assert must is not False, (kind, mutated)
+    _outcome(f"manifest, {kind}: accepted")
     assert json.loads(mutated) == entries  # accepted: it says what the files are
+
+
+def test_a_mutated_manifest_is_accepted_only_when_true_or_refused(tmp_path_factory):
+    _share_accepted(_fuzz_manifest, tmp_path_factory=tmp_path_factory)
 
 
 # --- the agent endpoint's request bodies ---------------------------------------------------
@@ -182,9 +238,19 @@ def _mutated_body(body: dict, draw) -> bytes:
     return bytes(raw)
 
 
+def _valid_body(body: dict, draw) -> bytes:
+    """``body`` with its numbers and token ids drawn anew, within what the endpoint takes."""
+    changed = json.loads(json.dumps(body))
+    asked = draw(st.integers(1, 2**31))
+    changed["max_completion_tokens" if "max_completion_tokens" in changed else "max_tokens"] = asked
+    if isinstance(changed.get("prompt"), list):
+        changed["prompt"] = draw(st.lists(st.integers(0, VOCABULARY - 1), min_size=1, max_size=8))
+    return json.dumps(changed, indent=draw(st.sampled_from([None, 1]))).encode()
+
+
 @FUZZ
 @given(st.data(), st.sampled_from(sorted(_BODIES)))
-def test_a_mutated_endpoint_body_is_read_as_it_says_or_refused(data, which):
+def _fuzz_endpoint_bodies(data, which):
     from rlwire.trainer.agent.bodies import (
         MAX_DEPTH,
         Refused,
@@ -195,7 +261,8 @@ def test_a_mutated_endpoint_body_is_read_as_it_says_or_refused(data, which):
     )
     from rlwire.trainer.agent.endpoint import _plain
 
-    raw = _mutated_body(_BODIES[which], data.draw)
+    genuine = data.draw(st.integers(0, 2)) == 0  # a third valid, the rest mutated
+    raw = (_valid_body if genuine else _mutated_body)(_BODIES[which], data.draw)
     try:
         body = parse_json(raw)
         call = chat_call(body) if which == "chat" else completion_call(body)
@@ -205,9 +272,10 @@ def test_a_mutated_endpoint_body_is_read_as_it_says_or_refused(data, which):
             assert all(not isinstance(t, bool) and 0 <= t < VOCABULARY for t in call.prompt)
     except Refused as refused:
         assert refused.status == 400 and refused.message  # a 400 naming what is wrong
-        event(f"{which}: refused")
+        assert not genuine, (raw, refused.message)
+        _outcome(f"{which}: refused")
         return
-    event(f"{which}: accepted")
+    _outcome(f"{which}, {'valid' if genuine else 'mutated'}: accepted")
     assert _depth(body) <= MAX_DEPTH
     asked = body.get("max_completion_tokens")
     asked = body.get("max_tokens") if asked is None else asked
@@ -224,6 +292,10 @@ def test_a_mutated_endpoint_body_is_read_as_it_says_or_refused(data, which):
     else:
         assert call.prompt is body["prompt"]
         assert isinstance(call.prompt, str) or all(type(t) is int for t in call.prompt)
+
+
+def test_a_mutated_endpoint_body_is_read_as_it_says_or_refused():
+    _share_accepted(_fuzz_endpoint_bodies)
 
 
 def _depth(value) -> int:

@@ -6,7 +6,9 @@ the group's secret: 32 random bytes the master draws in ``prepare()`` and hands 
 receivers inside its metadata (the caller's own channel: Ray, verl, vLLM's init info). A
 process that can reach the store's port but was not given the metadata can neither forge
 nor replay a message (the key is signed with the value); a message that fails the check is
-refused, naming its key, and the update is aborted before anything is applied.
+refused, naming its key, and the update is aborted before anything is applied. A value
+larger than its key's bound (:func:`value_bound`) is refused the same way before it is
+hashed or parsed.
 """
 
 from __future__ import annotations
@@ -42,12 +44,32 @@ __all__ = [
     "connect_store",
     "master_store",
     "peer_errors",
+    "value_bound",
 ]
 
 T = TypeVar("T")
 
 _ABORT = b"\0rlwire-abort\0"
 """What a value written by :meth:`SignedStore.abort` starts with (then the reason)."""
+
+_ABORT_REASON_BYTES = 4 << 10
+"""An abort's reason is written cut to this many bytes, so that it fits every key's bound."""
+
+METADATA_VALUE_BYTES = 8 << 20
+"""The most a signed value under ``meta/<seq>`` (bucket metadata, tag included) may hold:
+torch's libuv TCPStore server, which :func:`bound_store` starts, refuses one write over
+8 MiB, so a larger value can only have been grown by ``append``, which no member calls.
+Bucket metadata is small beside it (a row of about 100 bytes per tensor chunk)."""
+
+CONTROL_VALUE_BYTES = 64 << 10
+"""The most a signed value under any other key may hold: acknowledgements, joins and held
+versions (a few bytes), an arena's path and sizes, a slot's CUDA IPC handle (hundreds of
+bytes), an abort (its reason cut to 4 KiB)."""
+
+
+def value_bound(key: str) -> int:
+    """The most bytes the signed value of ``key`` may hold, tag included."""
+    return METADATA_VALUE_BYTES if key.startswith("meta/") else CONTROL_VALUE_BYTES
 
 
 def _listening_socket(host: str) -> socket.socket:
@@ -106,7 +128,9 @@ class SignedStore:
         return {"host": host, "port": self.port, "secret": self.secret.hex()}
 
     def tag(self, key: str, value: bytes) -> bytes:
-        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+        mac = hmac.new(self.secret, key.encode() + b"\0", hashlib.sha256)
+        mac.update(value)  # not concatenated: no second copy of the value
+        return mac.digest()
 
     def sign(self, key: str, value: bytes | str) -> bytes:
         """``value`` with its tag in front (for messages sent outside the store too)."""
@@ -134,8 +158,24 @@ class SignedStore:
 
     def get(self, key: str) -> bytes:
         """The verified value of ``key``; :class:`CheckpointEngineAborted` where it is an
-        abort (:meth:`abort`)."""
-        value = self.verify(key, self.raw.get(key))
+        abort (:meth:`abort`).
+
+        A value over :func:`value_bound` is refused (:class:`CheckpointEngineAuthError`)
+        before it is sliced, hashed or parsed. torch's client has copied it by then (its
+        buffer, then the Python ``bytes``): TCPStore answers no query of a value's size
+        (``check`` and ``wait`` say whether a key exists, ``queue_len`` counts a queue's
+        items), so reading a key is receiving all of it; the server's own cap (8 MiB a
+        write) does not bound a value grown by ``append``. What this code allocates after
+        is bounded."""
+        signed = self.raw.get(key)
+        bound = value_bound(key)
+        if len(signed) > bound:
+            raise CheckpointEngineAuthError(
+                f"{self.name}: message {key!r} holds {len(signed)} bytes, over the {bound} "
+                "a member writes there: it was not written by a member of this group; the "
+                "update is aborted and the previous version kept"
+            )
+        value = self.verify(key, signed)
         if value.startswith(_ABORT):
             reason = value[len(_ABORT) :].decode(errors="replace")
             raise CheckpointEngineAborted(f"{self.name}: the update was aborted: {reason}")
@@ -177,7 +217,7 @@ class SignedStore:
             with peer_errors(f"{self.name}: aborting the update", 30):
                 other = TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout)
                 for key in keys:
-                    signed = self.sign(key, _ABORT + reason.encode())
+                    signed = self.sign(key, _ABORT + reason.encode()[:_ABORT_REASON_BYTES])
                     other.set(key, signed)  # type: ignore[arg-type]  # stub: str only
 
     def check(self, keys: list[str]) -> bool:

@@ -169,6 +169,9 @@ class BucketMeta:
             _natural(value, "bucket metadata: index, version and size")
         if not isinstance(meta.last, bool) or len(base) > 1:
             raise CheckpointEngineError("bucket metadata: malformed (its header)")
+        for optional in (meta.checksum, meta.base):  # compared and printed as ints downstream
+            if optional is not None:
+                _natural(optional, "bucket metadata: checksum and base version")
         for e in meta.entries:  # a chunk in the bucket lies in its used bytes
             if e.arena is None and e.offset + e.chunk_nbytes > meta.nbytes:
                 raise CheckpointEngineError(

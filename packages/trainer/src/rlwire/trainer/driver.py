@@ -8,10 +8,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,8 @@ def _run(config: TrainerConfig, run_dir: Path, progress: bool, inputs: Inputs) -
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    for warning in [*run_warnings(config), *data.notes]:  # in train.log, and on the terminal
+    host = shared_host_warnings(os.getuid(), proc_statuses())  # not in run_warnings: the host's
+    for warning in [*run_warnings(config), *host, *data.notes]:  # in train.log and on stderr
         log.warning("%s", warning)
         print(f"rlwire-train: warning: {warning}", file=sys.stderr)
 
@@ -245,6 +247,62 @@ def cpu_flags() -> set[str]:
         return set()
     line = next((x for x in text.splitlines() if x.startswith("flags")), "")
     return set(line.partition(":")[2].split())
+
+
+LOGIN_UIDS = range(1000, 60000)
+"""The UIDs of people's accounts (``login.defs``' UID_MIN to UID_MAX, Debian's and Fedora's
+defaults): not root, system daemons (below 1000), systemd's dynamic users (61184 on) or
+nobody (65534)."""
+
+SHARED_HOST_DOC = "docs/packages/ckpt-engine-failures.md#threat-model-a-shared-host"
+
+
+def proc_statuses() -> Iterator[str]:
+    """The text of each process's ``/proc/<pid>/status`` (nothing where /proc is missing or
+    unreadable, a process that ended meanwhile skipped)."""
+    try:
+        paths = list(Path("/proc").glob("[0-9]*/status"))
+    except OSError:
+        return
+    for path in paths:
+        try:
+            yield path.read_text(errors="replace")  # a process's name may be any bytes
+        except OSError:
+            continue
+
+
+def shared_host_warnings(uid: int, statuses: Iterable[str]) -> list[str]:
+    """One line when processes of other people's accounts (:data:`LOGIN_UIDS`, by the real
+    UID of each ``statuses`` text's ``Uid:`` line) run on this host beside ``uid``'s: they
+    can reach the torch rendezvous store and the gloo or NCCL connections the run keeps on
+    loopback, which carry no authentication. Never raises: a malformed entry is skipped."""
+    others: set[int] = set()
+    try:
+        for text in statuses:
+            real = _real_uid(text)
+            if real is not None and real != uid and real in LOGIN_UIDS:
+                others.add(real)
+    except Exception:  # a start-up hint: the reader's failure keeps what it read, never raises
+        pass
+    if not others:
+        return []
+    shown = ", ".join(str(u) for u in sorted(others)[:5]) + (", ..." if len(others) > 5 else "")
+    return [
+        f"other users' processes run on this host (uid {shown}): a local user can reach the "
+        "run's torch rendezvous store and process-group connections, which are not "
+        "authenticated; "
+        f"run on a host or network namespace of its own ({SHARED_HOST_DOC})"
+    ]
+
+
+def _real_uid(status: str) -> int | None:
+    """The real UID of a ``/proc/<pid>/status`` text's ``Uid:`` line (None: no such line
+    that reads as one)."""
+    line = next((x for x in status.splitlines() if x.startswith("Uid:")), "")
+    try:
+        return int(line.split()[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def cpu_bf16_warnings(config: TrainerConfig, flags: set[str]) -> list[str]:
