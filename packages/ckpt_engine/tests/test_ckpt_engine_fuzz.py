@@ -191,25 +191,26 @@ class _Recorder(BucketedEngine):
         return {}
 
     def _join(self, rank: int, world_size: int, master_metadata: dict[str, Any]) -> None:
-        pass
+        pass  # no transport: no group to join
 
     async def _exchange_held(self, held: int | None) -> list[int | None]:
         return [self.held]
 
     async def _acquire(self, slot: int, seq: int) -> None:
-        pass
+        pass  # no receiver holds a slot: each is free at once
 
     async def _emit(self, slot: int, meta: BucketMeta) -> None:
         self.sent.append((meta.to_bytes(), to_bytes(self.slots[slot][: meta.nbytes])))
 
     async def _drain(self, last_seq: int) -> None:
-        pass
+        pass  # every bucket was recorded as it was emitted: nothing in flight
 
     async def _next(self, seq: int) -> tuple[BucketMeta, torch.Tensor]:
-        raise NotImplementedError  # the fuzz test receives the recorded buckets itself
+        # a master only: the fuzz test parses the recorded buckets itself, no receive runs
+        raise NotImplementedError("the recorder sends only")
 
     async def _release(self, meta: BucketMeta) -> None:
-        pass
+        pass  # no receiver side to release
 
 
 @st.composite
